@@ -1,0 +1,30 @@
+# Two commands do all their own set-up on a fresh machine:
+#   make study   runs the adaptive-vs-fixed KL study on the embedded default world
+#   make test    runs ruff and the whole test suite
+# The virtual environment lives in .venv; it is rebuilt only when pyproject.toml or
+# constraints.txt change. torch is installed first and pinned: an unpinned torch pulls
+# several GB of CUDA packages.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup study test lint
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+study: $(STAMP)
+	$(BIN)/python -m rlkl_lightning.compare --config configs/compare.yaml
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -n 2 -q

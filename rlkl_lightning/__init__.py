@@ -1,0 +1,30 @@
+"""rlkl_lightning: PPO fine-tuning of causal language models with KL control.
+
+The KL-control core (estimators, controllers, callbacks) imports only torch and
+Lightning; ``PPOModule`` and the default world load transformers lazily.
+"""
+
+from importlib import import_module
+from typing import Any
+
+_LAZY = {
+    "AdaptiveKLController": "rlkl_lightning.controllers",
+    "ExponentialKLController": "rlkl_lightning.controllers",
+    "FixedKLController": "rlkl_lightning.controllers",
+    "KLController": "rlkl_lightning.controllers",
+    "PIKLController": "rlkl_lightning.controllers",
+    "make_kl_controller": "rlkl_lightning.controllers",
+    "KLControllerCallback": "rlkl_lightning.kl_callback",
+    "KLDriftMonitor": "rlkl_lightning.drift_monitor",
+    "PPOModule": "rlkl_lightning.module",
+}
+
+__all__ = sorted(_LAZY)
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import public names on first use, so ``import rlkl_lightning`` stays light."""
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rlkl_lightning' has no attribute {name!r}")
