@@ -1,0 +1,135 @@
+"""Per-token rewards with a KL penalty, and generalized advantage estimation.
+
+A batch holds ``B`` responses right-padded to ``T`` tokens. ``mask[b, t]`` is true for
+the response tokens of row ``b``: a contiguous prefix of ones (the response, up to and
+including EOS), then padding. Each response is one episode whose actions are its
+tokens; the episode ends after the last valid token.
+
+Both functions are pure tensor math: padded positions never influence a result and are
+0 in every output, whatever the inputs hold there (even ``nan``).
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["gae", "shape_rewards"]
+
+
+def _zero_padding(x: Tensor, valid: Tensor) -> Tensor:
+    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _check_2d(name: str, x: Tensor, mask: Tensor) -> None:
+    if x.dim() != 2 or x.shape != mask.shape:
+        raise ValueError(
+            f"{name} must be [B, T] with the shape of mask, got {name} {tuple(x.shape)} "
+            f"and mask {tuple(mask.shape)}"
+        )
+
+
+def _check_unit_interval(name: str, value: float) -> None:
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
+def shape_rewards(scores: Tensor, kl: Tensor, kl_coef: float, mask: Tensor) -> Tensor:
+    """Per-token rewards: a KL penalty on every token, the score on the last one.
+
+    Ziegler et al. 2019 (arXiv 1909.08593, Sec. 2) optimize
+    ``R(x, y) = r(x, y) - beta * KL``; spread over the tokens of a response this is::
+
+        rewards[b, t] = -kl_coef * kl[b, t]                 valid t before the last
+        rewards[b, t] = -kl_coef * kl[b, t] + scores[b]     t = last valid token of row b
+        rewards[b, t] = 0                                   padding
+
+    Args:
+        scores: ``[B]`` reward model score of each response. Moved to ``kl``'s device.
+        kl: ``[B, T]`` per-token KL estimate to the reference policy (nats).
+        kl_coef: The KL coefficient beta, finite and ``>= 0``.
+        mask: ``[B, T]``, nonzero on response tokens.
+
+    Returns:
+        ``[B, T]`` rewards, in the floating dtype of ``kl`` and ``scores`` combined
+        (float32 at least).
+
+    Raises:
+        ValueError: On shape mismatches, a negative or non-finite ``kl_coef``, or a row
+            without any valid token (its score would have no token to go to).
+    """
+    kl_coef = float(kl_coef)
+    if not (math.isfinite(kl_coef) and kl_coef >= 0):
+        raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
+    _check_2d("kl", kl, mask)
+    if scores.shape != (kl.shape[0],):
+        raise ValueError(f"scores must be [B] = [{kl.shape[0]}], got {tuple(scores.shape)}")
+    valid = mask.to(device=kl.device, dtype=torch.bool)
+    dtype = torch.promote_types(torch.promote_types(kl.dtype, scores.dtype), torch.float32)
+    empty = ~valid.any(dim=1)
+    if bool(empty.any()):
+        rows = empty.nonzero().flatten().tolist()
+        raise ValueError(f"shape_rewards: rows {rows} have no valid token to put the score on")
+
+    rewards = _zero_padding(-kl_coef * kl.to(dtype), valid)
+    # Index of the last valid token of each row (robust to any mask, not only prefixes).
+    positions = torch.arange(kl.shape[1], device=kl.device).expand_as(valid)
+    last = torch.where(valid, positions, -1).amax(dim=1)
+    rows = torch.arange(kl.shape[0], device=kl.device)
+    rewards[rows, last] += scores.to(device=kl.device, dtype=dtype)
+    return rewards
+
+
+@torch.no_grad()
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2015, arXiv 1506.02438, eqn. 16).
+
+    With ``v_{t+1}`` the value of the next token, taken as 0 after the last valid token
+    (the episode ends there, so the final step bootstraps from nothing)::
+
+        delta_t = r_t + gamma * v_{t+1} - V(s_t)
+        A_t     = delta_t + gamma * lam * A_{t+1}         (A = 0 past the end)
+        R_t     = A_t + V(s_t)                            (the value targets, "returns")
+
+    ``lam = 0`` gives one-step TD errors; ``gamma = lam = 1`` gives the undiscounted
+    reward-to-go minus the value. Vectorized over the batch, a loop over ``T``.
+    Outputs are targets and carry no gradient.
+
+    Args:
+        rewards: ``[B, T]`` per-token rewards (see :func:`shape_rewards`).
+        values: ``[B, T]`` value estimates ``V(s_t)`` of the old policy.
+        mask: ``[B, T]``, a contiguous prefix of ones per row (right padding).
+        gamma: Discount factor in ``[0, 1]``.
+        lam: GAE lambda in ``[0, 1]``.
+
+    Returns:
+        ``(advantages, returns)``, each ``[B, T]``, 0 on padding.
+
+    Raises:
+        ValueError: On shape mismatches, ``gamma`` or ``lam`` outside ``[0, 1]``, or a
+            mask row that is not a prefix of ones (a gap would silently end the episode).
+    """
+    _check_unit_interval("gamma", gamma)
+    _check_unit_interval("lam", lam)
+    _check_2d("rewards", rewards, mask)
+    _check_2d("values", values, mask)
+    valid = mask.to(device=rewards.device, dtype=torch.bool)
+    if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        raise ValueError("gae: each mask row must be a prefix of ones followed by padding")
+
+    dtype = torch.promote_types(torch.promote_types(rewards.dtype, values.dtype), torch.float32)
+    r = _zero_padding(rewards.to(dtype), valid)
+    v = _zero_padding(values.to(device=rewards.device, dtype=dtype), valid)
+    advantages = torch.zeros_like(r)
+    next_value = torch.zeros_like(r[:, 0])
+    next_advantage = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        # Padding has v = 0 and A = 0, so past the last valid token nothing is carried.
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        next_advantage = _zero_padding(delta + gamma * lam * next_advantage, valid[:, t])
+        advantages[:, t] = next_advantage
+        next_value = v[:, t]
+    returns = _zero_padding(advantages + v, valid)
+    return advantages, returns
