@@ -25,7 +25,7 @@ Two other formulas are **not** unbiased for samples from ``pi``:
 
 Units: :func:`per_token_kl` and :func:`exact_kl` give nats per token position.
 :func:`sequence_kl` sums the valid tokens of each response (nats per sequence, the unit of
-Ziegler et al. 2019 and of the controller's default target); :func:`token_mean_kl` divides the
+Ziegler et al. 2019, whose target of 6 nats means this); :func:`token_mean_kl` divides the
 sum over all valid tokens by their number (nats per token). Both reductions are local to the
 process; reducing across ranks is the caller's job.
 """
