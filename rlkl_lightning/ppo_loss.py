@@ -1,0 +1,170 @@
+"""PPO losses on padded token batches: clipped surrogate, clipped value loss, entropy.
+
+Tensors are ``[B, T]`` over response tokens with ``mask[b, t]`` nonzero on valid tokens.
+Losses are means over all valid tokens of the (mini)batch. Padded positions never
+affect a loss, a statistic or a gradient, whatever they hold (even ``nan``/``inf``).
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from rlkl_lightning.masked import masked_mean
+
+__all__ = ["PolicyStats", "entropy_from_logits", "policy_loss", "value_loss"]
+
+
+class PolicyStats(NamedTuple):
+    """Diagnostics of one :func:`policy_loss` call, detached scalar tensors.
+
+    Attributes:
+        clipfrac: Scalar, fraction of valid tokens whose clipped term is the active one
+            (their gradient is zero). Logged as ``policy/clipfrac``.
+        approx_kl: Scalar, ``KL(pi_old || pi_theta)`` per token, estimated with k3 on
+            tokens sampled from ``pi_old``. Logged as ``policy/approx_kl``: it is the
+            old-vs-new drift inside the PPO epochs, **not** the KL to the reference
+            policy (that is ``objective/kl``).
+    """
+
+    clipfrac: Tensor
+    approx_kl: Tensor
+
+
+def _valid(x: Tensor, mask: Tensor, *others: tuple[str, Tensor]) -> Tensor:
+    for name, other in others:
+        if other.shape != x.shape:
+            raise ValueError(
+                f"{name} must have the shape {tuple(x.shape)} of the first argument, "
+                f"got {tuple(other.shape)}"
+            )
+    if mask.shape != x.shape:
+        raise ValueError(f"mask must have the shape {tuple(x.shape)}, got {tuple(mask.shape)}")
+    return mask.to(device=x.device, dtype=torch.bool)
+
+
+def _zero_padding(x: Tensor, valid: Tensor) -> Tensor:
+    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _check_cliprange(name: str, value: float) -> None:
+    if not (value > 0 and not math.isnan(value)):
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cliprange: float,
+) -> tuple[Tensor, PolicyStats]:
+    """PPO clipped surrogate loss (Schulman et al. 2017, arXiv 1707.06347, eqn. 7).
+
+    With ``ratio_t = exp(logprobs_t - old_logprobs_t)`` and ``eps = cliprange``, eqn. 7
+    maximizes ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)``; as a loss::
+
+        loss = masked_mean(max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)))
+
+    Args:
+        logprobs: ``[B, T]`` log-probabilities of the sampled tokens under the current
+            policy (carries the gradient).
+        old_logprobs: ``[B, T]`` the same under the policy that sampled them (detached).
+        advantages: ``[B, T]`` advantage estimates (detached; usually whitened).
+        mask: ``[B, T]``, nonzero on valid response tokens.
+        cliprange: Clip range ``eps > 0`` (0.2 in the paper).
+
+    Returns:
+        ``(loss, stats)``: the scalar loss and :class:`PolicyStats`.
+
+    Raises:
+        ValueError: On shape mismatches, ``cliprange <= 0``, or no valid token.
+    """
+    _check_cliprange("cliprange", cliprange)
+    valid = _valid(logprobs, mask, ("old_logprobs", old_logprobs), ("advantages", advantages))
+    # Zero padding before exp(): garbage there can neither overflow nor send nan grads.
+    log_ratio = _zero_padding(logprobs - old_logprobs.detach(), valid)
+    adv = _zero_padding(advantages.detach(), valid)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.maximum(unclipped, clipped), valid)
+
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).to(ratio.dtype), valid)
+        # k3 with samples from pi_old: r - 1 - log r, r = pi_theta / pi_old; never negative.
+        approx_kl = masked_mean(ratio - 1.0 - log_ratio, valid)
+    return loss, PolicyStats(clipfrac=clipfrac, approx_kl=approx_kl)
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    cliprange_value: float,
+) -> tuple[Tensor, Tensor]:
+    """Clipped value loss (PPO value clipping).
+
+    The value-function analogue of the clipped surrogate, part of the PPO2 reference
+    setup that Ziegler et al. 2019 (arXiv 1909.08593) fine-tune language models with;
+    Engstrom et al. 2020 (arXiv 2005.12729) write it out as "value function clipping".
+    The new value may move at most ``c = cliprange_value`` away from the value at
+    rollout time before its error stops being reduced::
+
+        v_clip = old_values + clip(values - old_values, -c, c)
+        loss   = 0.5 * masked_mean(max((values - R)^2, (v_clip - R)^2))
+
+    Args:
+        values: ``[B, T]`` current value predictions (carries the gradient).
+        old_values: ``[B, T]`` value predictions at rollout time (detached).
+        returns: ``[B, T]`` value targets ``R`` from :func:`~rlkl_lightning.advantages.gae`.
+        mask: ``[B, T]``, nonzero on valid response tokens.
+        cliprange_value: ``c > 0``; ``float("inf")`` disables clipping.
+
+    Returns:
+        ``(loss, clipfrac)``: scalar loss and the detached scalar fraction of valid
+        tokens where the clipped error is the larger one (zero gradient there).
+
+    Raises:
+        ValueError: On shape mismatches, ``cliprange_value <= 0``, or no valid token.
+    """
+    _check_cliprange("cliprange_value", cliprange_value)
+    valid = _valid(values, mask, ("old_values", old_values), ("returns", returns))
+    v = _zero_padding(values, valid)
+    v_old = _zero_padding(old_values.detach(), valid)
+    target = _zero_padding(returns.detach(), valid)
+    delta = v - v_old
+    # Inside the range use v itself, not v_old + delta, which can differ by a rounding.
+    v_clipped = torch.where(
+        delta.abs() > cliprange_value,
+        v_old + torch.clamp(delta, -cliprange_value, cliprange_value),
+        v,
+    )
+    unclipped = (v - target) ** 2
+    clipped = (v_clipped - target) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), valid)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).to(v.dtype), valid)
+    return loss, clipfrac
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the categorical distributions given by ``logits``, in nats.
+
+    ``H = logsumexp(z) - sum_a softmax(z)_a * z_a``, which never forms ``log(p)`` and so
+    stays finite for peaked distributions. Entries of ``-inf`` (masked-out actions) have
+    probability 0 and contribute nothing. Half-precision logits are computed in float32.
+
+    Args:
+        logits: ``[B, T, V]`` (or any ``[..., V]``) unnormalized log-probabilities.
+
+    Returns:
+        ``[B, T]`` (``logits.shape[:-1]``) entropies, float32 at least.
+    """
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    probs = torch.softmax(z, dim=-1)
+    # -inf logits have probability 0; replace them so 0 * -inf cannot make a nan.
+    finite_z = torch.where(torch.isneginf(z), torch.zeros((), dtype=z.dtype, device=z.device), z)
+    return torch.logsumexp(z, dim=-1) - (probs * finite_z).sum(dim=-1)
