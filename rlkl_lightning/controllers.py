@@ -160,7 +160,7 @@ class _BaseKLController:
             raise ValueError(f"{owner}.update: `current_kl` must be a number, got {current_kl!r}")
         try:
             kl = float(current_kl)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):
             raise ValueError(
                 f"{owner}.update: `current_kl` must be a number, got {current_kl!r}"
             ) from None

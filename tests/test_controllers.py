@@ -1,0 +1,531 @@
+"""Tests of rlkl_lightning.controllers: each law against its formula written out here."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlkl_lightning.controllers import (
+    KL_LAWS,
+    AdaptiveKLController,
+    ExponentialKLController,
+    FixedKLController,
+    KLController,
+    PIKLController,
+    make_kl_controller,
+)
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _clip(x: float, lo: float, hi: float) -> float:
+    return min(max(x, lo), hi)
+
+
+def _make(law: str, **overrides):
+    """One controller of each law with ordinary parameters."""
+    params = {
+        "fixed": dict(kl_coef=0.1),
+        "adaptive": dict(init_kl_coef=0.1, target=6.0, horizon=1000),
+        "exponential": dict(init_kl_coef=0.1, target=6.0, k=0.05),
+        "pi": dict(init_kl_coef=0.1, target=6.0, kp=0.3, ki=0.05, min_kl_coef=1e-3),
+    }[law]
+    params.update(overrides)
+    cls = {
+        "fixed": FixedKLController,
+        "adaptive": AdaptiveKLController,
+        "exponential": ExponentialKLController,
+        "pi": PIKLController,
+    }[law]
+    return cls(**params)
+
+
+KL_SEQUENCE = [6.0, 9.0, 12.0, 3.0, 0.0, 7.1, 5.5, 40.0, -2.0, 6.3, 6.0, 4.0]
+
+
+# --------------------------------------------------------------------------------------------
+# laws, step by step
+
+
+def test_fixed_never_changes():
+    ctl = FixedKLController(0.2)
+    for kl in KL_SEQUENCE:
+        assert ctl.update(kl, 64) == 0.2
+    assert ctl.value == 0.2
+
+
+def test_adaptive_hand_computed_step():
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=10_000)
+    # e = clip(12 / 6 - 1, -0.2, 0.2) = 0.2; beta = 0.1 * (1 + 0.2 * 64 / 10000)
+    assert ctl.update(12.0, 64) == pytest.approx(0.100128, rel=1e-15)
+    assert ctl.value == ctl.update(6.0, 64)  # KL at target: beta unchanged
+
+
+def test_adaptive_matches_ziegler_formula_step_by_step():
+    def ziegler(beta, kl, target, n, horizon):
+        error = kl / target - 1.0
+        error = max(-0.2, min(0.2, error))
+        return beta * (1.0 + error * n / horizon)
+
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=1000)
+    beta = 0.1
+    for i, kl in enumerate(KL_SEQUENCE):
+        n = 16 + 8 * i
+        beta = ziegler(beta, kl, 6.0, n, 1000)
+        assert ctl.update(kl, n) == pytest.approx(beta, rel=1e-14)
+
+
+@pytest.mark.parametrize(
+    ("kl", "factor"),
+    [
+        (6.0 * 1.25, 1 + 0.2 * 100 / 1000),  # above the +0.2 clip edge
+        (1e6, 1 + 0.2 * 100 / 1000),
+        (6.0 * 0.75, 1 - 0.2 * 100 / 1000),  # below the -0.2 clip edge
+        (0.0, 1 - 0.2 * 100 / 1000),
+        (-50.0, 1 - 0.2 * 100 / 1000),
+        (6.6, 1 + 0.1 * 100 / 1000),  # inside the clip: e = 0.1
+        (6.0, 1.0),
+    ],
+)
+def test_adaptive_clip_edges(kl, factor):
+    ctl = AdaptiveKLController(0.5, target=6.0, horizon=1000)
+    assert ctl.update(kl, 100) == pytest.approx(0.5 * factor, rel=1e-14)
+
+
+def test_adaptive_zero_samples_and_horizon_scaling():
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=1000)
+    assert ctl.update(100.0, 0) == 0.1
+    a = AdaptiveKLController(0.1, target=6.0, horizon=1000)
+    b = AdaptiveKLController(0.1, target=6.0, horizon=2000)
+    for kl in KL_SEQUENCE:
+        assert a.update(kl, 50) == b.update(kl, 100)  # same samples/horizon ratio
+    assert a.value != 0.1
+
+
+def test_adaptive_rejects_batches_that_make_the_factor_nonpositive():
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=100)
+    assert ctl.update(0.0, 499) == pytest.approx(0.1 * (1 - 0.2 * 499 / 100), rel=1e-13)
+    before = ctl.value
+    with pytest.raises(ValueError, match=r"`n_steps` \(500 samples\) must be < 5 \* `horizon`"):
+        ctl.update(0.0, 500)
+    assert ctl.value == before
+
+
+def test_adaptive_bounds_clamp():
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=100, min_kl_coef=0.05, max_kl_coef=0.11)
+    assert ctl.update(100.0, 100) == 0.11  # 0.1 * 1.2 = 0.12 -> 0.11
+    for _ in range(20):
+        ctl.update(0.0, 100)
+    assert ctl.value == 0.05
+
+
+def test_exponential_matches_formula_and_ignores_batch_size():
+    lo, hi = 1e-3, 0.5
+    ctl = ExponentialKLController(0.1, target=6.0, k=0.2, min_kl_coef=lo, max_kl_coef=hi)
+    other = ExponentialKLController(0.1, target=6.0, k=0.2, min_kl_coef=lo, max_kl_coef=hi)
+    beta = 0.1
+    saw_upper = saw_lower = False
+    for i, kl in enumerate(KL_SEQUENCE + [30.0, 30.0, -40.0, -40.0, 6.0]):
+        beta = _clip(beta * math.exp(0.2 * (kl - 6.0)), lo, hi)
+        saw_upper |= beta == hi
+        saw_lower |= beta == lo
+        assert ctl.update(kl, 1) == pytest.approx(beta, rel=1e-13)
+        assert other.update(kl, 1000 + i) == ctl.value
+    assert saw_upper and saw_lower
+    value = ctl.value
+    assert ctl.update(6.0, 10) == value  # KL at target
+    assert ctl.update(100.0, 0) == value  # no samples
+
+
+def test_exponential_default_bounds_and_saturation_without_overflow():
+    ctl = ExponentialKLController(0.1, target=6.0, k=10.0)
+    assert (ctl.min_kl_coef, ctl.max_kl_coef) == (1e-4, 10.0)
+    assert ctl.update(1e308, 1) == 10.0
+    assert ctl.update(-1e308, 1) == 1e-4
+    free = ExponentialKLController(0.1, target=6.0, k=10.0, min_kl_coef=None, max_kl_coef=None)
+    assert free.update(1e308, 1) == sys.float_info.max
+    assert free.update(-1e308, 1) == sys.float_info.min
+
+
+def _pi_reference(init, target, kp, ki, clip, lo, hi, kls):
+    """The PI law of the PIKLController docstring, written out independently."""
+    z = math.log(init)
+    betas = []
+    for kl in kls:
+        e = _clip((kl - target) / target, -clip, clip)
+        z = _clip(z + ki * e, math.log(lo), math.log(hi))
+        betas.append(_clip(math.exp(_clip(z + kp * e, math.log(lo), math.log(hi))), lo, hi))
+    return betas
+
+
+def test_pi_matches_formula_step_by_step():
+    kls = KL_SEQUENCE + [60.0] * 60 + [1.0] * 5 + [-100.0] * 100 + [6.0, 6.0]
+    expected = _pi_reference(0.1, 6.0, 0.3, 0.05, 1.0, 0.01, 1.0, kls)
+    ctl = PIKLController(0.1, 6.0, kp=0.3, ki=0.05, min_kl_coef=0.01, max_kl_coef=1.0)
+    got = [ctl.update(kl, 32) for kl in kls]
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert 1.0 in got and 0.01 in got  # both bounds were reached
+    # Error clip: a KL of 12 and one of 1200 both have error 1 with error_clip=1.
+    a = PIKLController(0.1, 6.0, kp=0.3, ki=0.05)
+    b = PIKLController(0.1, 6.0, kp=0.3, ki=0.05)
+    assert a.update(12.0, 1) == b.update(1200.0, 1) == pytest.approx(0.1 * math.exp(0.35))
+
+
+def test_pi_zero_error_and_zero_samples_keep_beta():
+    ctl = PIKLController(0.1, 6.0, kp=0.3, ki=0.05)
+    assert ctl.update(6.0, 10) == pytest.approx(0.1, rel=1e-15)  # exp(log(0.1)) may round
+    ctl.update(9.0, 10)
+    state = ctl.state_dict()
+    assert ctl.update(100.0, 0) == state["value"]
+    assert ctl.state_dict() == state
+
+
+def test_pi_anti_windup_leaves_the_bound_at_the_first_sign_change():
+    """After 500 saturating updates, one update below target moves beta off the upper bound
+    by exactly the amount the law prescribes; an integrator without clamping would stay
+    pinned for about 950 more updates."""
+    kp, ki, lo, hi = 0.5, 0.1, 0.01, 1.0
+    ctl = PIKLController(0.1, 6.0, kp=kp, ki=ki, min_kl_coef=lo, max_kl_coef=hi)
+    for _ in range(500):
+        assert ctl.update(60.0, 64) <= hi  # error clipped to +1
+    assert ctl.value == hi
+    assert ctl.integral == 0.0  # clamped at log(hi), not log(0.1) + 500 * 0.1
+    # KL = 3: error -0.5; z = 0 - 0.05, log beta = z - 0.25.
+    assert ctl.update(3.0, 64) == pytest.approx(math.exp(-0.3), rel=1e-14)
+
+    naive_z = math.log(0.1) + 500 * ki
+    flips_needed = 0
+    while naive_z + kp * -0.5 >= math.log(hi):
+        naive_z -= ki * 0.5
+        flips_needed += 1
+    assert flips_needed > 900
+
+    # The same at the lower bound.
+    ctl = PIKLController(0.1, 6.0, kp=kp, ki=ki, min_kl_coef=lo, max_kl_coef=hi)
+    for _ in range(500):
+        ctl.update(-1e9, 64)
+    assert ctl.value == lo
+    assert ctl.update(9.0, 64) > lo
+
+
+# --------------------------------------------------------------------------------------------
+# common behaviour
+
+
+@pytest.mark.parametrize("law", ["fixed", "adaptive", "exponential", "pi"])
+def test_protocol_and_repr(law):
+    ctl = _make(law)
+    assert isinstance(ctl, KLController)
+    text = repr(ctl)
+    assert text.startswith(type(ctl).__name__ + "(value=0.1")
+    if law != "fixed":
+        assert "target=6.0" in text
+
+
+@pytest.mark.parametrize("law", ["fixed", "adaptive", "exponential", "pi"])
+def test_non_finite_kl_keeps_state_and_warns_once(law):
+    ctl = _make(law)
+    ctl.update(9.0, 64)
+    state = ctl.state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for bad in (NAN, INF, -INF, NAN, torch.tensor(NAN)):
+            assert ctl.update(bad, 64) == state["value"]
+    assert ctl.state_dict() == state
+    runtime = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(runtime) == 1
+    assert "non-finite KL" in str(runtime[0].message)
+    assert runtime[0].filename == __file__  # points at the caller
+    # A finite KL afterwards updates normally; another instance warns on its own.
+    if law != "fixed":
+        assert ctl.update(12.0, 64) != state["value"]
+    with pytest.warns(RuntimeWarning, match="non-finite KL"):
+        _make(law).update(NAN, 1)
+
+
+@pytest.mark.parametrize("law", ["fixed", "adaptive", "exponential", "pi"])
+@pytest.mark.parametrize("n_steps", [-1, 1.5, True, "3", None, 2.0])
+def test_update_rejects_bad_n_steps(law, n_steps):
+    ctl = _make(law)
+    with pytest.raises(ValueError, match=r"`n_steps` must be an int >= 0 \(samples\)"):
+        ctl.update(6.0, n_steps)
+
+
+@pytest.mark.parametrize("kl", ["7", None, [7.0], torch.ones(2), True])
+def test_update_rejects_non_numbers(kl):
+    with pytest.raises(ValueError, match="`current_kl` must be a number"):
+        _make("adaptive").update(kl, 10)
+
+
+def test_update_accepts_tensors_and_numpy():
+    a, b = _make("adaptive"), _make("adaptive")
+    assert a.update(torch.tensor(9.0), torch.tensor(64)) == b.update(9.0, 64)
+    assert a.update(np.float32(3.0), np.int64(8)) == b.update(3.0, 8)
+
+
+# --------------------------------------------------------------------------------------------
+# validation at construction
+
+
+BAD_POSITIVE = [0, -1.0, NAN, INF, -INF, "6", True, None]
+POSITIVE_OPTIONS = [
+    ("fixed", "kl_coef"),
+    ("adaptive", "init_kl_coef"),
+    ("adaptive", "target"),
+    ("adaptive", "horizon"),
+    ("exponential", "init_kl_coef"),
+    ("exponential", "target"),
+    ("exponential", "k"),
+    ("pi", "init_kl_coef"),
+    ("pi", "target"),
+    ("pi", "error_clip"),
+    ("pi", "min_kl_coef"),
+    ("adaptive", "max_kl_coef"),
+]
+
+
+@pytest.mark.parametrize(
+    ("law", "option", "bad"),
+    [
+        (law, option, bad)
+        for law, option in POSITIVE_OPTIONS
+        for bad in BAD_POSITIVE
+        if not (bad is None and option in ("min_kl_coef", "max_kl_coef"))  # None: no bound
+    ],
+)
+def test_positive_options_are_validated(law, option, bad):
+    with pytest.raises(ValueError, match=rf": `{option}` must be a finite number > 0"):
+        _make(law, **{option: bad})
+
+
+def test_error_message_format():
+    with pytest.raises(ValueError) as info:
+        AdaptiveKLController(0.1, target=6.0, horizon=-5)
+    assert str(info.value) == (
+        "AdaptiveKLController: `horizon` must be a finite number > 0 (samples), got -5"
+    )
+
+
+@pytest.mark.parametrize("option", ["kp", "ki"])
+@pytest.mark.parametrize("bad", [-0.1, NAN, INF, "1"])
+def test_pi_gains_are_validated(option, bad):
+    with pytest.raises(
+        ValueError, match=rf"PIKLController: `{option}` must be a finite number >= 0"
+    ):
+        _make("pi", **{option: bad})
+
+
+def test_pi_needs_a_gain():
+    with pytest.raises(ValueError, match="at least one of `kp`, `ki`"):
+        _make("pi", kp=0.0, ki=0.0)
+    assert _make("pi", kp=0.0).update(12.0, 1) > 0.1  # pure integral is fine
+
+
+@pytest.mark.parametrize("law", ["fixed", "adaptive", "exponential", "pi"])
+def test_bounds_are_validated(law):
+    with pytest.raises(ValueError, match="`min_kl_coef` must be <= `max_kl_coef`"):
+        _make(law, min_kl_coef=0.2, max_kl_coef=0.05)
+    init = "kl_coef" if law == "fixed" else "init_kl_coef"
+    with pytest.raises(ValueError, match=rf"`{init}` must lie in \[`min_kl_coef`, `max_kl_coef`\]"):
+        _make(law, min_kl_coef=0.2, max_kl_coef=1.0)
+    with pytest.raises(ValueError, match=rf"`{init}` must lie in"):
+        _make(law, min_kl_coef=0.01, max_kl_coef=0.05)
+    pinned = _make(law, min_kl_coef=0.1, max_kl_coef=0.1)
+    assert pinned.update(100.0, 64) == 0.1
+
+
+# --------------------------------------------------------------------------------------------
+# factory
+
+
+def test_factory_builds_each_law():
+    fixed = make_kl_controller(0.2)
+    assert type(fixed) is FixedKLController and fixed.value == 0.2
+    assert type(make_kl_controller(0.2, law="fixed")) is FixedKLController
+    bounded = make_kl_controller(0.2, max_kl_coef=0.3)
+    assert isinstance(bounded, FixedKLController) and bounded.max_kl_coef == 0.3
+
+    adaptive = make_kl_controller(0.2, target=6.0)
+    assert type(adaptive) is AdaptiveKLController
+    assert (adaptive.target, adaptive.horizon) == (6.0, 10_000)
+    assert make_kl_controller(0.2, 6.0, 500).horizon == 500
+
+    expo = make_kl_controller(0.2, 6.0, law="exponential", k=0.1, max_kl_coef=None)
+    assert type(expo) is ExponentialKLController
+    assert (expo.k, expo.min_kl_coef, expo.max_kl_coef) == (0.1, 1e-4, None)
+
+    pi = make_kl_controller(0.2, 6.0, law="pi", kp=0.1, ki=0.01, error_clip=0.5)
+    assert type(pi) is PIKLController and (pi.kp, pi.ki, pi.error_clip) == (0.1, 0.01, 0.5)
+    assert KL_LAWS == ("fixed", "adaptive", "exponential", "pi")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(target=6.0, law="linear"), r"`law` must be one of \('fixed', 'adaptive'"),
+        (dict(law="pi", kp=0.1, ki=0.1), "law='pi' needs a `target`"),
+        (dict(target=6.0, law="fixed"), "`target` has no meaning for law='fixed'"),
+        (dict(target=6.0, law="exponential", k=1.0, horizon=10), "`horizon` applies only"),
+        (dict(horizon=10), "`horizon` applies only"),
+        (dict(target=6.0, law="exponential", k=1.0, kp=1.0), r"unknown option\(s\) \['kp'\]"),
+        (dict(target=6.0, law="pi", kp=0.1), r"law='pi' needs option\(s\) \['ki'\]"),
+        (dict(target=6.0, law="exponential"), r"needs option\(s\) \['k'\]"),
+        (dict(target=-1.0), "AdaptiveKLController: `target`"),
+        (dict(target=6.0, horizon=0), "AdaptiveKLController: `horizon`"),
+    ],
+)
+def test_factory_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_kl_controller(0.1, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# state
+
+
+@pytest.mark.parametrize("law", ["fixed", "adaptive", "exponential", "pi"])
+def test_state_round_trip_continues_the_same_trajectory(law):
+    ctl = _make(law)
+    for kl in KL_SEQUENCE[:6]:
+        ctl.update(kl, 64)
+    state = json.loads(json.dumps(ctl.state_dict()))  # plain, serializable values
+    assert state["law"] == law and state["value"] == ctl.value
+    if law == "pi":
+        assert state["integral"] == ctl.integral != math.log(0.1)
+
+    resumed = _make(law)
+    resumed.load_state_dict(state)
+    fresh = _make(law)
+    assert resumed.state_dict() == ctl.state_dict()
+    rest = KL_SEQUENCE[6:] + [60.0, 60.0, 1.0]
+    original = [ctl.update(kl, 64) for kl in rest]
+    assert [resumed.update(kl, 64) for kl in rest] == original
+    if law != "fixed":
+        assert [fresh.update(kl, 64) for kl in rest] != original  # the state mattered
+
+
+def test_load_state_dict_errors():
+    ctl = _make("pi")
+    with pytest.raises(ValueError, match="state is for law 'adaptive'"):
+        ctl.load_state_dict(_make("adaptive").state_dict())
+    with pytest.raises(ValueError, match="state is for law None"):
+        ctl.load_state_dict({"value": 0.1})
+    with pytest.raises(ValueError, match="expected a dict, got list"):
+        ctl.load_state_dict([("law", "pi")])
+    with pytest.raises(ValueError, match="has no `value`"):
+        ctl.load_state_dict({"law": "pi"})
+    for bad in (-0.1, 0.0, NAN, "x"):
+        with pytest.raises(ValueError, match="`value` must be a finite number > 0"):
+            ctl.load_state_dict({"law": "pi", "value": bad})
+    for bad in (NAN, INF, "x"):
+        with pytest.raises(ValueError, match="`integral` must be a finite number"):
+            ctl.load_state_dict({"law": "pi", "value": 0.2, "integral": bad})
+    assert ctl.value == 0.1  # failed loads change nothing
+
+
+def test_load_state_dict_older_and_out_of_bounds_states():
+    ctl = _make("pi")
+    ctl.load_state_dict({"law": "pi", "value": 0.2})  # no integral: starts at log(value)
+    assert ctl.integral == pytest.approx(math.log(0.2), rel=1e-15)
+    assert ctl.update(6.0, 8) == pytest.approx(0.2, rel=1e-15)
+    bounded = _make("adaptive", max_kl_coef=0.5)
+    with pytest.warns(RuntimeWarning, match="outside the bounds"):
+        bounded.load_state_dict({"law": "adaptive", "value": 0.9})
+    assert bounded.value == 0.5
+
+
+def test_deepcopy_is_independent():
+    ctl = _make("pi")
+    twin = copy.deepcopy(ctl)
+    ctl.update(60.0, 1)
+    assert twin.value == 0.1
+
+
+# --------------------------------------------------------------------------------------------
+# properties
+
+
+any_kl = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(min_value=-20.0, max_value=40.0),
+)
+positive = st.floats(min_value=1e-6, max_value=1e6)
+
+
+@st.composite
+def controllers(draw):
+    """A controller of any law with random parameters, with or without bounds."""
+    law = draw(st.sampled_from(["fixed", "adaptive", "exponential", "pi"]))
+    lo = draw(st.none() | st.floats(min_value=1e-8, max_value=1.0))
+    hi = draw(st.none() | st.floats(min_value=1.0, max_value=1e8))
+    init = draw(st.floats(min_value=lo or 1e-8, max_value=hi or 1e8))
+    bounds = dict(min_kl_coef=lo, max_kl_coef=hi)
+    if law == "fixed":
+        ctl = FixedKLController(init, **bounds)
+    elif law == "adaptive":
+        ctl = AdaptiveKLController(init, draw(positive), draw(positive), **bounds)
+    elif law == "exponential":
+        ctl = ExponentialKLController(init, draw(positive), draw(positive), **bounds)
+    else:
+        kp = draw(st.floats(min_value=0.0, max_value=100.0))
+        ki = draw(st.floats(min_value=1e-6, max_value=100.0))
+        clip = draw(st.floats(min_value=1e-3, max_value=1e3))
+        ctl = PIKLController(init, draw(positive), kp, ki, clip, **bounds)
+    return ctl
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ctl=controllers(),
+    steps=st.lists(
+        st.tuples(any_kl, st.integers(0, 64) | st.integers(0, 10**6)), min_size=1, max_size=40
+    ),
+)
+def test_beta_stays_finite_positive_and_bounded(ctl, steps):
+    lo = ctl.min_kl_coef if ctl.min_kl_coef is not None else sys.float_info.min
+    hi = ctl.max_kl_coef if ctl.max_kl_coef is not None else sys.float_info.max
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for kl, n in steps:
+            before = ctl.state_dict()
+            if isinstance(ctl, AdaptiveKLController) and n * 0.2 >= ctl.horizon:
+                with pytest.raises(ValueError, match="must be < 5"):
+                    ctl.update(kl, n)
+                assert ctl.state_dict() == before
+                continue
+            beta = ctl.update(kl, n)
+            assert beta == ctl.value
+            assert math.isfinite(beta) and beta > 0
+            assert lo <= beta <= hi
+            if not math.isfinite(kl) or n == 0:
+                assert ctl.state_dict() == before
+            if isinstance(ctl, PIKLController):
+                assert math.log(lo) <= ctl.integral <= math.log(hi)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    saturating=st.lists(st.floats(min_value=6.01, max_value=1e300), min_size=1, max_size=300),
+    below=st.floats(min_value=-1e300, max_value=5.9),
+    kp=st.floats(min_value=0.0, max_value=10.0),
+    ki=st.floats(min_value=0.01, max_value=10.0),
+)
+def test_pi_leaves_the_upper_bound_as_soon_as_the_error_changes_sign(saturating, below, kp, ki):
+    """However long beta sat at the upper bound, one update with KL below target (normalized
+    error <= -0.01) moves it strictly below, by at least a factor exp(-ki * 0.01)."""
+    ctl = PIKLController(0.5, 6.0, kp=kp, ki=ki, min_kl_coef=1e-3, max_kl_coef=1.0)
+    while ctl.integral < 0.0:  # drive the integral term to log(max_kl_coef) first
+        ctl.update(1e9, 1)
+    for kl in saturating:
+        ctl.update(kl, 1)
+    assert ctl.value == 1.0
+    assert ctl.update(below, 1) <= math.exp(-ki * 0.01)
