@@ -10,7 +10,7 @@ implementations:
 - :class:`VaderSentimentReward` is the VADER compound sentiment of the response, the
   reward of the embedded default world (no model download).
 
-Every output goes through :func:`validate_rewards`: a wrong shape or a non-finite score
+Every output goes through :func:`validate_scores`: a wrong shape or a non-finite score
 raises :class:`InvalidRewardError` naming the reward class, so a trainer can skip the
 batch instead of learning from garbage.
 """
@@ -28,7 +28,7 @@ __all__ = [
     "RewardModel",
     "SequenceClassifierReward",
     "VaderSentimentReward",
-    "validate_rewards",
+    "validate_scores",
 ]
 
 SCORES = ("logit", "prob", "log_odds")
@@ -56,13 +56,14 @@ class InvalidRewardError(ValueError):
     """A reward model returned a wrong shape or non-finite scores."""
 
 
-def validate_rewards(scores: Any, batch_size: int, source: str) -> Tensor:
+def validate_scores(scores: Any, batch_size: int, source: object) -> Tensor:
     """Checks a reward output and returns it as a ``[B]`` float32 CPU tensor.
 
     Args:
         scores: What the reward model returned: a tensor, array or sequence of numbers.
         batch_size: ``B``, the number of (prompt, response) pairs scored.
-        source: Name of the reward model, for the error message.
+        source: The reward model, or its name, for the error message (a non-string is
+            named by its class).
 
     Returns:
         ``[B]`` float32 tensor on the CPU.
@@ -71,6 +72,8 @@ def validate_rewards(scores: Any, batch_size: int, source: str) -> Tensor:
         InvalidRewardError: If ``scores`` is not numeric, not of shape ``[B]``, or holds
             ``nan``/``inf``.
     """
+    if not isinstance(source, str):
+        source = type(source).__name__
     try:
         if isinstance(scores, Tensor):
             out = scores.detach().to(device="cpu", dtype=torch.float32)
@@ -130,7 +133,7 @@ class FunctionReward:
             scores = self.fn(list(prompts), list(responses))
         else:
             scores = [self.fn(p, r) for p, r in zip(prompts, responses, strict=True)]
-        return validate_rewards(scores, len(prompts), name)
+        return validate_scores(scores, len(prompts), name)
 
     def __repr__(self) -> str:
         fn_name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
@@ -228,7 +231,7 @@ class SequenceClassifierReward:
             for i in range(0, len(texts), self.batch_size)
         ]
         scores = torch.cat(chunks) if chunks else torch.zeros(0)
-        return validate_rewards(scores, len(texts), repr(self))
+        return validate_scores(scores, len(texts), repr(self))
 
     @torch.inference_mode()
     def _score(self, texts: list[str]) -> Tensor:
@@ -299,7 +302,7 @@ class VaderSentimentReward:
         """Scores the responses; see :class:`RewardModel`."""
         _check_pairs(prompts, responses, repr(self))
         scores = [self._analyzer.polarity_scores(r)["compound"] for r in responses]
-        return validate_rewards(scores, len(responses), repr(self))
+        return validate_scores(scores, len(responses), repr(self))
 
     def __repr__(self) -> str:
         return "VaderSentimentReward()"

@@ -10,7 +10,7 @@ from rlkl_lightning.rewards import (
     RewardModel,
     SequenceClassifierReward,
     VaderSentimentReward,
-    validate_rewards,
+    validate_scores,
 )
 
 CORPUS = [
@@ -196,21 +196,24 @@ def test_function_reward_output_is_validated():
         FunctionReward(lambda p, r: 0.0)(["a"], ["b", "c"])
 
 
-def test_validate_rewards():
-    ok = validate_rewards(torch.tensor([1.0, -2.0], dtype=torch.float64), 2, "R")
+def test_validate_scores():
+    ok = validate_scores(torch.tensor([1.0, -2.0], dtype=torch.float64), 2, "R")
     assert ok.dtype == torch.float32 and ok.tolist() == [1.0, -2.0]
-    torch.testing.assert_close(validate_rewards([0.5, 1], 2, "R"), torch.tensor([0.5, 1.0]))
+    torch.testing.assert_close(validate_scores([0.5, 1], 2, "R"), torch.tensor([0.5, 1.0]))
     with pytest.raises(
         InvalidRewardError, match=r"R must return .* shape \[2\], got shape \[2, 1\]"
     ):
-        validate_rewards(torch.zeros(2, 1), 2, "R")
+        validate_scores(torch.zeros(2, 1), 2, "R")
     with pytest.raises(InvalidRewardError, match=r"got shape \[\]"):
-        validate_rewards(torch.tensor(1.0), 1, "R")
+        validate_scores(torch.tensor(1.0), 1, "R")
     with pytest.raises(
         InvalidRewardError, match=r"R returned non-finite scores at indices \[0, 2\]"
     ):
-        validate_rewards([math.inf, 0.0, math.nan], 3, "R")
+        validate_scores([math.inf, 0.0, math.nan], 3, "R")
     assert issubclass(InvalidRewardError, ValueError)
+    # A reward object is named by its class.
+    with pytest.raises(InvalidRewardError, match="^VaderSentimentReward must return"):
+        validate_scores([1.0], 2, VaderSentimentReward())
 
 
 def test_vader_sentiment_reward():
