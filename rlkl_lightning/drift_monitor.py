@@ -1,0 +1,247 @@
+"""KLDriftMonitor: warn when the moving-average KL leaves a band around its target.
+
+A policy whose KL to the reference runs far above target is drifting (reward hacking,
+degenerate text); one far below target is barely learning. The monitor keeps the mean of the
+last ``window`` batch KLs and reports each excursion out of ``[low * target, high * target]``.
+It works with any LightningModule that logs its batch KL (see :class:`KLControllerCallback`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from rlkl_lightning.kl_callback import (
+    UNIT_NAMES,
+    BatchKLReader,
+    default_monitor,
+)
+
+#: Values of ``kl_monitor/state``.
+LOW, IN_BAND, HIGH = -1, 0, 1
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+class KLDriftMonitor(Callback):
+    r"""Watch the moving average of the batch KL and warn once per excursion from its band.
+
+    After each training batch the monitor reads the KL the module logged under ``monitor``,
+    averages it over the samples of the global batch (all ranks, as
+    :class:`KLControllerCallback` does) and appends it to a window of the last ``window``
+    batches. Once the window holds ``min_batches`` values, the window mean ``avg`` gives the
+    state: ``+1`` if ``avg > high * target``, ``-1`` if ``avg < low * target``, else ``0``.
+    Entering ``+1`` or ``-1`` warns (``RuntimeWarning``) once; the monitor warns again only after
+    the average has changed state again (e.g. back into the band and out once more).
+
+    Logged every training batch: ``kl_monitor/avg_kl`` (window mean), ``kl_monitor/target`` and,
+    once ``min_batches`` values are in, ``kl_monitor/state``. Non-finite KL values are left out
+    of the window (the first one warns; all are counted in ``n_skipped``). The window, state and
+    counters are saved in checkpoints. Sanity checking is skipped.
+
+    Args:
+        target: Target KL, in the unit given by ``unit``; must be positive and finite.
+        window: Number of most recent batches averaged.
+        high: Warn when the average exceeds ``high * target``; ``> 1`` (``math.inf`` disables).
+        low: Warn when the average falls below ``low * target``; in ``[0, 1)`` (``0`` disables).
+        unit: ``"sequence"`` (nats per sequence) or ``"token"`` (nats per token); picks the
+            default ``monitor`` and names the unit in messages.
+        monitor: Key the module logs the batch KL under. Defaults to ``"objective/kl"`` for
+            ``unit="sequence"`` and ``"objective/kl_per_token"`` for ``unit="token"``.
+        strict: Stop training (``trainer.should_stop = True``) on an excursion instead of only
+            warning; the batch that caused it is the last one trained.
+        verbose: Warn on excursions and report the return into the band. With ``False`` the
+            monitor only counts and logs (a strict stop is always reported).
+        min_batches: Number of values the window must hold before the state is evaluated, so
+            the first few noisy batches cannot trigger a warning. Defaults to
+            ``min(window, 10)``; must lie in ``[1, window]``.
+        batch_size_fn: ``batch -> int``, the number of samples in this rank's batch, used to
+            weight the mean over ranks. Defaults to
+            :func:`~rlkl_lightning.kl_callback.infer_batch_size`.
+
+    Attributes:
+        state: Current state (``-1``, ``0``, ``+1``).
+        n_warnings_high: Number of excursions above the band.
+        n_warnings_low: Number of excursions below the band.
+        n_batches: Training batches seen.
+        n_skipped: Batches left out of the window (non-finite KL, or KL not logged again).
+        stopped_batch: Batch (1-based count) at which strict mode stopped training, else ``None``.
+    """
+
+    def __init__(
+        self,
+        target: float,
+        window: int = 100,
+        high: float = 2.0,
+        low: float = 0.5,
+        unit: str = "sequence",
+        monitor: str | None = None,
+        strict: bool = False,
+        verbose: bool = True,
+        min_batches: int | None = None,
+        batch_size_fn: Callable[[Any], int] | None = None,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        if not _is_real(target) or not 0 < target < math.inf:
+            raise ValueError(f"{owner}: target must be a positive finite number, got {target!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"{owner}: window must be an int >= 1, got {window!r}")
+        if not _is_real(high) or not high > 1:
+            raise ValueError(f"{owner}: high must be > 1 (math.inf disables it), got {high!r}")
+        if not _is_real(low) or not 0 <= low < 1:
+            raise ValueError(f"{owner}: low must lie in [0, 1) (0 disables it), got {low!r}")
+        default = default_monitor(unit, owner)
+        if monitor is not None and (not isinstance(monitor, str) or not monitor):
+            raise ValueError(f"{owner}: monitor must be a non-empty string, got {monitor!r}")
+        if min_batches is None:
+            min_batches = min(window, 10)
+        if (
+            isinstance(min_batches, bool)
+            or not isinstance(min_batches, int)
+            or not 1 <= min_batches <= window
+        ):
+            raise ValueError(
+                f"{owner}: min_batches must be an int in [1, window={window}], got {min_batches!r}"
+            )
+        if batch_size_fn is not None and not callable(batch_size_fn):
+            raise ValueError(f"{owner}: batch_size_fn must be callable, got {batch_size_fn!r}")
+        self.target = float(target)
+        self.window = window
+        self.high = float(high)
+        self.low = float(low)
+        self.unit = unit
+        self.monitor = monitor if monitor is not None else default
+        self.strict = strict
+        self.verbose = verbose
+        self.min_batches = min_batches
+        self.batch_size_fn = batch_size_fn
+        self.values: deque[float] = deque(maxlen=window)
+        self.state = IN_BAND
+        self.n_warnings_high = 0
+        self.n_warnings_low = 0
+        self.n_batches = 0
+        self.n_skipped = 0
+        self.stopped_batch: int | None = None
+        self._reader = BatchKLReader(self.monitor, batch_size_fn, owner)
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(monitor=self.monitor, target=self.target)
+
+    @property
+    def avg_kl(self) -> float:
+        """Mean of the values in the window (``nan`` while it is empty)."""
+        return sum(self.values) / len(self.values) if self.values else math.nan
+
+    def _classify(self, avg: float) -> int:
+        if avg > self.high * self.target:
+            return HIGH
+        if self.low > 0 and avg < self.low * self.target:
+            return LOW
+        return IN_BAND
+
+    def _message(self, state: int, avg: float) -> str:
+        unit = UNIT_NAMES[self.unit]
+        span = f"over the last {len(self.values)} batches (batch {self.n_batches})"
+        if state == HIGH:
+            return (
+                f"KL divergence too high, policy drifting: avg {avg:.4g} > {self.high:g} x "
+                f"target {self.target:g} ({unit}) {span}."
+            )
+        return (
+            f"KL divergence too low, not learning enough: avg {avg:.4g} < {self.low:g} x "
+            f"target {self.target:g} ({unit}) {span}."
+        )
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if trainer.sanity_checking:
+            return
+        kl, n_samples = self._reader.read(trainer, batch)
+        self.n_batches += 1
+        if math.isfinite(kl) and n_samples > 0:
+            self.values.append(kl)
+        else:
+            self.n_skipped += 1
+            if self.n_skipped == 1:
+                rank_zero_warn(
+                    f"{type(self).__name__}: no finite KL for batch {self.n_batches} ({kl}); it is "
+                    "left out of the window. Further ones are counted in `n_skipped` without a "
+                    "warning.",
+                    category=RuntimeWarning,
+                )
+        pl_module.log("kl_monitor/target", self.target, on_step=True, on_epoch=False)
+        if not self.values:
+            return
+        avg = self.avg_kl
+        pl_module.log("kl_monitor/avg_kl", avg, on_step=True, on_epoch=False)
+        if len(self.values) < self.min_batches:
+            return
+        self._update_state(trainer, avg)
+        pl_module.log("kl_monitor/state", float(self.state), on_step=True, on_epoch=False)
+
+    def _update_state(self, trainer: pl.Trainer, avg: float) -> None:
+        new = self._classify(avg)
+        if new == self.state:
+            return
+        if new == IN_BAND:
+            if self.verbose:
+                rank_zero_info(
+                    f"{type(self).__name__}: KL back in band: avg {avg:.4g} "
+                    f"({UNIT_NAMES[self.unit]}) at batch {self.n_batches}."
+                )
+            self.state = new
+            return
+        self.state = new
+        if new == HIGH:
+            self.n_warnings_high += 1
+        else:
+            self.n_warnings_low += 1
+        message = self._message(new, avg)
+        if self.strict:
+            # Every rank sees the same reduced average, so all ranks take the same decision.
+            trainer.should_stop = True
+            self.stopped_batch = self.n_batches
+            rank_zero_warn(message + " Stopping training (strict=True).", category=RuntimeWarning)
+        elif self.verbose:
+            rank_zero_warn(message, category=RuntimeWarning)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "values": list(self.values),
+            "state": self.state,
+            "n_warnings_high": self.n_warnings_high,
+            "n_warnings_low": self.n_warnings_low,
+            "n_batches": self.n_batches,
+            "n_skipped": self.n_skipped,
+            "stopped_batch": self.stopped_batch,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.values = deque(state_dict.get("values", []), maxlen=self.window)
+        self.state = state_dict.get("state", IN_BAND)
+        self.n_warnings_high = state_dict.get("n_warnings_high", 0)
+        self.n_warnings_low = state_dict.get("n_warnings_low", 0)
+        self.n_batches = state_dict.get("n_batches", 0)
+        self.n_skipped = state_dict.get("n_skipped", 0)
+        self.stopped_batch = state_dict.get("stopped_batch")
