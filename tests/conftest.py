@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny causal LMs and tokenizers made locally (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+WORDS = (
+    "good bad the a film book food was is very not really great awful fine dull "
+    "plot taste story and but it this too quite nice poor"
+).split()
+
+
+def make_tiny_lm(
+    path: Path, *, n_layer: int = 2, n_embd: int = 32, n_head: int = 2, seed: int = 0
+) -> Path:
+    """Save a word-level tokenizer and a randomly initialised GPT-2 to ``path``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins word tokens with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=len(vocab),
+        n_positions=64,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        bos_token_id=vocab["<bos>"],
+        eos_token_id=vocab["<eos>"],
+        pad_token_id=vocab["<pad>"],
+    )
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir(tmp_path_factory) -> Path:
+    """A tiny GPT-2 and its tokenizer, saved with ``save_pretrained``."""
+    return make_tiny_lm(tmp_path_factory.mktemp("tiny_lm"))
