@@ -1,0 +1,131 @@
+"""The LightningCLI of rlkl_lightning: ``python train.py fit --config configs/ppo_adaptive.yaml``.
+
+Beside Lightning's ``model``, ``data`` and ``trainer`` groups the CLI has a ``kl`` group: the
+KL target is given there once and shared by the controller and the drift monitor, whose
+callbacks the CLI adds to the trainer. The initial beta is the model's ``init_kl_coef``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI
+
+from rlkl_lightning.controllers import KL_LAWS, make_kl_controller
+from rlkl_lightning.drift_monitor import KLDriftMonitor
+from rlkl_lightning.kl_callback import UNIT_NAMES, KLControllerCallback
+
+
+@dataclass
+class KLSettings:
+    """KL control of a PPO run.
+
+    Args:
+        controller: the control law: ``fixed``, ``adaptive`` (Ziegler et al. 2019),
+            ``exponential`` or ``pi``.
+        target: target KL in ``unit``; drives the adaptive laws and the drift monitor (with a
+            fixed beta it is only monitored).
+        unit: ``sequence`` (nats per sequence, read from ``objective/kl``) or ``token``
+            (nats per response token, read from ``objective/kl_per_token``).
+        horizon: adaptive law's horizon, in samples (scale it with the samples the run sees).
+        k: gain of the exponential law, per nat of error.
+        kp: proportional gain of the PI law.
+        ki: integral gain of the PI law.
+        min_kl_coef: lower bound of beta (None: the law's default).
+        max_kl_coef: upper bound of beta (None: the law's default).
+        window: drift monitor's moving-average window, in batches.
+        high: the monitor warns when the average KL exceeds ``high`` x target.
+        low: the monitor warns when the average KL falls below ``low`` x target.
+        strict: stop training on a drift excursion instead of warning.
+    """
+
+    controller: str = "adaptive"
+    target: float = 6.0
+    unit: str = "sequence"
+    horizon: float = 10000.0
+    k: float = 0.1
+    kp: float = 0.5
+    ki: float = 0.05
+    min_kl_coef: float | None = None
+    max_kl_coef: float | None = None
+    window: int = 20
+    high: float = 2.0
+    low: float = 0.5
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.controller not in KL_LAWS:
+            raise ValueError(f"`kl.controller` must be one of {KL_LAWS}, got {self.controller!r}")
+        if self.unit not in UNIT_NAMES:
+            raise ValueError(f"`kl.unit` must be one of {tuple(UNIT_NAMES)}, got {self.unit!r}")
+        if not (isinstance(self.target, int | float) and math.isfinite(self.target)) or (
+            self.target <= 0
+        ):
+            raise ValueError(f"`kl.target` must be a finite number > 0, got {self.target!r}")
+
+    def callbacks(self, init_kl_coef: float) -> list[Callback]:
+        """The controller callback and the drift monitor for a module starting at this beta."""
+        law_kwargs: dict = {}
+        if self.min_kl_coef is not None:
+            law_kwargs["min_kl_coef"] = self.min_kl_coef
+        if self.max_kl_coef is not None:
+            law_kwargs["max_kl_coef"] = self.max_kl_coef
+        if self.controller == "exponential":
+            law_kwargs["k"] = self.k
+        elif self.controller == "pi":
+            law_kwargs.update(kp=self.kp, ki=self.ki)
+        controller = make_kl_controller(
+            init_kl_coef,
+            target=None if self.controller == "fixed" else self.target,
+            horizon=self.horizon if self.controller == "adaptive" else None,
+            law=self.controller,
+            **law_kwargs,
+        )
+        monitor = KLDriftMonitor(
+            self.target,
+            window=self.window,
+            high=self.high,
+            low=self.low,
+            unit=self.unit,
+            strict=self.strict,
+        )
+        return [KLControllerCallback(controller, unit=self.unit), monitor]
+
+
+class RLKLCLI(LightningCLI):
+    """LightningCLI with the ``kl`` group; any LightningModule with ``kl_coef`` gets KL control."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        """Add the ``kl`` group."""
+        parser.add_class_arguments(KLSettings, "kl")
+
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        """Build the trainer, then put the KL callbacks first (checkpointing stays last)."""
+        trainer = super().instantiate_trainer(**kwargs)
+        init_kl_coef = getattr(self.model, "kl_coef", None)
+        if init_kl_coef is not None:
+            kl: KLSettings = self._get(self.config_init, "kl")
+            trainer.callbacks[:0] = kl.callbacks(float(init_kl_coef))
+        return trainer
+
+
+def main(args: list[str] | None = None) -> RLKLCLI:
+    """Entry point of ``train.py``."""
+    return RLKLCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        seed_everything_default=0,
+        trainer_defaults={
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                "init_args": {"save_dir": "runs"},
+            },
+            "log_every_n_steps": 1,
+        },
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
