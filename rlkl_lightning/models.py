@@ -45,7 +45,13 @@ def load_tokenizer(name_or_path: str):
     """Load a tokenizer for generation: left padding, and a pad token (warns when one is added)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"could not load a tokenizer from {name_or_path!r} (`tokenizer`, or `policy` when "
+            f"no tokenizer is given): {err}"
+        ) from err
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(
@@ -70,7 +76,7 @@ def load_causal_lm(name_or_path: str, dtype: torch.dtype | None = None) -> nn.Mo
     path = resolve_model_path(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except OSError as err:
+    except (OSError, ValueError, TypeError) as err:
         raise ValueError(f"could not load a causal LM from {name_or_path!r}: {err}") from err
     disable_dropout(model)
     return model

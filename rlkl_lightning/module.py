@@ -148,6 +148,7 @@ class PPOModule(LightningModule):
         ):
             raise ValueError("`reference` must share the policy's vocabulary (vocab_size differs)")
 
+        _check_context(self.policy, max_prompt_tokens, max_new_tokens)
         self.kl_coef = float(init_kl_coef)
         self.val_perplexity = Perplexity(ignore_index=-100)
         self.ref_perplexity = Perplexity(ignore_index=-100)
@@ -185,6 +186,17 @@ class PPOModule(LightningModule):
 
     # ------------------------------------------------------------------ rollout
     def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        if not getattr(self, "_warned_truncation", False):
+            limit = self.hparams.max_prompt_tokens
+            longest = max(len(ids) for ids in self.tokenizer(prompts)["input_ids"])
+            if longest > limit:
+                self._warned_truncation = True
+                rank_zero_warn(
+                    f"PPOModule: a prompt of {longest} tokens is longer than "
+                    f"`max_prompt_tokens`={limit}; prompts are cut on the left to their last "
+                    f"{limit} tokens (warned once)",
+                    category=UserWarning,
+                )
         self.tokenizer.truncation_side = "left"
         enc = self.tokenizer(
             prompts,
@@ -239,8 +251,13 @@ class PPOModule(LightningModule):
         responses = self._decode(rollout.response_ids, mask)
         try:
             scores = validate_scores(self.reward(prompts, responses), len(prompts), self.reward)
+            reward_error = None
         except (ValueError, RuntimeError) as err:
-            self._skip(f"the reward model failed: {err}")
+            scores, reward_error = None, f"the reward model failed: {err}"
+        # Every skip decision is agreed by all ranks: under DDP a rank that skipped while the
+        # others ran backward would leave them waiting in the gradient all-reduce forever.
+        if self._any_rank(reward_error is not None):
+            self._skip(reward_error or "the reward model failed on another rank")
             return
         scores = scores.to(self.device)
         if hp.score_clip is not None:
@@ -253,8 +270,8 @@ class PPOModule(LightningModule):
         diagnostics["exact"] = klmod.exact_kl(pol.logits, ref_logits)
         kl_tokens = diagnostics[hp.kl_estimator]
         kl_seq = klmod.sequence_kl(kl_tokens, mask)
-        if not torch.isfinite(kl_seq).all():
-            self._skip("the KL to the reference is not finite")
+        if self._any_rank(not bool(torch.isfinite(kl_seq).all())):
+            self._skip("the KL to the reference is not finite (on this or another rank)")
             return
 
         rewards = shape_rewards(scores, kl_tokens, self.kl_coef, mask)
@@ -262,6 +279,12 @@ class PPOModule(LightningModule):
             rewards = masked_whiten(rewards, mask, shift_mean=False)
         advantages, returns = gae(rewards, old_values, mask, hp.gamma, hp.lam)
         advantages = masked_whiten(advantages, mask)
+        inputs = (pol.logprobs, old_values, advantages, returns)
+        valid = mask.bool()
+        if self._any_rank(not all(bool(torch.isfinite(t[valid]).all()) for t in inputs)):
+            # Caught before any optimizer step, so the weights are untouched.
+            self._skip("log-probs, values, advantages or returns are not finite")
+            return
         t_scored = time.perf_counter()
 
         stats = self._ppo_epochs(rollout, pol.logprobs, old_values, advantages, returns)
@@ -286,6 +309,7 @@ class PPOModule(LightningModule):
             "perf/score_s": torch.tensor(t_scored - t_rollout),
             "perf/update_s": torch.tensor(t_end - t_scored),
             "progress/samples": torch.tensor(float(self.samples_seen)),
+            "progress/skipped_batches": torch.tensor(float(self.skipped_batches)),
             **stats,
         }
         for name, values in diagnostics.items():
@@ -325,7 +349,7 @@ class PPOModule(LightningModule):
                     loss, stats = self._loss(
                         rollout, micro, old_logprobs, old_values, advantages, returns
                     )
-                    if not torch.isfinite(loss):
+                    if self._any_rank(not bool(torch.isfinite(loss))):
                         optimizer.zero_grad(set_to_none=True)
                         self._skip("the PPO loss is not finite")
                         return None
@@ -334,7 +358,7 @@ class PPOModule(LightningModule):
                     for key, value in stats.items():
                         step_stats[key] = step_stats.get(key, 0.0) + float(value) * float(weight)
                 grad_norm = self._clip_gradients(optimizer)
-                if not math.isfinite(grad_norm):
+                if self._any_rank(not math.isfinite(grad_norm)):
                     optimizer.zero_grad(set_to_none=True)
                     self._skip("the gradient norm is not finite")
                     return None
@@ -393,13 +417,36 @@ class PPOModule(LightningModule):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
         return float(norm)
 
+    def _any_rank(self, flag: bool) -> bool:
+        """True if ``flag`` is true on any rank (a collective under DDP: call it on every rank)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return bool(flag)
+        return bool(self.trainer.strategy.reduce_boolean_decision(bool(flag), all=False))
+
     def _skip(self, why: str) -> None:
-        """Skip this batch's update: weights and beta stay as they are."""
+        """Skip this batch's update: weights and beta stay as they are.
+
+        The KL is logged as ``nan`` for this batch, so KL callbacks see that there is no
+        usable value (they keep beta and count the batch) even when the very first batch is
+        skipped; ``progress/skipped_batches`` counts the skips.
+        """
         self.skipped_batches += 1
         rank_zero_warn(
-            f"PPOModule: skipping batch {self.batches_seen}: {why}; weights and kl_coef are "
-            f"unchanged ({self.skipped_batches} batches skipped so far)",
+            f"PPOModule: skipping batch {self.batches_seen + 1}: {why}; kl_coef is unchanged "
+            f"({self.skipped_batches} batches skipped so far)",
             category=RuntimeWarning,
+        )
+        nan = torch.tensor(float("nan"))
+        self.log_dict(
+            {
+                "objective/kl": nan,
+                "objective/kl_per_token": nan,
+                "progress/skipped_batches": torch.tensor(float(self.skipped_batches)),
+            },
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+            sync_dist=False,
         )
 
     def _has_kl_controller(self) -> bool:
@@ -481,6 +528,46 @@ class PPOModule(LightningModule):
             "kl_coef": self.kl_coef,
             "reference_perplexity": self.reference_perplexity,
         }
+        checkpoint["rlkl_rng"] = self._rng_states()
+
+    def _rng_states(self) -> dict[str, list[Tensor]]:
+        """The torch RNG state of every rank: rollouts and minibatch order draw from it.
+
+        Under DDP every rank's state is gathered (all ranks save a checkpoint together), so a
+        resumed run continues each rank's own random stream.
+        """
+        states = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.device)
+        if self._trainer is None or self.trainer.world_size == 1:
+            return {key: [value] for key, value in states.items()}
+        strategy = self.trainer.strategy
+        return {
+            key: list(strategy.all_gather(value.to(strategy.root_device)).cpu().unbind(0))
+            for key, value in states.items()
+        }
+
+    def on_train_start(self) -> None:
+        """Put back the RNG state of a loaded checkpoint, right before the first resumed batch.
+
+        Restored here rather than in ``on_load_checkpoint`` because Lightning draws random
+        numbers in between (sanity-check validation, creating the dataloader iterators).
+        """
+        states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
+        if not states:
+            return
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        if len(states["cpu"]) != world:
+            rank_zero_warn(
+                f"PPOModule: the checkpoint holds the RNG states of {len(states['cpu'])} "
+                f"processes but this run has {world}; rollouts continue with fresh random "
+                "numbers (training itself resumes correctly)",
+                category=RuntimeWarning,
+            )
+            return
+        torch.set_rng_state(states["cpu"][rank])
+        if "cuda" in states and self.device.type == "cuda":
+            torch.cuda.set_rng_state(states["cuda"][rank], self.device)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore counters and put the current reference weights back for strict loading."""
@@ -490,9 +577,54 @@ class PPOModule(LightningModule):
         self.skipped_batches = int(counters.get("skipped_batches", 0))
         self.kl_coef = float(counters.get("kl_coef", self.kl_coef))
         self.reference_perplexity = counters.get("reference_perplexity")
+        self._rng_to_restore = checkpoint.get("rlkl_rng")
         state = checkpoint["state_dict"]
+        _check_checkpoint_weights(state, self.state_dict())
         for key, value in self.reference.state_dict().items():
             state.setdefault(f"reference.{key}", value)
+
+
+def _check_context(policy: torch.nn.Module, max_prompt_tokens: int, max_new_tokens: int) -> None:
+    """Prompt plus response must fit the policy's context window (``n_positions``)."""
+    config = policy.config
+    context = getattr(config, "n_positions", None) or getattr(
+        config, "max_position_embeddings", None
+    )
+    if context and max_prompt_tokens + max_new_tokens > context:
+        raise ValueError(
+            f"PPOModule: `max_prompt_tokens` ({max_prompt_tokens}) + `max_new_tokens` "
+            f"({max_new_tokens}) = {max_prompt_tokens + max_new_tokens} tokens do not fit the "
+            f"policy's context of {context} positions; lower them so that their sum is <= "
+            f"{context}"
+        )
+
+
+def _check_checkpoint_weights(saved: dict[str, Tensor], current: dict[str, Tensor]) -> None:
+    """Raise a clear error if a checkpoint's weights do not belong to this model."""
+    ours = {k: v for k, v in current.items() if not k.startswith("reference.")}
+    theirs = {k: v for k, v in saved.items() if not k.startswith("reference.")}
+    missing = sorted(ours.keys() - theirs.keys())
+    unexpected = sorted(theirs.keys() - ours.keys())
+    resized = sorted(
+        k
+        for k in ours.keys() & theirs.keys()
+        if hasattr(theirs[k], "shape") and tuple(theirs[k].shape) != tuple(ours[k].shape)
+    )
+    if missing or unexpected or resized:
+        details = "; ".join(
+            f"{what}: {keys[:5]}{' ...' if len(keys) > 5 else ''}"
+            for what, keys in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("shape differs", resized),
+            )
+            if keys
+        )
+        raise ValueError(
+            "PPOModule: the checkpoint (`ckpt_path`) was not written for this model "
+            f"(policy/value head differ: {details}); resume with the `model` settings it was "
+            "trained with, or start a new run without `ckpt_path`"
+        )
 
 
 def _check_args(args: dict[str, Any]) -> None:

@@ -1,0 +1,106 @@
+"""A training DataLoader that resumes mid-epoch exactly where a checkpoint left it.
+
+Lightning restarts a plain DataLoader from the first batch of the epoch when a run resumes
+from a checkpoint saved mid-epoch, so the resumed run would see the epoch's first batches
+twice and never its last ones. Two pieces make the order of prompts a pure function of
+(seed, epoch, position), so a resumed run draws exactly the batches the uninterrupted run
+would have drawn:
+
+* :class:`EpochShuffleSampler` shuffles with a generator seeded from ``(seed, epoch)``
+  (Lightning calls ``set_epoch`` before every epoch; under DDP it wraps this sampler and
+  forwards ``set_epoch``), so the permutation of any epoch can be rebuilt without replaying
+  the earlier ones;
+* :class:`ResumableDataLoader` counts the batches it has handed out in the current epoch and
+  saves that count through ``state_dict``; Lightning stores it in the checkpoint and, on
+  resume, calls ``load_state_dict``, after which the first iteration of the same epoch skips
+  the batches already trained on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A random permutation of ``range(n)`` that depends only on ``seed`` and the epoch.
+
+    Args:
+        n: Number of samples.
+        seed: Base seed; epoch ``e`` uses ``seed * 1_000_003 + e``.
+    """
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n = int(n)
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of ``epoch`` (Lightning calls this before every epoch)."""
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        """Indices of the current epoch's permutation."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        """Number of samples."""
+        return self.n
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader whose position inside the epoch is saved in checkpoints.
+
+    Takes the arguments of :class:`torch.utils.data.DataLoader`. Lightning recognises the
+    ``state_dict``/``load_state_dict`` pair, saves the state with every checkpoint and
+    restores it before the resumed epoch starts. Use it with a sampler whose order depends
+    only on the epoch (:class:`EpochShuffleSampler`, a ``SequentialSampler``, or the
+    ``DistributedSampler`` Lightning puts in under DDP), or the skipped batches are not the
+    ones already seen.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._epoch: int | None = None
+        self._yielded = 0
+        self._resume: dict[str, int] | None = None
+
+    def _sampler_epoch(self) -> int:
+        sampler = self.batch_sampler.sampler if self.batch_sampler is not None else self.sampler
+        return int(getattr(sampler, "epoch", getattr(self.sampler, "epoch", 0)))
+
+    def __iter__(self) -> Iterator[Any]:
+        """Iterate the current epoch, skipping the batches a loaded checkpoint had consumed.
+
+        Lazy: the epoch is read when the first batch is requested, because Lightning creates
+        the iterator of a resumed epoch before it calls ``set_epoch``.
+        """
+        epoch = self._sampler_epoch()
+        skip = 0
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            skip = min(self._resume["batches"], len(self))
+        self._resume = None
+        self._epoch = epoch
+        self._yielded = skip
+        iterator = super().__iter__()
+        for _ in range(skip):
+            next(iterator)
+        for batch in iterator:
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch being iterated and the number of its batches handed out so far."""
+        epoch = self._epoch if self._epoch is not None else self._sampler_epoch()
+        return {"epoch": epoch, "batches": self._yielded}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Make the next iteration of the saved epoch start after the batches already seen."""
+        self._resume = {
+            "epoch": int(state_dict.get("epoch", 0)),
+            "batches": int(state_dict.get("batches", 0)),
+        }
