@@ -38,6 +38,7 @@ def _args(path, **overrides):
         policy=str(path),
         reward=FunctionReward(good_fraction),
         init_kl_coef=0.0,
+        max_prompt_tokens=16,  # prompt + response must fit the tiny model's 64 positions
         max_new_tokens=8,
         ppo_epochs=2,
         num_minibatches=2,

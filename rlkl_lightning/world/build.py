@@ -224,16 +224,19 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "rlkl_lightning")
 
 
-def default_model_dir(cache_dir: str | Path | None = None, build: bool = True) -> Path:
+def default_model_dir(
+    cache_dir: str | Path | None = None, build: bool = True, num_threads: int | None = None
+) -> Path:
     """Directory of the default world's reference model (built first if missing).
 
     Args:
         cache_dir: Cache root; ``None``: :func:`default_cache_dir`.
         build: Build the world if it is missing (a few minutes on a laptop CPU, once).
             If False, the path is returned whether or not it exists.
+        num_threads: torch threads for a build, see :func:`build_world`.
     """
     if build:
-        return build_world(cache_dir=cache_dir).model_dir
+        return build_world(cache_dir=cache_dir, num_threads=num_threads).model_dir
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return root / f"world-{WorldConfig().world_key()}" / "model"
 
