@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from rlkl_lightning.controllers import KL_LAWS, make_kl_controller
@@ -102,8 +103,17 @@ class RLKLCLI(LightningCLI):
         parser.add_class_arguments(KLSettings, "kl")
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
-        """Build the trainer, then put the KL callbacks first (checkpointing stays last)."""
+        """Build the trainer, then put the KL callbacks first (checkpointing stays last).
+
+        Lightning's default progress bar is swapped for its rich one; a progress bar given in
+        ``trainer.callbacks`` is kept.
+        """
         trainer = super().instantiate_trainer(**kwargs)
+        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        if not any(isinstance(c, ProgressBar) for c in configured):
+            for i, callback in enumerate(trainer.callbacks):
+                if isinstance(callback, TQDMProgressBar):
+                    trainer.callbacks[i] = RichProgressBar()
         init_kl_coef = getattr(self.model, "kl_coef", None)
         if init_kl_coef is not None:
             kl: KLSettings = self._get(self.config_init, "kl")
@@ -129,3 +139,7 @@ def main(args: list[str] | None = None) -> RLKLCLI:
         save_config_kwargs={"overwrite": True},
         args=args,
     )
+
+
+if __name__ == "__main__":
+    main()

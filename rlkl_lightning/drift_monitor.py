@@ -51,7 +51,8 @@ class KLDriftMonitor(Callback):
     the average has changed state again (e.g. back into the band and out once more).
 
     Logged every training batch: ``kl_monitor/avg_kl`` (window mean), ``kl_monitor/target`` and,
-    once ``min_batches`` values are in, ``kl_monitor/state``. Non-finite KL values are left out
+    once ``min_batches`` values are in, ``kl_monitor/state`` and ``kl_monitor/warnings`` (the
+    number of excursions so far). Non-finite KL values are left out
     of the window (the first one warns; all are counted in ``n_skipped``). The window, state and
     counters are saved in checkpoints. Sanity checking is skipped.
 
@@ -208,6 +209,8 @@ class KLDriftMonitor(Callback):
             return
         self._update_state(trainer, avg)
         pl_module.log("kl_monitor/state", float(self.state), on_step=True, on_epoch=False)
+        warnings = float(self.n_warnings_high + self.n_warnings_low)
+        pl_module.log("kl_monitor/warnings", warnings, on_step=True, on_epoch=False)
 
     def _check_unit(self, trainer: pl.Trainer) -> None:
         """Warn once if the target looks like it was written in the other unit.

@@ -1,7 +1,7 @@
 """Reward models: map (prompt, response) pairs to one scalar score each.
 
 A reward model is any callable ``reward(prompts, responses) -> Tensor[B]`` (float32, on
-the CPU); :class:`RewardModel` is that protocol, checkable with ``isinstance``. Three
+the CPU); :class:`RewardModel` is that interface, checkable with ``isinstance``. Three
 implementations:
 
 - :class:`FunctionReward` wraps a plain Python function.
@@ -15,9 +15,10 @@ raises :class:`InvalidRewardError` naming the reward class, so a trainer can ski
 batch instead of learning from garbage.
 """
 
+import abc
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -35,10 +36,17 @@ SCORES = ("logit", "prob", "log_odds")
 TEXTS = ("response", "prompt+response")
 
 
-@runtime_checkable
-class RewardModel(Protocol):
-    """Scores a batch of responses to their prompts."""
+class RewardModel(abc.ABC):
+    """Scores a batch of responses to their prompts.
 
+    Any object with ``__call__(prompts, responses)`` counts as a reward model for ``isinstance``
+    without subclassing this class (a structural check, as for a protocol). It is an abstract
+    class rather than a ``typing.Protocol`` so that LightningCLI configs can name a reward by
+    ``class_path`` (``PPOModule``'s ``reward`` argument); a protocol with only ``__call__``
+    would be read there as a plain callable.
+    """
+
+    @abc.abstractmethod
     def __call__(self, prompts: list[str], responses: list[str]) -> Tensor:
         """Returns one score per pair.
 
@@ -49,7 +57,12 @@ class RewardModel(Protocol):
         Returns:
             ``[B]`` float32 scores on the CPU.
         """
-        ...
+
+    @classmethod
+    def __subclasshook__(cls, other: type) -> bool:
+        if cls is not RewardModel or issubclass(other, type):  # a class is callable, not a reward
+            return NotImplemented
+        return any("__call__" in base.__dict__ for base in other.__mro__) or NotImplemented
 
 
 class InvalidRewardError(ValueError):

@@ -10,6 +10,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# One torch thread per test process: `pytest -n 2` then uses the 2 cores without
+# oversubscription (torch's OpenMP threads slow down badly when they outnumber the cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 WORDS = (
     "good bad the a film book food was is very not really great awful fine dull "

@@ -137,8 +137,10 @@ def test_logs_window_average_state_and_target_every_batch():
         assert logged["kl_monitor/target"] == 1.0
         if i >= 2:  # min_batches = 3 values in the window
             assert logged["kl_monitor/state"] == states[i], i
+            # Excursions start at batches 5 (high), 12 (low) and 18 (high); the count is cumulative.
+            assert logged["kl_monitor/warnings"] == sum(i >= b for b in (5, 12, 18)), i
         else:
-            assert "kl_monitor/state" not in logged
+            assert "kl_monitor/state" not in logged and "kl_monitor/warnings" not in logged
     assert mon.state == 1 and list(mon.values) == [f32(4)] * 3
     assert mon.n_batches == len(KLS)
 

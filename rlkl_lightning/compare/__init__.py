@@ -1,0 +1,137 @@
+"""The study: fixed and adaptive KL control side by side, over seeds, with curves and a report.
+
+``python -m rlkl_lightning.compare --config configs/compare.yaml`` (or ``rlkl-compare``) runs
+every configured ``train.py`` config once per seed, each as its own process and TensorBoard run
+(:mod:`.runs`), reads the event files back (:mod:`.events`) and writes ``curves.png``,
+``report.md`` and ``summary.json`` into the output directory (:mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rlkl_lightning.compare.runs import RunProgress
+
+__all__ = ["RunProgress", "StudyConfig", "main"]
+
+
+@dataclass
+class StudyConfig:
+    """What the study runs.
+
+    Args:
+        runs: Controller name -> the ``train.py`` config of its run (paths relative to the
+            working directory). The report compares ``adaptive`` with ``fixed`` when both exist.
+        seeds: Seeds per controller: ``0 .. seeds-1``, the same for every controller (the seed
+            of ``seed_everything`` and of the prompt order).
+        batches: PPO batches per run (each run's ``trainer.max_steps`` is set to
+            ``batches * ppo_epochs * num_minibatches``).
+        val_every: Training batches between held-out perplexity evaluations.
+        sweep_kl_coefs: Extra fixed-beta runs (on the ``fixed`` config) for a score-vs-KL
+            frontier; empty: none.
+        sweep_seeds: Seeds of each sweep run (the first ones of ``seeds``).
+        workers: Runs in parallel, each its own process.
+        threads: torch threads per run.
+        out: Output directory (event files under ``runs/``, derived configs, logs, report).
+        overrides: Nested settings merged into every run's config, e.g.
+            ``{"model": {"init_args": {"policy": "path/to/model"}}}``.
+        quick_settings: Settings used instead with ``--quick`` (a short check of the whole
+            pipeline): any of ``seeds``, ``batches``, ``val_every``, ``sweep_kl_coefs``,
+            ``sweep_seeds``, ``workers``, and ``overrides`` (merged after the ones above).
+    """
+
+    runs: dict[str, str] = field(
+        default_factory=lambda: {
+            "fixed": "configs/ppo_fixed.yaml",
+            "adaptive": "configs/ppo_adaptive.yaml",
+        }
+    )
+    seeds: int = 3
+    batches: int = 150
+    val_every: int = 25
+    sweep_kl_coefs: list[float] = field(default_factory=list)
+    sweep_seeds: int = 1
+    workers: int = 2
+    threads: int = 1
+    out: str = "study"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    quick_settings: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("seeds", "batches", "val_every", "sweep_seeds", "workers", "threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"compare: `{name}` must be an integer >= 1, got {value!r}")
+        if not self.runs:
+            raise ValueError("compare: `runs` must name at least one controller and its config")
+        for beta in self.sweep_kl_coefs:
+            if not beta > 0:
+                raise ValueError(f"compare: `sweep_kl_coefs` must be > 0, got {beta!r}")
+        if self.sweep_kl_coefs and "fixed" not in self.runs:
+            raise ValueError("compare: `sweep_kl_coefs` needs a `fixed` entry in `runs`")
+        unknown = set(self.quick_settings) - {
+            "seeds",
+            "batches",
+            "val_every",
+            "sweep_kl_coefs",
+            "sweep_seeds",
+            "workers",
+            "overrides",
+        }
+        if unknown:
+            raise ValueError(f"compare: unknown `quick_settings` {sorted(unknown)}")
+
+    def as_quick(self) -> StudyConfig:
+        """These settings with ``quick_settings`` applied (its ``overrides`` merged after ours)."""
+        from rlkl_lightning.compare.runs import merge
+
+        quick = self.quick_settings
+        settings = {k: v for k, v in quick.items() if k != "overrides"}
+        overrides = merge(self.overrides, quick.get("overrides", {}))
+        return replace(self, **settings, overrides=overrides, quick_settings={})
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[StudyConfig, bool]:
+    """Parse ``--config FILE`` and the :class:`StudyConfig` flags; returns (settings, quick)."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(
+        prog="rlkl-compare",
+        description="Run fixed and adaptive KL control side by side and report the curves.",
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML of the settings below")
+    parser.add_class_arguments(StudyConfig, as_group=True)
+    parser.add_argument("--quick", action="store_true", help="use the `quick_settings`")
+    args = parser.parse_args(argv).as_dict()
+    quick = bool(args.pop("quick"))
+    args.pop("config", None)
+    study = StudyConfig(**args)
+    if not quick:
+        return study, False
+    # --quick replaces settings from the YAML, but a flag on the command line still wins.
+    given = [a.partition("=")[0][2:] for a in (sys.argv[1:] if argv is None else argv)]
+    flags = {name: args[name] for name in StudyConfig.__dataclass_fields__ if name in given}
+    return replace(study.as_quick(), **flags), True
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the study; returns the summary that is also written to ``summary.json``."""
+    from rlkl_lightning.compare.report import write_report
+    from rlkl_lightning.compare.runs import plan_runs, run_all
+
+    study, _ = parse_args(argv)
+    out = Path(study.out)
+    start = time.perf_counter()
+    runs = plan_runs(study, out)
+    run_all(runs, study)
+    summary = write_report(runs, study, out, elapsed=time.perf_counter() - start)
+    print(f"study written to {out}/: curves.png, report.md, summary.json")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

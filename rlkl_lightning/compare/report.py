@@ -1,0 +1,298 @@
+"""Aggregate the study's runs over seeds and write ``curves.png``, ``report.md``, ``summary.json``.
+
+With a beta sweep, ``frontier.png`` shows final score and held-out perplexity against final KL
+for every run, so one sees where the adaptive controller lands among the fixed betas.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import yaml
+
+from rlkl_lightning.compare.events import METRICS, Curves, read_curves, run_metrics
+
+if TYPE_CHECKING:
+    from rlkl_lightning.compare import StudyConfig
+    from rlkl_lightning.compare.runs import Run
+
+SMOOTH = 5  # batches in the moving average of the score and KL curves
+KL_DEFAULTS = {"target": 6.0, "unit": "sequence", "low": 0.5, "high": 2.0}  # as KLSettings
+
+
+def kl_settings(runs: list[Run]) -> dict[str, Any]:
+    """The KL target, unit and monitor band shared by every run.
+
+    Raises:
+        ValueError: If the runs do not share them (their numbers would not be comparable).
+    """
+    seen = set()
+    for run in runs:
+        kl = yaml.safe_load(run.config.read_text()).get("kl") or {}
+        seen.add(tuple(kl.get(k, v) for k, v in KL_DEFAULTS.items()))
+    if len(seen) != 1:
+        raise ValueError(
+            f"compare: the runs must share kl.target, kl.unit, kl.low and kl.high; got {seen}"
+        )
+    return dict(zip(KL_DEFAULTS, seen.pop(), strict=True))
+
+
+def aggregate(per_seed: list[dict[str, float]]) -> dict[str, Any]:
+    """Mean over seeds of each metric, with the standard deviation and the per-seed values."""
+    values = {name: np.array([m[name] for m in per_seed], dtype=float) for name in METRICS}
+    return {
+        **{name: float(v.mean()) for name, v in values.items()},
+        "std": {name: float(v.std(ddof=1)) if len(v) > 1 else None for name, v in values.items()},
+        "per_seed": {name: v.tolist() for name, v in values.items()},
+    }
+
+
+def verdict(groups: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Does adaptive reach similar or better score with KL closer to target than fixed?
+
+    "Similar or better" means the adaptive mean is at least the fixed mean minus two standard
+    errors of the difference (over seeds); with one seed there is no error estimate and only
+    the point values count. "Closer" compares the KL tracking errors.
+    """
+    if "adaptive" not in groups or "fixed" not in groups:
+        return None
+    a, f = groups["adaptive"], groups["fixed"]
+    diff = a["final_score"] - f["final_score"]
+    n_a, n_f = len(a["per_seed"]["final_score"]), len(f["per_seed"]["final_score"])
+    if n_a > 1 and n_f > 1:
+        se = math.sqrt(a["std"]["final_score"] ** 2 / n_a + f["std"]["final_score"] ** 2 / n_f)
+    else:
+        se = 0.0
+    return {
+        "score_difference": diff,
+        "score_difference_2se": 2 * se,
+        "similar_or_better_score": bool(diff >= -2 * se),
+        "kl_closer_to_target": bool(a["kl_tracking_error"] < f["kl_tracking_error"]),
+    }
+
+
+def _statement(v: dict[str, Any] | None, groups: dict[str, Any], kl: dict[str, Any]) -> str:
+    if v is None:
+        return "The study ran no `fixed` / `adaptive` pair, so there is no comparison to state."
+    a, f = groups["adaptive"], groups["fixed"]
+    score = (
+        "higher than"
+        if v["score_difference"] > v["score_difference_2se"]
+        else "similar to"
+        if v["similar_or_better_score"]
+        else "lower than"
+    )
+    closer = "closer to" if v["kl_closer_to_target"] else "no closer to"
+    yes = v["similar_or_better_score"] and v["kl_closer_to_target"]
+    return (
+        f"Adaptive control reached a final score {score} that of the fixed beta it started from "
+        f"({a['final_score']:.3f} vs {f['final_score']:.3f}, difference "
+        f"{v['score_difference']:+.3f}, two standard errors {v['score_difference_2se']:.3f}) "
+        f"with its KL {closer} the target of {kl['target']:g} nats per {kl['unit']} "
+        f"(tracking error {a['kl_tracking_error']:.2f} vs {f['kl_tracking_error']:.2f}; final "
+        f"KL {a['final_kl']:.2f} vs {f['final_kl']:.2f}; in band {a['in_band_fraction']:.0%} "
+        f"vs {f['in_band_fraction']:.0%} of batches). Final beta: {a['final_kl_coef']:.3g} "
+        f"(adaptive) vs {f['final_kl_coef']:.3g} (fixed). Held-out perplexity: "
+        f"{a['final_perplexity']:.3f} vs {f['final_perplexity']:.3f}.\n\n"
+        f"**Adaptive reached similar or better score with KL closer to target: "
+        f"{'yes' if yes else 'no'}.**"
+    )
+
+
+def write_report(runs: list[Run], study: StudyConfig, out: Path, elapsed: float) -> dict:
+    """Read every run, write the three (or four) files, return the summary."""
+    kl = kl_settings(runs)
+    curves = {run: read_curves(run.log_dir) for run in runs}
+    by_group: dict[str, list[Run]] = {}
+    for run in runs:
+        by_group.setdefault(run.group, []).append(run)
+    groups = {}
+    for group, members in by_group.items():
+        metrics = [run_metrics(curves[r], kl["target"], kl["low"], kl["high"]) for r in members]
+        groups[group] = {
+            **aggregate(metrics),
+            "seeds": [r.seed for r in members],
+            "init_kl_coef": members[0].kl_coef,
+        }
+    refs = [c.reference_perplexity for c in curves.values() if c.reference_perplexity]
+    summary: dict[str, Any] = {
+        **groups,
+        "reference_perplexity": float(np.mean(refs)) if refs else None,
+        "target_kl": kl["target"],
+        "kl_unit": kl["unit"],
+        "band": [kl["low"], kl["high"]],
+        "seeds": list(range(study.seeds)),
+        "batches": study.batches,
+        "samples_per_run": int(max(c.samples[-1] for c in curves.values())),
+        "elapsed_s": round(elapsed, 1),
+        "verdict": verdict(groups),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    main_groups = [g for g in study.runs if g in by_group]
+    plot_curves({g: [curves[r] for r in by_group[g]] for g in main_groups}, kl, out)
+    frontier = len(by_group) > len(main_groups)
+    if frontier:
+        plot_frontier(groups, kl, out)
+    else:
+        (out / "frontier.png").unlink(missing_ok=True)  # from an earlier study
+    first_runs = [members[0] for members in by_group.values()]
+    (out / "report.md").write_text(
+        _markdown(summary, groups, len(runs), first_runs, study, kl, frontier)
+    )
+    return summary
+
+
+def _markdown(summary, groups, n_runs, first_runs, study, kl, frontier: bool) -> str:
+    unit = f"nats per {kl['unit']}"
+    lines = [
+        "# Study: fixed vs adaptive KL control",
+        "",
+        f"{n_runs} runs: {', '.join(f'`{g}`' for g in groups)}; seeds "
+        f"{summary['seeds']}; {study.batches} PPO batches ({summary['samples_per_run']} samples) "
+        f"per run; KL target {kl['target']:g} {unit}, band "
+        f"[{kl['low']:g}x, {kl['high']:g}x]. {summary['elapsed_s'] / 60:.1f} minutes on "
+        f"{os.cpu_count()} CPU cores ({platform.machine()}), {study.workers} runs at a time "
+        f"with {study.threads} torch thread(s) each.",
+        "",
+        "![curves](curves.png)",
+        "",
+        "| controller | initial beta | final score | KL tracking error | in band | drift warnings "
+        "| final KL | final beta | held-out perplexity |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for group, g in groups.items():
+
+        def cell(name: str, fmt: str, g=g) -> str:
+            std = g["std"][name]
+            mean = format(g[name], fmt)
+            return mean if std is None or math.isnan(std) else f"{mean} ± {format(std, fmt)}"
+
+        lines.append(
+            f"| `{group}` | {g['init_kl_coef']:g} | {cell('final_score', '.3f')} | "
+            f"{cell('kl_tracking_error', '.2f')} | {cell('in_band_fraction', '.2f')} | "
+            f"{cell('drift_warnings', '.1f')} | {cell('final_kl', '.2f')} | "
+            f"{cell('final_kl_coef', '.3g')} | {cell('final_perplexity', '.3f')} |"
+        )
+    ref = summary["reference_perplexity"]
+    lines += [
+        "",
+        f"Reference held-out perplexity: {ref:.3f}." if ref else "No held-out perplexity.",
+        "Values are mean ± standard deviation over seeds. Final score and final KL: mean over "
+        "the last 20% of batches; KL tracking error: mean |KL - target| / target over the "
+        "second half; in band: fraction of all batches with the batch KL inside the band; "
+        "drift warnings: per run.",
+        "",
+        _statement(summary["verdict"], groups, kl),
+        "",
+    ]
+    if frontier:
+        lines += ["![frontier](frontier.png)", ""]
+    lines += ["Repeat one run alone (the first seed of each):", "", "```"]
+    lines += [f"python train.py fit --config {r.config}" for r in first_runs]
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+def _smooth(x: np.ndarray, k: int = SMOOTH) -> np.ndarray:
+    """Trailing moving average over up to ``k`` values (shorter at the start)."""
+    c = np.cumsum(np.insert(x, 0, 0.0))
+    idx = np.arange(1, len(x) + 1)
+    lo = np.maximum(idx - k, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def _stack(series: list[np.ndarray]) -> np.ndarray:
+    n = min(len(s) for s in series)  # seeds may differ by a skipped batch
+    return np.stack([s[:n] for s in series])
+
+
+def plot_curves(groups: dict[str, list[Curves]], kl: dict[str, Any], out: Path) -> None:
+    """Score, KL (target and band), beta and held-out perplexity against samples seen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    (ax_score, ax_kl), (ax_beta, ax_ppl) = axes
+    target = kl["target"]
+    ax_kl.axhspan(kl["low"] * target, kl["high"] * target, color="tab:green", alpha=0.08)
+    ax_kl.axhline(target, color="black", linestyle="--", linewidth=1, label="target")
+    for i, (group, runs) in enumerate(groups.items()):
+        color = f"C{i}"
+        samples = _stack([c.samples for c in runs])[0]
+        for ax, field, smooth in (
+            (ax_score, "score", True),
+            (ax_kl, "kl", True),
+            (ax_beta, "kl_coef", False),
+        ):
+            values = _stack([getattr(c, field) for c in runs])
+            if smooth:
+                values = np.stack([_smooth(v) for v in values])
+            ax.plot(samples, values.mean(0), color=color, label=f"{group} ({len(runs)} seeds)")
+            ax.fill_between(samples, values.min(0), values.max(0), color=color, alpha=0.2)
+        if all(len(c.perplexity) for c in runs):
+            ppl = _stack([c.perplexity for c in runs])
+            x = _stack([c.val_samples for c in runs])[0]
+            ax_ppl.plot(x, ppl.mean(0), "o-", color=color, label=group)
+            ax_ppl.fill_between(x, ppl.min(0), ppl.max(0), color=color, alpha=0.2)
+    refs = [c.reference_perplexity for runs in groups.values() for c in runs]
+    if refs and refs[0]:
+        ax_ppl.axhline(refs[0], color="black", linestyle="--", linewidth=1, label="reference")
+    unit = f"nats per {kl['unit']}"
+    ax_score.set(title=f"reward-model score ({SMOOTH}-batch mean)", ylabel="objective/score")
+    ax_kl.set(
+        title=f"KL to the reference ({SMOOTH}-batch mean); band {kl['low']:g}x-{kl['high']:g}x",
+        ylabel=f"objective/kl ({unit})",
+    )
+    ax_beta.set(title="beta", ylabel="objective/kl_coef", yscale="log")
+    ax_ppl.set(title="held-out perplexity", ylabel="val/perplexity")
+    for ax in axes.flat:
+        ax.set_xlabel("samples seen")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Lines: mean over seeds; shading: min to max over seeds")
+    fig.savefig(out / "curves.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_frontier(groups: dict[str, dict[str, Any]], kl: dict[str, Any], out: Path) -> None:
+    """Final score and perplexity against final KL, one point per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_score, ax_ppl) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    fixed = sorted(
+        (g for g in groups if g == "fixed" or g.startswith("fixed_")),
+        key=lambda g: groups[g]["init_kl_coef"],
+    )
+    for ax, name in ((ax_score, "final_score"), (ax_ppl, "final_perplexity")):
+        ax.axvline(kl["target"], color="black", linestyle="--", linewidth=1, label="target")
+        xs = [groups[g]["final_kl"] for g in fixed]
+        ax.plot(xs, [groups[g][name] for g in fixed], "-", color="gray", alpha=0.6)
+        for g in fixed:
+            per = groups[g]["per_seed"]
+            ax.scatter(per["final_kl"], per[name], color="gray", s=15)
+            ax.annotate(
+                f"beta {groups[g]['init_kl_coef']:g}",
+                (groups[g]["final_kl"], groups[g][name]),
+                fontsize=8,
+            )
+        for i, g in enumerate(x for x in groups if x not in fixed):
+            per = groups[g]["per_seed"]
+            ax.scatter(per["final_kl"], per[name], marker="*", s=120, color=f"C{i + 1}", label=g)
+        ax.set_xlabel(f"final KL (nats per {kl['unit']})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_score.set(title="score vs KL: fixed betas (gray) and the controllers", ylabel="final score")
+    ax_ppl.set(title="held-out perplexity vs KL", ylabel="final perplexity")
+    fig.savefig(out / "frontier.png", dpi=110)
+    plt.close(fig)

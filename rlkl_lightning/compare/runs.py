@@ -1,0 +1,273 @@
+"""Plan and launch the study's runs: one ``train.py fit`` process per (controller, seed).
+
+Each run gets a derived config, written to ``<out>/configs/<run>.yaml``: its base config with
+the study's overrides merged in, the seed, the run length and a TensorBoard logger writing to
+``<out>/runs/<group>/seed<k>/``. So every run can be repeated alone with
+``python train.py fit --config <out>/configs/<run>.yaml``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from lightning.pytorch import Callback
+
+if TYPE_CHECKING:
+    from rlkl_lightning.compare import StudyConfig
+
+
+class RunProgress(Callback):
+    """Write the number of finished training batches to a file (read by the study's progress bar).
+
+    Args:
+        path: File to (over)write after every training batch.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Count the batch and write the count."""
+        self.batches += 1
+        if trainer.is_global_zero:
+            self.path.write_text(str(self.batches))
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of the study.
+
+    Attributes:
+        group: What the report aggregates over seeds: a controller name from ``runs``, or
+            ``fixed_<beta>`` for a sweep run.
+        seed: Its seed.
+        kl_coef: The initial beta of the run.
+        config: The derived ``train.py`` config.
+        log_dir: The TensorBoard run directory.
+        out: The study's output directory.
+    """
+
+    group: str
+    seed: int
+    kl_coef: float
+    config: Path
+    log_dir: Path
+    out: Path
+
+    @property
+    def name(self) -> str:
+        """``<group>-seed<k>``: names its config, log and progress files."""
+        return f"{self.group}-seed{self.seed}"
+
+    @property
+    def log_file(self) -> Path:
+        """Everything the run printed."""
+        return self.out / "logs" / f"{self.name}.log"
+
+    @property
+    def progress_file(self) -> Path:
+        """Written by :class:`RunProgress`."""
+        return self.out / "progress" / f"{self.name}.txt"
+
+    def batches_done(self) -> int:
+        """Finished training batches so far (0 before the first)."""
+        try:
+            return int(self.progress_file.read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of ``base`` with ``over`` merged in (dicts merge; anything else replaces)."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
+    """A class's init argument in a config: its value there, else the class default."""
+    section = config.get(group) or {}
+    args = section.get("init_args") or {}
+    if name in args:
+        return args[name]
+    path = section.get("class_path")
+    if not path:
+        raise ValueError(f"compare: the config has no `{group}.class_path`")
+    module, _, cls = path.rpartition(".")
+    parameter = inspect.signature(getattr(importlib.import_module(module), cls)).parameters.get(
+        name
+    )
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        raise ValueError(f"compare: `{group}.init_args.{name}` is needed and has no default")
+    return parameter.default
+
+
+def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
+    """Write the derived config of every run; seeds outermost, so early results are balanced."""
+    bases = {}
+    for group, path in study.runs.items():
+        if not Path(path).is_file():
+            raise ValueError(f"compare: `runs.{group}` config not found: {path!r}")
+        bases[group] = merge(yaml.safe_load(Path(path).read_text()) or {}, study.overrides)
+    plan: list[tuple[str, int, dict[str, Any]]] = []
+    for seed in range(study.seeds):
+        plan += [(group, seed, base) for group, base in bases.items()]
+    if study.sweep_kl_coefs:
+        fixed_beta = float(init_arg(bases["fixed"], "model", "init_kl_coef"))
+        for beta in study.sweep_kl_coefs:
+            if beta == fixed_beta:  # the `fixed` runs already cover it
+                continue
+            swept = merge(bases["fixed"], {"model": {"init_args": {"init_kl_coef": beta}}})
+            for seed in range(min(study.sweep_seeds, study.seeds)):
+                plan.append((f"fixed_{beta:g}", seed, swept))
+    for sub in ("configs", "logs", "progress"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    return [_derive(group, seed, base, study, out) for group, seed, base in plan]
+
+
+def _derive(group: str, seed: int, base: dict[str, Any], study: StudyConfig, out: Path) -> Run:
+    steps = int(init_arg(base, "model", "ppo_epochs")) * int(
+        init_arg(base, "model", "num_minibatches")
+    )
+    log_root = (out / "runs").resolve()
+    run = Run(
+        group=group,
+        seed=seed,
+        kl_coef=float(init_arg(base, "model", "init_kl_coef")),
+        config=out / "configs" / f"{group}-seed{seed}.yaml",
+        log_dir=log_root / group / f"seed{seed}",
+        out=out,
+    )
+    trainer = {
+        "max_epochs": -1,
+        "max_steps": study.batches * steps,  # optimizer steps: `steps` per PPO batch
+        "val_check_interval": min(study.val_every, study.batches),
+        "check_val_every_n_epoch": None,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "logger": {
+            "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+            "init_args": {
+                "save_dir": str(log_root),
+                "name": group,
+                "version": f"seed{seed}",
+                "default_hp_metric": False,
+            },
+        },
+    }
+    config = merge(base, {"seed_everything": seed, "trainer": trainer})
+    if (config.get("data") or {}).get("class_path", "").endswith("PromptDataModule"):
+        config = merge(config, {"data": {"init_args": {"seed": seed}}})  # prompt order
+    progress = {
+        "class_path": "rlkl_lightning.compare.RunProgress",
+        "init_args": {"path": str(run.progress_file.resolve())},
+    }
+    config["trainer"]["callbacks"] = list(config["trainer"].get("callbacks") or []) + [progress]
+    run.config.write_text(yaml.safe_dump(config, sort_keys=False))
+    return run
+
+
+def uses_default_world(config: dict[str, Any]) -> bool:
+    """Whether a run reads the default world (its policy, prompts or held-out text)."""
+    if init_arg(config, "model", "policy") == "default":
+        return True
+    data = config.get("data") or {}
+    if not data.get("class_path", "").endswith("PromptDataModule"):
+        return False
+    return "default" in (init_arg(config, "data", "prompts"), init_arg(config, "data", "heldout"))
+
+
+def run_all(runs: list[Run], study: StudyConfig) -> None:
+    """Run everything, ``study.workers`` at a time, behind one progress bar.
+
+    Raises:
+        RuntimeError: If a run fails (the others are stopped; its log is quoted).
+    """
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    if any(uses_default_world(yaml.safe_load(r.config.read_text())) for r in runs):
+        from rlkl_lightning.world import build_world
+
+        build_world(num_threads=os.cpu_count())  # once, before the runs race for it
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(study.threads),
+        "MKL_NUM_THREADS": str(study.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    pending, running = list(runs), {}
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("batches"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns) as progress:
+        task = progress.add_task(f"{len(runs)} runs", total=len(runs) * study.batches)
+        finished = 0
+        try:
+            while pending or running:
+                while pending and len(running) < study.workers:
+                    run = pending.pop(0)
+                    running[run] = _start(run, env)
+                for run, proc in list(running.items()):
+                    if proc.poll() is None:
+                        continue
+                    del running[run]
+                    if proc.returncode != 0:
+                        tail = run.log_file.read_text()[-4000:]
+                        raise RuntimeError(
+                            f"compare: run {run.name} failed (exit {proc.returncode}); "
+                            f"end of {run.log_file}:\n{tail}"
+                        )
+                    finished += 1
+                done = sum(r.batches_done() for r in running) + finished * study.batches
+                progress.update(
+                    task,
+                    completed=done,
+                    description=f"{finished}/{len(runs)} runs",
+                )
+                time.sleep(0.5)
+        finally:
+            for proc in running.values():
+                proc.terminate()
+            for proc in running.values():
+                proc.wait()
+
+
+def _start(run: Run, env: dict[str, str]) -> subprocess.Popen:
+    shutil.rmtree(run.log_dir, ignore_errors=True)  # never mix event files of two studies
+    run.progress_file.unlink(missing_ok=True)
+    with open(run.log_file, "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rlkl_lightning.cli", "fit", "--config", str(run.config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )

@@ -1,0 +1,152 @@
+"""The study end to end on a tiny local model: files, keys, and numbers that match the events."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from rlkl_lightning.compare import StudyConfig, main, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+METRIC_KEYS = {"final_score", "kl_tracking_error", "in_band_fraction", "drift_warnings"}
+METRIC_KEYS |= {"final_perplexity"}
+
+
+@pytest.fixture(scope="module")
+def study(tiny_lm_dir, tmp_path_factory):
+    """`--quick` on configs/compare.yaml with a tiny model: 2 controllers x 2 seeds x 3 batches."""
+    tmp = tmp_path_factory.mktemp("study")
+    prompts = tmp / "prompts.txt"
+    prompts.write_text("\n".join(["the film was", "this book is", "the food", "a story"] * 8))
+    overrides = {
+        "model": {
+            "init_args": {"policy": str(tiny_lm_dir), "max_prompt_tokens": 8, "max_new_tokens": 6}
+        },
+        "data": {"init_args": {"prompts": str(prompts), "heldout": str(prompts), "batch_size": 8}},
+        "kl": {"target": 0.05, "horizon": 16, "window": 2},  # beta visibly moves in 3 batches
+    }
+    extra = tmp / "tiny.yaml"
+    extra.write_text(yaml.safe_dump({"overrides": overrides}))
+    out = tmp / "out"
+    argv = ["--config", str(ROOT / "configs" / "compare.yaml"), "--config", str(extra)]
+    argv += ["--quick", "--seeds", "2", "--batches", "3", "--val_every", "3", "--out", str(out)]
+    summary = main(argv)
+    return out, summary
+
+
+def events(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def test_writes_the_files_with_their_keys(study):
+    out, summary = study
+    for name in ("curves.png", "report.md", "summary.json"):
+        assert (out / name).stat().st_size > 0, name
+    assert not (out / "frontier.png").exists()  # --quick runs no sweep
+    assert json.loads((out / "summary.json").read_text()) == summary
+    for key in ("reference_perplexity", "target_kl", "kl_unit", "seeds"):
+        assert key in summary
+    assert summary["target_kl"] == 0.05 and summary["kl_unit"] == "sequence"
+    assert summary["seeds"] == [0, 1]
+    for group in ("fixed", "adaptive"):
+        assert METRIC_KEYS <= summary[group].keys()
+        assert summary[group]["seeds"] == [0, 1]
+        assert all(len(v) == 2 for v in summary[group]["per_seed"].values())
+    report = (out / "report.md").read_text()
+    assert "| `adaptive` |" in report and "| `fixed` |" in report
+    assert "Adaptive reached similar or better score with KL closer to target:" in report
+
+
+def test_numbers_agree_with_the_event_files(study):
+    """Recompute every number from the raw events, independently of the study's own reader."""
+    out, summary = study
+    target, n = 0.05, 3
+    for group in ("fixed", "adaptive"):
+        per_seed = summary[group]["per_seed"]
+        for i, seed in enumerate((0, 1)):
+            ev = events(out / "runs" / group / f"seed{seed}")
+            score = [v for _, v in ev["objective/score"]]
+            kl = [v for _, v in ev["objective/kl"]]
+            assert len(score) == len(kl) == n  # one event per batch, no skipped batch here
+            assert per_seed["final_score"][i] == pytest.approx(score[-1], rel=1e-6)  # 20% of 3
+            err = np.mean([abs(k - target) / target for k in kl[1:]])  # second half: batches 2-3
+            assert per_seed["kl_tracking_error"][i] == pytest.approx(err, rel=1e-6)
+            band = np.mean([0.5 * target <= k <= 2 * target for k in kl])
+            assert per_seed["in_band_fraction"][i] == pytest.approx(band, abs=1e-12)
+            warnings = ev.get("kl_monitor/warnings", [(0, 0.0)])[-1][1]
+            assert per_seed["drift_warnings"][i] == warnings
+            ppl = ev["val/perplexity"][-1][1]
+            assert per_seed["final_perplexity"][i] == pytest.approx(ppl, rel=1e-6)
+            beta = ev["objective/kl_coef"][-1][1]
+            assert per_seed["final_kl_coef"][i] == pytest.approx(beta, rel=1e-6)
+            samples = ev["progress/samples"][-1][1]
+            assert samples == n * 8
+        assert summary[group]["final_score"] == pytest.approx(np.mean(per_seed["final_score"]))
+        ref = events(out / "runs" / group / "seed0")["val/perplexity_ref"][-1][1]
+        assert summary["reference_perplexity"] == pytest.approx(ref, rel=1e-6)
+    # The pair differs only in the controller: same initial beta, only adaptive's moves.
+    assert summary["fixed"]["per_seed"]["final_kl_coef"] == pytest.approx([0.1, 0.1])
+    assert all(
+        b != pytest.approx(0.1, rel=1e-3) for b in summary["adaptive"]["per_seed"]["final_kl_coef"]
+    )
+
+
+def test_each_run_is_a_reproducible_train_config(study):
+    out, _ = study
+    config = yaml.safe_load((out / "configs" / "adaptive-seed1.yaml").read_text())
+    assert config["seed_everything"] == 1 and config["data"]["init_args"]["seed"] == 1
+    assert config["trainer"]["max_steps"] == 3 * 4 * 4  # batches x ppo_epochs x minibatches
+    assert config["kl"]["controller"] == "adaptive"
+    assert config["trainer"]["logger"]["init_args"]["version"] == "seed1"
+
+
+def test_a_failing_run_stops_the_study_and_quotes_its_log(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the film was\nthis book is\n")
+    bad = {
+        "model": {"init_args": {"policy": str(tmp_path / "missing")}},
+        "data": {"init_args": {"prompts": str(prompts), "heldout": None}},
+    }
+    extra = tmp_path / "bad.yaml"
+    extra.write_text(yaml.safe_dump({"overrides": bad}))
+    argv = ["--config", str(ROOT / "configs" / "compare.yaml"), "--config", str(extra)]
+    argv += ["--quick", "--seeds", "1", "--out", str(tmp_path / "out")]
+    with pytest.raises(RuntimeError, match=r"(?s)run fixed-seed0 failed .*does not exist"):
+        main(argv)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"seeds": 0}, "`seeds` must be an integer >= 1"),
+        ({"batches": -1}, "`batches` must be an integer >= 1"),
+        ({"runs": {}}, "`runs` must name at least one"),
+        ({"sweep_kl_coefs": [0.0]}, "`sweep_kl_coefs` must be > 0"),
+        ({"runs": {"adaptive": "x.yaml"}, "sweep_kl_coefs": [0.1]}, "needs a `fixed` entry"),
+        ({"quick_settings": {"sedes": 1}}, r"unknown `quick_settings` \['sedes'\]"),
+    ],
+)
+def test_bad_settings_name_the_option(settings, message):
+    with pytest.raises(ValueError, match=message):
+        StudyConfig(**settings)
+
+
+def test_flags_win_over_quick_settings_and_missing_configs_are_named(tmp_path):
+    config = str(ROOT / "configs" / "compare.yaml")
+    study, quick = parse_args(["--config", config, "--quick", "--seeds", "2"])
+    assert quick and study.seeds == 2 and study.batches == 4 and study.sweep_kl_coefs == []
+    study, quick = parse_args(["--config", config])
+    assert not quick and study.seeds == 3 and not math.isnan(study.batches)
+    from rlkl_lightning.compare.runs import plan_runs
+
+    with pytest.raises(ValueError, match=r"`runs.fixed` config not found: 'nope.yaml'"):
+        plan_runs(StudyConfig(runs={"fixed": "nope.yaml"}), tmp_path)

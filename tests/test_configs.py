@@ -1,0 +1,137 @@
+"""Every YAML in configs/ is a test case: run for two batches with tiny local overrides.
+
+The real-model config needs the Hugging Face hub, so it is only parsed; the study config is
+parsed here and run end to end (``--quick``) in test_compare.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlkl_lightning.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+NEEDS_HUB = {"ppo_gpt2_imdb.yaml"}
+
+
+def scalar_tags(log_dir: Path) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (version,) = log_dir.glob("*/version_*")
+    acc = EventAccumulator(str(version))
+    acc.Reload()
+    return set(acc.Tags()["scalars"]) | {f"text:{t}" for t in acc.Tags()["tensors"]}
+
+
+def test_the_configs_are_all_here():
+    names = {c.name for c in CONFIGS}
+    assert {"ppo_adaptive.yaml", "ppo_fixed.yaml", "sft.yaml", "compare.yaml"} <= names
+    assert NEEDS_HUB <= names
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_config_opens_with_what_it_runs_and_the_command(config):
+    head = config.read_text().split("\n\n")[0]
+    assert head.startswith("# "), "a config opens with a comment saying what it runs"
+    assert config.name in head, "and the exact command"
+    assert "here" in head, "and how long it took here (or why it did not run here)"
+
+
+@pytest.mark.parametrize("name", ["ppo_adaptive.yaml", "ppo_fixed.yaml"])
+def test_ppo_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(["the film was", "this book is", "the food", "a story"] * 4))
+    cli = main(
+        ["fit", "--config", str(ROOT / "configs" / name)]
+        + [f"--model.policy={tiny_lm_dir}", "--model.max_prompt_tokens=8"]
+        + ["--model.max_new_tokens=6", "--model.log_samples_every=1"]
+        + [f"--data.prompts={prompts}", f"--data.heldout={prompts}", "--data.batch_size=4"]
+        + ["--trainer.max_steps=32", "--trainer.val_check_interval=2"]
+        + [f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}"]
+    )
+    config = yaml.safe_load((ROOT / "configs" / name).read_text())
+    module = cli.model
+    assert module.batches_seen == 2  # max_steps = 2 batches x 16 optimizer steps
+    controller, monitor = cli.trainer.callbacks[:2]
+    assert monitor.target == config["kl"]["target"]  # given once, shared
+    if config["kl"]["controller"] == "fixed":
+        assert type(controller.controller).__name__ == "FixedKLController"
+        assert module.kl_coef == config["model"]["init_args"]["init_kl_coef"]
+    else:
+        assert controller.controller.target == monitor.target
+        assert module.kl_coef != config["model"]["init_args"]["init_kl_coef"]
+    tags = scalar_tags(tmp_path / "runs")
+    for tag in ("objective/kl", "objective/kl_coef", "objective/score", "kl_monitor/target"):
+        assert tag in tags
+    assert {"val/perplexity", "val/perplexity_ref", "text:samples/text_summary"} <= tags
+
+
+def test_sft_config_trains_and_exports_a_loadable_model(tiny_lm_dir, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(["the film was good", "this book is bad", "the food"] * 8))
+    export = tmp_path / "export"
+    main(
+        ["fit", "--config", str(ROOT / "configs" / "sft.yaml")]
+        + [f"--model.tokenizer={tiny_lm_dir}", f"--data.tokenizer={tiny_lm_dir}"]
+        + ["--model.n_layer=1", "--model.n_embd=16", "--model.n_head=2"]
+        + [f"--model.export_dir={export}", f"--data.train_files={texts}"]
+        + [f"--data.val_files={texts}", "--trainer.max_steps=2", "--trainer.val_check_interval=2"]
+        + [f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}"]
+    )
+    assert AutoModelForCausalLM.from_pretrained(export).config.n_layer == 1
+    assert "val/perplexity" in scalar_tags(tmp_path / "runs")
+
+
+def test_real_model_config_parses(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "configs" / "ppo_gpt2_imdb.yaml"), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["init_args"]["policy"] == "gpt2"
+    reward = printed["model"]["init_args"]["reward"]
+    assert reward["class_path"] == "rlkl_lightning.rewards.SequenceClassifierReward"
+    assert printed["kl"] == {**printed["kl"], "target": 6.0, "unit": "sequence"}
+
+
+def test_study_config_parses_and_names_existing_run_configs(monkeypatch):
+    from rlkl_lightning.compare import parse_args
+
+    monkeypatch.chdir(ROOT)
+    study, _ = parse_args(["--config", "configs/compare.yaml"])
+    assert set(study.runs) == {"fixed", "adaptive"}
+    assert all((ROOT / path).is_file() for path in study.runs.values())
+
+
+def test_a_reward_named_by_class_path_in_the_config_is_the_one_used(
+    tiny_lm_dir, tmp_path, monkeypatch
+):
+    from test_rewards import _save_tiny_classifier  # tests/ is on sys.path under pytest
+
+    from rlkl_lightning.rewards import SequenceClassifierReward
+
+    monkeypatch.chdir(tmp_path)
+    _save_tiny_classifier(tmp_path / "clf")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(["the film was", "this book is"] * 4))
+    reward = {
+        "class_path": "rlkl_lightning.rewards.SequenceClassifierReward",
+        "init_args": {"model": str(tmp_path / "clf"), "label": "POSITIVE", "score": "prob"},
+    }
+    cli = main(
+        ["fit", "--config", str(ROOT / "configs" / "ppo_fixed.yaml")]
+        + [f"--model.policy={tiny_lm_dir}", "--model.max_prompt_tokens=8"]
+        + ["--model.max_new_tokens=4", f"--model.reward={yaml.safe_dump(reward)}"]
+        + [f"--data.prompts={prompts}", "--data.heldout=null", "--data.batch_size=4"]
+        + ["--trainer.max_steps=16", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    )
+    assert isinstance(cli.model.reward, SequenceClassifierReward)
+    score = float(cli.trainer.callback_metrics["objective/score"])
+    assert 0.0 < score < 1.0  # a probability: the classifier scored the batch
