@@ -153,6 +153,18 @@ class KLDriftMonitor(Callback):
         """Mean of the values in the window (``nan`` while it is empty)."""
         return sum(self.values) / len(self.values) if self.values else math.nan
 
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # TensorBoard's "Custom Scalars" tab: the KL, its window mean and the band in one chart.
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_custom_scalars"):
+                title = f"KL ({UNIT_NAMES[self.unit]}) and its target"
+                keys = [self.monitor, "kl_monitor/avg_kl", "kl_monitor/target"]
+                experiment.add_custom_scalars({"KL control": {title: ["Multiline", keys]}})
+
     def _classify(self, avg: float) -> int:
         if avg > self.high * self.target:
             return HIGH

@@ -150,3 +150,33 @@ def test_flags_win_over_quick_settings_and_missing_configs_are_named(tmp_path):
 
     with pytest.raises(ValueError, match=r"`runs.fixed` config not found: 'nope.yaml'"):
         plan_runs(StudyConfig(runs={"fixed": "nope.yaml"}), tmp_path)
+
+
+def _group(scores, errors):
+    from rlkl_lightning.compare.report import aggregate
+
+    metrics = [
+        dict.fromkeys(
+            ("in_band_fraction", "drift_warnings", "final_perplexity", "final_kl", "final_kl_coef"),
+            0.0,
+        )
+        | {"final_score": s, "kl_tracking_error": e}
+        for s, e in zip(scores, errors, strict=True)
+    ]
+    return aggregate(metrics)
+
+
+def test_verdict_follows_the_two_standard_error_rule():
+    from rlkl_lightning.compare.report import verdict
+
+    fixed = _group([0.60, 0.62, 0.64], [0.4, 0.4, 0.4])  # mean 0.62, sd 0.02
+    # Adaptive 0.58 (sd 0.02): difference -0.04, 2 SE = 2 * sqrt(2 * 0.02**2 / 3) = 0.0327.
+    lower = verdict({"fixed": fixed, "adaptive": _group([0.56, 0.58, 0.60], [0.1, 0.1, 0.1])})
+    assert lower["score_difference"] == pytest.approx(-0.04)
+    assert lower["score_difference_2se"] == pytest.approx(2 * math.sqrt(2 * 0.02**2 / 3))
+    assert not lower["similar_or_better_score"] and lower["kl_closer_to_target"]
+    similar = verdict({"fixed": fixed, "adaptive": _group([0.58, 0.60, 0.62], [0.5, 0.5, 0.5])})
+    assert similar["similar_or_better_score"] and not similar["kl_closer_to_target"]
+    one_seed = verdict({"fixed": _group([0.6], [0.4]), "adaptive": _group([0.599], [0.1])})
+    assert one_seed["score_difference_2se"] is None and not one_seed["similar_or_better_score"]
+    assert verdict({"fixed": fixed}) is None

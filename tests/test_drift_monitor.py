@@ -271,3 +271,33 @@ def test_error_when_the_monitored_key_was_never_logged():
 def test_bad_arguments_name_the_option(kwargs, option):
     with pytest.raises(ValueError, match=option):
         KLDriftMonitor(**kwargs)
+
+
+def test_tensorboard_gets_a_chart_of_the_kl_with_its_band(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[KLDriftMonitor(target=1.0, window=3, unit="token")],
+    )
+    trainer.fit(KLModule([0.1] * 4, key="objective/kl_per_token"))
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"))
+    acc.Reload()
+    (event,) = [e for e in acc.Tensors("custom_scalars__config__")]
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(event.tensor_proto.string_val[0])
+    (chart,) = layout.category[0].chart
+    assert chart.title == "KL (nats per token) and its target"
+    assert list(chart.multiline.tag) == [
+        "objective/kl_per_token",
+        "kl_monitor/avg_kl",
+        "kl_monitor/target",
+    ]

@@ -71,7 +71,7 @@ def verdict(groups: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         se = 0.0
     return {
         "score_difference": diff,
-        "score_difference_2se": 2 * se,
+        "score_difference_2se": 2 * se if n_a > 1 and n_f > 1 else None,
         "similar_or_better_score": bool(diff >= -2 * se),
         "kl_closer_to_target": bool(a["kl_tracking_error"] < f["kl_tracking_error"]),
     }
@@ -81,19 +81,23 @@ def _statement(v: dict[str, Any] | None, groups: dict[str, Any], kl: dict[str, A
     if v is None:
         return "The study ran no `fixed` / `adaptive` pair, so there is no comparison to state."
     a, f = groups["adaptive"], groups["fixed"]
+    two_se = v["score_difference_2se"]
     score = (
         "higher than"
-        if v["score_difference"] > v["score_difference_2se"]
+        if v["score_difference"] > (two_se or 0.0)
         else "similar to"
         if v["similar_or_better_score"]
         else "lower than"
+    )
+    spread = (
+        "one seed: no error estimate" if two_se is None else f"two standard errors {two_se:.3f}"
     )
     closer = "closer to" if v["kl_closer_to_target"] else "no closer to"
     yes = v["similar_or_better_score"] and v["kl_closer_to_target"]
     return (
         f"Adaptive control reached a final score {score} that of the fixed beta it started from "
         f"({a['final_score']:.3f} vs {f['final_score']:.3f}, difference "
-        f"{v['score_difference']:+.3f}, two standard errors {v['score_difference_2se']:.3f}) "
+        f"{v['score_difference']:+.3f}; {spread}) "
         f"with its KL {closer} the target of {kl['target']:g} nats per {kl['unit']} "
         f"(tracking error {a['kl_tracking_error']:.2f} vs {f['kl_tracking_error']:.2f}; final "
         f"KL {a['final_kl']:.2f} vs {f['final_kl']:.2f}; in band {a['in_band_fraction']:.0%} "
@@ -235,7 +239,8 @@ def plot_curves(groups: dict[str, list[Curves]], kl: dict[str, Any], out: Path) 
             values = _stack([getattr(c, field) for c in runs])
             if smooth:
                 values = np.stack([_smooth(v) for v in values])
-            ax.plot(samples, values.mean(0), color=color, label=f"{group} ({len(runs)} seeds)")
+            seeds = f"{len(runs)} seed{'s' if len(runs) > 1 else ''}"
+            ax.plot(samples, values.mean(0), color=color, label=f"{group} ({seeds})")
             ax.fill_between(samples, values.min(0), values.max(0), color=color, alpha=0.2)
         if all(len(c.perplexity) for c in runs):
             ppl = _stack([c.perplexity for c in runs])
