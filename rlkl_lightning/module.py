@@ -127,8 +127,12 @@ class PPOModule(LightningModule):
         num_logged_samples: int = 4,
     ):
         super().__init__()
-        _check_args(locals())
+        args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        _check_args(args)
         self.save_hyperparameters(ignore=["reward"])
+        # LightningCLI saves a subclass's own arguments as the hyperparameters; the settings
+        # read from `hparams` below must be the ones this module was built with.
+        self.hparams.update({k: v for k, v in args.items() if k != "reward"})
         self.automatic_optimization = False
 
         self.tokenizer = load_tokenizer(tokenizer or policy)
@@ -446,7 +450,9 @@ class PPOModule(LightningModule):
             on_step=True,
             on_epoch=False,
             batch_size=1,
-            sync_dist=False,
+            # The same sync flag as the regular logging: Lightning rejects a key logged with
+            # different arguments within an epoch (a skip under DDP would end the run).
+            sync_dist=self.trainer.world_size > 1,
         )
 
     def _has_kl_controller(self) -> bool:

@@ -10,6 +10,9 @@ would have drawn:
   (Lightning calls ``set_epoch`` before every epoch; under DDP it wraps this sampler and
   forwards ``set_epoch``), so the permutation of any epoch can be rebuilt without replaying
   the earlier ones;
+* under DDP, :class:`RankShardSampler` deals that order round-robin to the ranks, so the
+  global batch ``k`` of a run with ``W`` processes of batch ``b`` holds exactly the prompts of
+  batch ``k`` of a one-process run with batch ``W * b`` (no second shuffle on top);
 * :class:`ResumableDataLoader` counts the batches it has handed out in the current epoch and
   saves that count through ``state_dict``; Lightning stores it in the checkpoint and, on
   resume, calls ``load_state_dict``, after which the first iteration of the same epoch skips
@@ -18,11 +21,12 @@ would have drawn:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -50,6 +54,45 @@ class EpochShuffleSampler(Sampler[int]):
     def __len__(self) -> int:
         """Number of samples."""
         return self.n
+
+
+class RankShardSampler(DistributedSampler):
+    """This rank's share of an epoch order: positions ``rank, rank + W, rank + 2W, ...``.
+
+    The order is :class:`EpochShuffleSampler`'s permutation for ``(seed, epoch)`` when
+    ``shuffle`` is set, else ``0 .. n-1``. As with ``DistributedSampler(drop_last=False)`` the
+    order is padded with its first entries to a multiple of the world size ``W``, so every rank
+    gets the same number of samples. Lightning leaves a ``DistributedSampler`` in place (it
+    does not wrap and reshuffle it) and calls ``set_epoch`` on it before every epoch.
+
+    Args:
+        n: Number of samples.
+        num_replicas: World size ``W``.
+        rank: This process's global rank.
+        seed: Seed of the shuffle (as in :class:`EpochShuffleSampler`).
+        shuffle: Shuffle every epoch (``False``: file order).
+    """
+
+    def __init__(self, n: int, num_replicas: int, rank: int, seed: int = 0, shuffle: bool = True):
+        super().__init__(
+            range(int(n)), num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False
+        )
+        self.n = int(n)
+        self.order_seed = int(seed)
+        self.order_shuffle = bool(shuffle)
+
+    def __iter__(self) -> Iterator[int]:
+        """This rank's indices of the current epoch's order."""
+        if self.order_shuffle:
+            inner = EpochShuffleSampler(self.n, self.order_seed)
+            inner.set_epoch(self.epoch)
+            order = list(inner)
+        else:
+            order = list(range(self.n))
+        total = self.num_replicas * math.ceil(self.n / self.num_replicas) if self.n else 0
+        while len(order) < total:
+            order += order[: total - len(order)]
+        return iter(order[self.rank : total : self.num_replicas])
 
 
 class ResumableDataLoader(DataLoader):
