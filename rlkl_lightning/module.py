@@ -41,7 +41,12 @@ from rlkl_lightning.models import (
     load_tokenizer,
 )
 from rlkl_lightning.ppo_loss import entropy_from_logits, policy_loss, value_loss
-from rlkl_lightning.rewards import RewardModel, VaderSentimentReward, validate_scores
+from rlkl_lightning.rewards import (
+    RewardModel,
+    RewardShapeError,
+    VaderSentimentReward,
+    validate_scores,
+)
 from rlkl_lightning.rollout import Rollout, gather_logprobs, sample, score_tokens
 
 LR_SCHEDULES = ("constant", "linear")
@@ -253,15 +258,22 @@ class PPOModule(LightningModule):
             ref = score_tokens(self.reference, rollout, hp.temperature)
         ref_logits, ref_logprobs = ref.logits.clone(), ref.logprobs.clone()
         responses = self._decode(rollout.response_ids, mask)
+        reward_error: Exception | None = None
         try:
             scores = validate_scores(self.reward(prompts, responses), len(prompts), self.reward)
-            reward_error = None
         except (ValueError, RuntimeError) as err:
-            scores, reward_error = None, f"the reward model failed: {err}"
+            scores, reward_error = None, err
         # Every skip decision is agreed by all ranks: under DDP a rank that skipped while the
         # others ran backward would leave them waiting in the gradient all-reduce forever.
         if self._any_rank(reward_error is not None):
-            self._skip(reward_error or "the reward model failed on another rank")
+            # A wrong shape is a broken reward model, not a numeric fault: stop (on every
+            # rank) rather than skip every batch of the run.
+            if self._any_rank(isinstance(reward_error, RewardShapeError)):
+                raise ValueError(
+                    f"PPOModule: `reward` must return one finite score per (prompt, response) "
+                    f"pair, shape [{len(prompts)}]: {reward_error or 'failed on another rank'}"
+                ) from reward_error
+            self._skip(f"the reward model failed: {reward_error or 'on another rank'}")
             return
         scores = scores.to(self.device)
         if hp.score_clip is not None:
