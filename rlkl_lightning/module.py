@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -140,22 +139,26 @@ class PPOModule(LightningModule):
         self.hparams.update({k: v for k, v in args.items() if k != "reward"})
         self.automatic_optimization = False
 
-        self.tokenizer = load_tokenizer(tokenizer or policy)
-        self.policy = load_causal_lm(policy)
+        self.tokenizer = load_tokenizer(tokenizer or policy, "tokenizer" if tokenizer else "policy")
+        self.policy = load_causal_lm(policy, option="policy")
         self.reference = freeze(
-            load_causal_lm(reference) if reference else frozen_copy(self.policy)
+            load_causal_lm(reference, option="reference") if reference else frozen_copy(self.policy)
         )
         if value_model is None:
             self.value_trunk = None
             self.value_head = ValueHead(hidden_size_of(self.policy))
         else:
-            self.value_trunk = load_causal_lm(value_model)
+            self.value_trunk = load_causal_lm(value_model, option="value_model")
             self.value_head = ValueHead(hidden_size_of(self.value_trunk))
         self.reward = reward if reward is not None else VaderSentimentReward()
         if getattr(self.policy.config, "vocab_size", None) != getattr(
             self.reference.config, "vocab_size", None
         ):
-            raise ValueError("`reference` must share the policy's vocabulary (vocab_size differs)")
+            raise ValueError(
+                "PPOModule: `reference` must share the policy's vocabulary: vocab_size "
+                f"{getattr(self.reference.config, 'vocab_size', None)} != the policy's "
+                f"{getattr(self.policy.config, 'vocab_size', None)}"
+            )
 
         _check_context(self.policy, max_prompt_tokens, max_new_tokens)
         self.kl_coef = float(init_kl_coef)
@@ -204,7 +207,7 @@ class PPOModule(LightningModule):
                     f"PPOModule: a prompt of {longest} tokens is longer than "
                     f"`max_prompt_tokens`={limit}; prompts are cut on the left to their last "
                     f"{limit} tokens (warned once)",
-                    category=UserWarning,
+                    category=RuntimeWarning,
                 )
         self.tokenizer.truncation_side = "left"
         enc = self.tokenizer(
@@ -694,9 +697,9 @@ def _check_args(args: dict[str, Any]) -> None:
             "None or a number > 0",
         )
     if args["top_k"] or args["top_p"] < 1:
-        warnings.warn(
-            "PPOModule: top_k/top_p truncate the sampling distribution, so the KL estimates "
-            "(and the penalty) no longer refer to the policy itself",
-            UserWarning,
-            stacklevel=3,
+        rank_zero_warn(
+            "PPOModule: `top_k`/`top_p` truncate the sampling distribution, so the KL estimates "
+            "(and the penalty) no longer refer to the policy itself; use top_k=0, top_p=1.0 "
+            "for KL-controlled runs",
+            category=RuntimeWarning,
         )
