@@ -592,6 +592,8 @@ class PPOModule(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore counters and put the current reference weights back for strict loading."""
+        state = checkpoint["state_dict"]
+        _check_checkpoint_weights(state, self.state_dict())  # before anything is restored
         counters = checkpoint.get("rlkl_counters", {})
         self.batches_seen = int(counters.get("batches_seen", 0))
         self.samples_seen = int(counters.get("samples_seen", 0))
@@ -599,8 +601,6 @@ class PPOModule(LightningModule):
         self.kl_coef = float(counters.get("kl_coef", self.kl_coef))
         self.reference_perplexity = counters.get("reference_perplexity")
         self._rng_to_restore = checkpoint.get("rlkl_rng")
-        state = checkpoint["state_dict"]
-        _check_checkpoint_weights(state, self.state_dict())
         for key, value in self.reference.state_dict().items():
             state.setdefault(f"reference.{key}", value)
 
