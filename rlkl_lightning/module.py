@@ -28,7 +28,7 @@ from torchmetrics.text import Perplexity
 
 from rlkl_lightning import kl as klmod
 from rlkl_lightning.advantages import gae, shape_rewards
-from rlkl_lightning.masked import masked_mean, masked_whiten
+from rlkl_lightning.masked import masked_mean, masked_sum, masked_whiten
 from rlkl_lightning.models import (
     ValueHead,
     disable_dropout,
@@ -314,14 +314,23 @@ class PPOModule(LightningModule):
         n = len(prompts)
         self.batches_seen += 1
         self.samples_seen += n * self.trainer.world_size
-        entropy = masked_mean(entropy_from_logits(pol.logits), mask)
         n_tokens = mask.sum()
+        # Per-token means over the tokens of the global batch (all ranks): sums, then divide.
+        kl_sum, entropy_sum, all_tokens = self._global_sum(
+            torch.stack(
+                [
+                    kl_seq.sum(),
+                    masked_sum(entropy_from_logits(pol.logits), mask),
+                    n_tokens.to(kl_tokens.dtype),
+                ]
+            )
+        )
         metrics = {
             "objective/kl": kl_seq.mean(),
-            "objective/kl_per_token": klmod.token_mean_kl(kl_tokens, mask),
+            "objective/kl_per_token": kl_sum / all_tokens,
             "objective/score": scores.mean(),
             "objective/non_score_reward": -self.kl_coef * kl_seq.mean(),
-            "objective/entropy": entropy,
+            "objective/entropy": entropy_sum / all_tokens,
             "objective/response_tokens": n_tokens / n,
             "perf/tokens_per_s": n_tokens / (t_end - t_start),
             "perf/rollout_s": torch.tensor(t_rollout - t_start),
@@ -435,6 +444,12 @@ class PPOModule(LightningModule):
         max_norm = self.hparams.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
         return float(norm)
+
+    def _global_sum(self, values: Tensor) -> Tensor:
+        """``values`` summed over all ranks (a collective under DDP: call it on every rank)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return values
+        return self.trainer.strategy.reduce(values, reduce_op="sum")
 
     def _any_rank(self, flag: bool) -> bool:
         """True if ``flag`` is true on any rank (a collective under DDP: call it on every rank)."""

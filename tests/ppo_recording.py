@@ -10,6 +10,9 @@ Two things differ from a plain ``PPOModule``, both only to make runs comparable:
   (prompt tokens, batch number), then the rows are padded back into one ``Rollout``. The
   response of a prompt is then the same whichever rank, batch composition or world size
   samples it; the real ``sample`` function does the sampling;
+* in batch ``cut_batch`` (0-based) each response is cut to a length of 1 to
+  ``max_new_tokens`` tokens drawn from the same hash, as if it had stopped at an EOS there, so
+  the ranks hold different numbers of response tokens;
 * the reward is the fraction of ``good`` words, ``nan`` for the prompt ``poison_prompt``
   (a numeric fault on one rank only).
 
@@ -59,7 +62,9 @@ class RecordingPPO(PPOModule):
         self,
         policy: str,
         record_dir: str,
+        reference: str | None = None,
         poison_prompt: str = "",
+        cut_batch: int = -1,
         init_kl_coef: float = 0.2,
         max_prompt_tokens: int = 8,
         max_new_tokens: int = 6,
@@ -67,18 +72,21 @@ class RecordingPPO(PPOModule):
     ) -> None:
         super().__init__(
             policy=policy,
+            reference=reference,
             reward=FunctionReward(PoisonableReward(poison_prompt), batched=True),
             init_kl_coef=init_kl_coef,
             max_prompt_tokens=max_prompt_tokens,
             max_new_tokens=max_new_tokens,
-            stop_at_eos=False,  # equal tokens per rank: DDP's mean gradient = the global one
+            stop_at_eos=False,  # equal tokens per rank (but in cut_batch): see the test
             ppo_epochs=1,
             num_minibatches=1,
             lr=lr,
             log_samples_every=0,
         )
         self.record_dir = record_dir
+        self.cut_batch = cut_batch
         self.batches: list[dict] = []
+        self.weights_before_cut: dict[str, torch.Tensor] = {}
 
     # ---- per-sample random streams
     def _seeded_sample(self, policy, prompt_ids, prompt_mask, **kwargs) -> Rollout:
@@ -89,7 +97,17 @@ class RecordingPPO(PPOModule):
             key = f"{prompt.tolist()}|{self.batches_seen}".encode()
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(zlib.crc32(key))
-                rows.append(REAL_SAMPLE(policy, prompt, torch.ones_like(prompt), **kwargs))
+                row = REAL_SAMPLE(policy, prompt, torch.ones_like(prompt), **kwargs)
+            if len(self.batches) - 1 == self.cut_batch:
+                keep = 1 + zlib.crc32(key) % row.response_ids.shape[1]
+                end = prompt.shape[1] + keep
+                row = Rollout(
+                    row.input_ids[:, :end],
+                    row.attention_mask[:, :end],
+                    row.response_ids[:, :keep],
+                    row.response_mask[:, :keep],
+                )
+            rows.append(row)
         self.batches[-1]["responses"] = [r.response_ids[0].tolist() for r in rows]
         width = max(r.input_ids.shape[1] - r.response_ids.shape[1] for r in rows)
         length = max(r.response_ids.shape[1] for r in rows)
@@ -113,6 +131,7 @@ class RecordingPPO(PPOModule):
     def _recording_shape_rewards(self, scores, kl, kl_coef, mask):
         row = self.batches[-1]
         row["kl_seq"] = torch.where(mask.bool(), kl, 0.0).sum(1).tolist()
+        row["tokens"] = mask.sum(1).tolist()
         row["scores"] = scores.tolist()
         row["kl_coef_in_rewards"] = float(kl_coef)
         return REAL_SHAPE_REWARDS(scores, kl, kl_coef, mask)
@@ -126,8 +145,17 @@ class RecordingPPO(PPOModule):
             row["advantages"] = [out[i][valid[i]].tolist() for i in range(x.shape[0])]
         return out
 
+    def _weights(self) -> dict[str, torch.Tensor]:
+        return {
+            k: v.detach().clone()
+            for k, v in self.state_dict().items()
+            if not k.startswith("reference.")
+        }
+
     def training_step(self, batch, batch_idx):
         """PPOModule's training step, with the rollouts seeded by the sample and recorded."""
+        if len(self.batches) == self.cut_batch:
+            self.weights_before_cut = self._weights()
         self.batches.append({"prompts": list(batch["prompt"]), "beta_used": self.kl_coef})
         seeded = mock.patch.object(module_mod, "sample", self._seeded_sample)
         shape = mock.patch.object(module_mod, "shape_rewards", self._recording_shape_rewards)
@@ -155,5 +183,5 @@ class RecordingPPO(PPOModule):
             "skipped_batches": self.skipped_batches,
         }
         (out / f"rank{rank}.json").write_text(json.dumps(record))
-        weights = {k: v for k, v in self.state_dict().items() if not k.startswith("reference.")}
+        weights = {"final": self._weights(), "before_cut": self.weights_before_cut}
         torch.save(weights, out / f"rank{rank}.pt")

@@ -7,27 +7,36 @@ different responses. ``ppo_recording.RecordingPPO`` seeds each prompt's rollout 
 it. Then the 1-process run with batches of 4 sees exactly the global batches of the 2-process
 run with 2 prompts per rank (same seed, same prompt order: ``PromptDataModule`` deals the
 epoch's permutation round-robin to the ranks), and everything downstream is PPOModule's own
-code. With ``stop_at_eos=False`` every rank holds the same number of response tokens, so
-DDP's mean of the per-rank gradients equals the gradient of the global token mean, and one
-minibatch per batch makes the update order-free.
+code. The reference is a different model, so the KL is far from 0 from the first batch.
+
+Three global batches: the first trains normally; the second holds a prompt whose reward is
+``nan``, on rank 1 only; in the third every response is cut to its own length, so the ranks
+hold different numbers of response tokens. Up to the third batch's update every rank holds as
+many tokens as the other, so DDP's mean of the per-rank gradients is the gradient of the
+global token mean (one minibatch per batch makes the update order-free), and the weights of
+both runs agree; in the third batch DDP's per-rank loss normalisation differs from one
+process's, so only what is computed before its update is compared there.
 
 The test asserts:
 
 * both ranks: the same beta in every batch, the same logged metrics and the same final
   weights, bit for bit; rank ``r`` trains on prompts ``r`` and ``r + 2`` of each global batch;
-* the KL controller counted the global batch (4 samples per batch); its beta equals the
-  1-process one, so it was fed the KL of all 4 samples, not of one rank's 2;
+* the KL controller counted the global batch (4 samples per batch) and its beta equals the
+  1-process one, so it was fed the KL of all 4 samples, not of one rank's 2 (the exponential
+  law has no clip: each beta depends on the exact KL it received);
 * against the 1-process run on the same global batches: identical responses (bit for bit),
   and per-sample KL, scores, whitened advantages (global statistics: whitening each rank's
   rows alone differs by > 0.05), logged metrics, the beta sequence and the weights equal to
   float32 rounding, not bit for bit: a batch of 2 and a batch of 4 pad differently and sum
   in a different order. Tolerances: 1e-5 relative plus 1e-6 absolute on KL, advantages,
-  metrics and beta, 1e-5 absolute on the weights (measured: below 1e-6 on KL and
-  advantages, 1.5e-6 on weights that moved by more than 1e-3). The exponential law has no
-  clip, so each beta depends on the exact KL it was given;
-* a non-finite reward on one rank only (in the second global batch) makes *both* ranks skip
-  that batch (else the other rank would wait forever in the gradient all-reduce) with beta
-  unchanged and the skip counted, exactly as the 1-process run does.
+  metrics and beta, 1e-5 absolute on the weights (measured: about 1e-6 on weights that moved
+  by more than 1e-3);
+* per-token metrics (``objective/kl_per_token``, ``objective/entropy``) are means over the
+  tokens of the global batch, also when the ranks hold different numbers of tokens (the mean
+  of the two ranks' own token means differs);
+* the batch with a non-finite reward on one rank only is skipped by *both* ranks (else the
+  other rank would wait forever in the gradient all-reduce) with beta unchanged and the skip
+  counted, exactly as the 1-process run does.
 """
 
 from __future__ import annotations
@@ -54,11 +63,14 @@ SEED, PER_RANK, STEPS = 3, 2, 3
 INIT_BETA, TARGET, GAIN = 0.2, 0.05, 2.0
 
 
-def config(tmp_path: Path, policy: Path, prompts: Path, name: str, poison: str, batch: int):
+def config(
+    tmp_path: Path, lms: tuple[Path, Path], prompts: Path, name: str, poison: str, batch: int
+):
     cfg = {
         "seed_everything": 0,
         "trainer": {
             "accelerator": "cpu",
+            "default_root_dir": str(tmp_path / name),  # the CLI saves its config.yaml there
             "devices": 1,
             "max_epochs": 1,
             "limit_train_batches": STEPS,  # batches: a skipped batch takes no optimizer step
@@ -76,9 +88,11 @@ def config(tmp_path: Path, policy: Path, prompts: Path, name: str, poison: str, 
         "model": {
             "class_path": "ppo_recording.RecordingPPO",
             "init_args": {
-                "policy": str(policy),
+                "policy": str(lms[0]),
+                "reference": str(lms[1]),
                 "record_dir": str(tmp_path / name),
                 "poison_prompt": poison,
+                "cut_batch": STEPS - 1,
                 "init_kl_coef": INIT_BETA,
             },
         },
@@ -109,8 +123,12 @@ def close(a, b, rel=1e-5, abs=1e-6):
 
 
 def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_path, tiny_lm_dir):
-    from rlkl_lightning.cli import main
+    from conftest import make_tiny_lm
 
+    from rlkl_lightning.cli import main
+    from rlkl_lightning.models import load_causal_lm
+
+    lms = (tiny_lm_dir, make_tiny_lm(tmp_path / "reference", seed=1))
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("\n".join(PROMPTS) + "\n")
     global_batch = 2 * PER_RANK
@@ -118,17 +136,19 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_p
     batches = [order[i * global_batch : (i + 1) * global_batch] for i in range(STEPS)]
     poison = batches[1][1]  # position 5 of the epoch: dealt to rank 1 only
 
-    ddp_cfg = config(tmp_path, tiny_lm_dir, prompts_file, "ddp", poison, PER_RANK)
+    ddp_cfg = config(tmp_path, lms, prompts_file, "ddp", poison, PER_RANK)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
     command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(ddp_cfg)]
     command += ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
     command += ["--trainer.accelerator", "cpu"]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     sys.path.insert(0, str(TESTS))
     try:
-        single_cfg = config(tmp_path, tiny_lm_dir, prompts_file, "single", poison, global_batch)
+        single_cfg = config(tmp_path, lms, prompts_file, "single", poison, global_batch)
         main(["fit", "--config", str(single_cfg)])
     finally:
         sys.path.remove(str(TESTS))
@@ -146,8 +166,8 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_p
         assert (b0["prompts"], b1["prompts"]) == (expected[0::2], expected[1::2])
     assert rank0["controller"] == rank1["controller"]
     assert rank0["kl_coef"] == rank1["kl_coef"]
-    assert w0.keys() == w1.keys()
-    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert w0["final"].keys() == w1["final"].keys()
+    assert all(torch.equal(w0["final"][k], w1["final"][k]) for k in w0["final"])
 
     # ---- the controller saw the global batch: 4 samples in each of the 3 batches (the
     # skipped one included; it updated beta on 2); the module counts the 8 it trained on.
@@ -165,6 +185,7 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_p
             for p, v in zip(rec["prompts"], rec[key], strict=True)
         }
 
+    compared = ["objective/kl", "objective/kl_per_token", "objective/entropy", "objective/score"]
     for step in range(STEPS):
         ranks = [rank0["batches"][step], rank1["batches"][step]]
         one = single["batches"][step]
@@ -175,37 +196,41 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_p
             assert ranks[0]["metrics"]["progress/skipped_batches"] == 1.0
             assert ranks[0]["beta_used"] == rank0["batches"][2]["beta_used"]
             continue
-        for key in ("responses", "kl_seq", "scores"):
+        for key in ("responses", "tokens", "kl_seq", "scores", "advantages"):
             got, want = by_prompt(ranks, key), by_prompt([one], key)
             assert got.keys() == want.keys() == set(batches[step])
-            if key == "responses":
+            if key in ("responses", "tokens"):
                 assert got == want
             else:
                 assert all(close(got[p], want[p]) for p in want), key
-        got, want = by_prompt(ranks, "advantages"), by_prompt([one], "advantages")
-        assert all(close(got[p], want[p]) for p in want)
         # Whitening each rank's rows on their own gives clearly different numbers.
         for r in ranks:
-            raw = [torch.tensor(row) for row in r["advantages_raw"]]
-            flat = torch.cat(raw)
+            flat = torch.tensor(sum(r["advantages_raw"], []))
             local = (flat - flat.mean()) / flat.std()
             assert (local - torch.tensor(sum(r["advantages"], []))).abs().max() > 0.05
-        for key in ("objective/kl", "objective/kl_coef", "objective/score", "loss/policy"):
+        for key in compared + ["objective/kl_coef"] + (["loss/policy"] if step == 0 else []):
             assert close(ranks[0]["metrics"][key], one["metrics"][key]), key
-    assert single["batches"][0]["metrics"]["objective/kl"] == 0.0  # the policy starts at ref
+        # Per-token KL over the tokens of the global batch.
+        kl = [sum(r["kl_seq"]) for r in ranks]
+        tokens = [sum(r["tokens"]) for r in ranks]
+        pooled = sum(kl) / sum(tokens)
+        assert close(ranks[0]["metrics"]["objective/kl_per_token"], pooled)
+        if step == STEPS - 1:
+            assert tokens[0] != tokens[1]
+            mean_of_means = (kl[0] / tokens[0] + kl[1] / tokens[1]) / 2
+            assert abs(mean_of_means - pooled) > 1e-3 * abs(pooled)
+    assert abs(single["batches"][0]["metrics"]["objective/kl"]) > 0.1  # reference != policy
     betas = [b["beta_used"] for b in rank0["batches"]] + [rank0["kl_coef"]]
     assert len(set(betas)) == 3  # beta moved after batches 1 and 3, not after the skipped one
     assert close(rank0["kl_coef"], single["kl_coef"])
-    assert max(float((w0[k] - w_single[k]).abs().max()) for k in w0) < 1e-5
-    from rlkl_lightning.models import load_causal_lm
-
+    before = w0["before_cut"]
+    assert max(float((before[k] - w_single["before_cut"][k]).abs().max()) for k in before) < 1e-5
     initial = load_causal_lm(str(tiny_lm_dir)).state_dict()
-    moved = max(float((w0[f"policy.{k}"] - v).abs().max()) for k, v in initial.items())
-    assert moved > 1e-3  # the weights did change: the comparisons above are not vacuous
+    moved = max(float((before[f"policy.{k}"] - v).abs().max()) for k, v in initial.items())
+    assert moved > 1e-3  # the weights did change: the comparison above is not vacuous
 
     # ---- the DDP checkpoint: one RNG state per rank, and the controller state
     ckpt = torch.load(tmp_path / "ddp" / "ckpt" / "last.ckpt", weights_only=False)
-    rng = ckpt["rlkl_rng"]["cpu"]
-    assert len(rng) == 2
+    assert len(ckpt["rlkl_rng"]["cpu"]) == 2
     controller = next(v for k, v in ckpt["callbacks"].items() if k.startswith("KLController"))
     assert controller == rank0["controller"]
