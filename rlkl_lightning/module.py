@@ -587,23 +587,27 @@ class PPOModule(LightningModule):
         """Put back the RNG state of a loaded checkpoint, right before the first resumed batch.
 
         Restored here rather than in ``on_load_checkpoint`` because Lightning draws random
-        numbers in between (sanity-check validation, creating the dataloader iterators).
+        numbers in between (sanity-check validation, creating the dataloader iterators). A
+        fresh multi-process run instead offsets each rank's seed by its rank: ``seed_everything``
+        gives every process the same seed, and the ranks would draw the same random numbers for
+        their rollouts.
         """
         states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
-        if not states:
-            return
         rank, world = self.trainer.global_rank, self.trainer.world_size
-        if len(states["cpu"]) != world:
+        if states and len(states["cpu"]) == world:
+            torch.set_rng_state(states["cpu"][rank])
+            if "cuda" in states and self.device.type == "cuda":
+                torch.cuda.set_rng_state(states["cuda"][rank], self.device)
+            return
+        if states:
             rank_zero_warn(
                 f"PPOModule: the checkpoint holds the RNG states of {len(states['cpu'])} "
                 f"processes but this run has {world}; rollouts continue with fresh random "
                 "numbers (training itself resumes correctly)",
                 category=RuntimeWarning,
             )
-            return
-        torch.set_rng_state(states["cpu"][rank])
-        if "cuda" in states and self.device.type == "cuda":
-            torch.cuda.set_rng_state(states["cuda"][rank], self.device)
+        if world > 1:
+            torch.manual_seed((torch.initial_seed() + 104_729 * rank) % 2**63)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore counters and put the current reference weights back for strict loading."""

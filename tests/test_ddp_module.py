@@ -34,6 +34,8 @@ The test asserts:
 * per-token metrics (``objective/kl_per_token``, ``objective/entropy``) are means over the
   tokens of the global batch, also when the ranks hold different numbers of tokens (the mean
   of the two ranks' own token means differs);
+* each rank has its own random stream (``seed_everything`` seeds them alike; PPOModule
+  offsets them by rank), and the checkpoint holds both;
 * the batch with a non-finite reward on one rank only is skipped by *both* ranks (else the
   other rank would wait forever in the gradient all-reduce) with beta unchanged and the skip
   counted, exactly as the 1-process run does.
@@ -231,6 +233,8 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_p
 
     # ---- the DDP checkpoint: one RNG state per rank, and the controller state
     ckpt = torch.load(tmp_path / "ddp" / "ckpt" / "last.ckpt", weights_only=False)
-    assert len(ckpt["rlkl_rng"]["cpu"]) == 2
+    rng = ckpt["rlkl_rng"]["cpu"]
+    assert len(rng) == 2
+    assert not torch.equal(rng[0], rng[1])  # each rank has its own random stream
     controller = next(v for k, v in ckpt["callbacks"].items() if k.startswith("KLController"))
     assert controller == rank0["controller"]
