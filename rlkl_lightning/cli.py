@@ -8,6 +8,7 @@ callbacks the CLI adds to the trainer. The initial beta is the model's ``init_kl
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
@@ -17,6 +18,7 @@ from lightning.pytorch.cli import LightningCLI
 from rlkl_lightning.controllers import KL_LAWS, make_kl_controller
 from rlkl_lightning.drift_monitor import KLDriftMonitor
 from rlkl_lightning.kl_callback import UNIT_NAMES, KLControllerCallback
+from rlkl_lightning.resumable import check_checkpoint
 
 
 @dataclass
@@ -119,6 +121,33 @@ class RLKLCLI(LightningCLI):
             kl: KLSettings = self._get(self.config_init, "kl")
             trainer.callbacks[:0] = kl.callbacks(float(init_kl_coef))
         return trainer
+
+    def before_fit(self) -> None:
+        """Check ``--ckpt_path`` (a file, or ``last`` once resolved) before anything loads it."""
+        path = self._get(self.config_init, "ckpt_path")
+        if path == "last":
+            path = _last_checkpoint(self.trainer)
+        if path is not None and path not in ("best", "hpc", "registry"):
+            check_checkpoint(path)
+
+
+def _last_checkpoint(trainer: Trainer) -> str | None:
+    """The file ``ckpt_path="last"`` resolves to, as Lightning resolves it, or None.
+
+    The newest of the ``last*.ckpt`` files of the ``ModelCheckpoint`` callbacks and the files
+    of ``OnExceptionCheckpoint`` callbacks.
+    """
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    candidates = {
+        str(cb.ckpt_path) for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)
+    }
+    for callback in trainer.checkpoint_callbacks:
+        find = getattr(callback, "_find_last_checkpoints", None)
+        if callable(find):
+            candidates |= {str(p) for p in find(trainer)}
+    existing = [p for p in candidates if os.path.isfile(p)]
+    return max(existing, key=os.path.getmtime) if existing else None
 
 
 def main(args: list[str] | None = None) -> RLKLCLI:

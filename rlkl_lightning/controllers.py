@@ -554,6 +554,8 @@ def make_kl_controller(
     if missing:
         raise ValueError(f"make_kl_controller: law={law!r} needs option(s) {missing}")
     if law == "fixed":
+        # Named as the caller named it (FixedKLController itself calls it `kl_coef`).
+        _finite("make_kl_controller", "init_kl_coef", init_kl_coef, low=0.0, strict=True)
         return cls(init_kl_coef, **law_kwargs)
     kwargs = dict(law_kwargs)
     if horizon is not None:

@@ -11,8 +11,9 @@ A source is one of:
   ``datasets.load_dataset(name, split=...)``.
 
 Training batches are ``{"prompt": list[str]}``, validation batches
-``{"text": list[str]}``. The datasets are map-style, so under DDP Lightning gives each
-rank its own shard through a ``DistributedSampler``.
+``{"text": list[str]}``. Under DDP the training loader deals the prompts of one shared
+order to the ranks itself (:class:`~rlkl_lightning.resumable.RankShardSampler`); validation
+batches are sharded by Lightning's ``DistributedSampler``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
-from rlkl_lightning.resumable import EpochShuffleSampler, ResumableDataLoader
+from rlkl_lightning.resumable import EpochShuffleSampler, RankShardSampler, ResumableDataLoader
 from rlkl_lightning.world.build import WorldConfig
 
 if TYPE_CHECKING:
@@ -295,16 +296,31 @@ class PromptDataModule(LightningDataModule):
         self._require("prompt_dataset", "train_dataloader")
         # The order is a function of (seed, epoch) and the loader's position is checkpointed,
         # so a run resumed mid-epoch sees exactly the remaining batches (see resumable.py).
+        # Under DDP each rank takes every world_size-th prompt of that same order, so the
+        # global batches equal those of one process with a world_size times larger batch.
         # The generator keeps worker seeding off the global torch RNG that rollouts use.
         n = len(self.prompt_dataset)
+        hp = self.hparams
+        sampler = EpochShuffleSampler(n, hp.seed) if hp.shuffle else None
+        shard = self._shard()
+        if shard is not None:
+            sampler = RankShardSampler(n, *shard, seed=hp.seed, shuffle=hp.shuffle)
         return ResumableDataLoader(
             self.prompt_dataset,
-            batch_size=self.hparams.batch_size,
-            sampler=EpochShuffleSampler(n, self.hparams.seed) if self.hparams.shuffle else None,
-            generator=torch.Generator().manual_seed(self.hparams.seed),
+            batch_size=hp.batch_size,
+            sampler=sampler,
+            generator=torch.Generator().manual_seed(hp.seed),
             collate_fn=collate_dicts,
-            num_workers=self.hparams.num_workers,
+            num_workers=hp.num_workers,
         )
+
+    def _shard(self) -> tuple[int, int] | None:
+        """``(world_size, rank)`` under a multi-process strategy, else None."""
+        trainer = self.trainer
+        kwargs = getattr(trainer, "distributed_sampler_kwargs", None) if trainer else None
+        if not kwargs or int(kwargs.get("num_replicas", 1)) <= 1:
+            return None
+        return int(kwargs["num_replicas"]), int(kwargs["rank"])
 
     def val_dataloader(self) -> DataLoader | list:
         """Batches ``{"text": list[str]}``; an empty list if ``heldout`` is None."""

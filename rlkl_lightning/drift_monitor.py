@@ -21,18 +21,13 @@ from typing_extensions import override
 from rlkl_lightning.kl_callback import (
     UNIT_NAMES,
     BatchKLReader,
+    KLControllerCallback,
+    check_target_unit,
     default_monitor,
 )
 
 #: Values of ``kl_monitor/state``.
 LOW, IN_BAND, HIGH = -1, 0, 1
-
-#: A per-sequence target below this many nats per response token, or a per-token target above
-#: this many nats per token, looks like a target written in the other unit.
-SEQUENCE_TARGET_MIN_PER_TOKEN = 0.005
-TOKEN_TARGET_MAX = 1.0
-#: Key the unit check reads the mean response length (tokens) from.
-LENGTH_KEY = "objective/response_tokens"
 
 
 def _is_real(x: Any) -> bool:
@@ -227,31 +222,17 @@ class KLDriftMonitor(Callback):
     def _check_unit(self, trainer: pl.Trainer) -> None:
         """Warn once if the target looks like it was written in the other unit.
 
-        The mean response length ``L`` comes from ``objective/response_tokens`` or, failing
-        that, from the ratio of ``objective/kl`` to ``objective/kl_per_token``. A per-sequence
-        target below ``0.005 * L`` nats (e.g. 0.05 with 30-token responses, 0.0017 nats per
-        token) or a per-token target above 1 nat per token is most likely in the wrong unit.
+        See :func:`~rlkl_lightning.kl_callback.check_target_unit`. Left to a
+        :class:`KLControllerCallback` with the same target and unit, which warns already.
         """
-        length = _mean_length(trainer.callback_metrics)
-        if length is None:
-            return
-        owner = type(self).__name__
-        if self.unit == "sequence" and self.target < SEQUENCE_TARGET_MIN_PER_TOKEN * length:
-            rank_zero_warn(
-                f"{owner}: target={self.target:g} with unit='sequence' is "
-                f"{self.target / length:.2g} nats per token over responses of ~{length:.0f} "
-                "tokens, far below any usual KL target; if it is a per-token target, set "
-                "unit='token' (allowed units: 'sequence', 'token').",
-                category=RuntimeWarning,
-            )
-        elif self.unit == "token" and self.target > TOKEN_TARGET_MAX:
-            rank_zero_warn(
-                f"{owner}: target={self.target:g} with unit='token' is "
-                f"{self.target * length:.3g} nats per sequence over responses of ~{length:.0f} "
-                "tokens, far above any usual KL target; if it is a per-sequence target, set "
-                "unit='sequence' (allowed units: 'sequence', 'token').",
-                category=RuntimeWarning,
-            )
+        for callback in trainer.callbacks:
+            if (
+                isinstance(callback, KLControllerCallback)
+                and callback.unit == self.unit
+                and callback.target == self.target
+            ):
+                return
+        check_target_unit(trainer.callback_metrics, self.target, self.unit, type(self).__name__)
 
     def _update_state(self, trainer: pl.Trainer, avg: float) -> None:
         new = self._classify(avg)
@@ -302,22 +283,3 @@ class KLDriftMonitor(Callback):
         self.n_skipped = state_dict.get("n_skipped", 0)
         self.stopped_batch = state_dict.get("stopped_batch")
         self.unit_checked = state_dict.get("unit_checked", self.n_batches > 0)
-
-
-def _mean_length(metrics: Any) -> float | None:
-    """Mean response length in tokens from the logged metrics, or None if it cannot be told."""
-
-    def number(key: str) -> float | None:
-        value = metrics.get(key)
-        if value is None:
-            return None
-        value = float(value)
-        return value if math.isfinite(value) else None
-
-    length = number(LENGTH_KEY)
-    if length is None:
-        per_sequence, per_token = number("objective/kl"), number("objective/kl_per_token")
-        if per_sequence is None or per_token is None or per_sequence <= 0 or per_token <= 1e-12:
-            return None
-        length = per_sequence / per_token
-    return length if length >= 1 else None

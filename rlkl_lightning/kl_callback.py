@@ -8,7 +8,8 @@ The callback talks to the module only through Lightning's own channels:
   reads when it shapes rewards, and logs it as ``objective/kl_coef``.
 
 The helpers below (reading the monitored KL, counting the samples of a batch, the
-sample-weighted mean over ranks) are shared with :class:`~rlkl_lightning.KLDriftMonitor`.
+sample-weighted mean over ranks, the check of a target's unit) are shared with
+:class:`~rlkl_lightning.KLDriftMonitor`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ MONITOR_BY_UNIT: dict[str, str] = {
 }
 #: How messages name the unit of the monitored value.
 UNIT_NAMES: dict[str, str] = {"sequence": "nats per sequence", "token": "nats per token"}
+
+#: A per-sequence target below this many nats per response token, or a per-token target above
+#: this many nats per token, looks like a target written in the other unit.
+SEQUENCE_TARGET_MIN_PER_TOKEN = 0.005
+TOKEN_TARGET_MAX = 1.0
+#: Key the unit check reads the mean response length (tokens) from.
+LENGTH_KEY = "objective/response_tokens"
 
 
 def default_monitor(unit: str, owner: str) -> str:
@@ -190,6 +198,60 @@ class BatchKLReader:
         return global_mean(trainer, local, n)
 
 
+def check_target_unit(metrics: Mapping[str, Any], target: float, unit: str, owner: str) -> None:
+    """Warn once if a KL target looks like it was written in the other unit.
+
+    The mean response length ``L`` comes from ``objective/response_tokens`` or, failing that,
+    from the ratio of ``objective/kl`` to ``objective/kl_per_token``; without it nothing is
+    checked. A per-sequence target below ``0.005 * L`` nats (e.g. 0.05 with 30-token responses:
+    0.0017 nats per token) or a per-token target above 1 nat per token is most likely in the
+    wrong unit. The run goes on: a target can be unusual on purpose.
+
+    Args:
+        metrics: ``trainer.callback_metrics`` after a training batch.
+        target: The target KL.
+        unit: ``"sequence"`` or ``"token"``: the unit ``target`` is meant in.
+        owner: Name of the caller, used in the message.
+    """
+    length = _mean_length(metrics)
+    if length is None:
+        return
+    if unit == "sequence" and target < SEQUENCE_TARGET_MIN_PER_TOKEN * length:
+        rank_zero_warn(
+            f"{owner}: target={target:g} with unit='sequence' is {target / length:.2g} nats per "
+            f"token over responses of ~{length:.0f} tokens, far below any usual KL target; if it "
+            "is a per-token target, set unit='token' (allowed units: 'sequence', 'token').",
+            category=RuntimeWarning,
+        )
+    elif unit == "token" and target > TOKEN_TARGET_MAX:
+        rank_zero_warn(
+            f"{owner}: target={target:g} with unit='token' is {target * length:.3g} nats per "
+            f"sequence over responses of ~{length:.0f} tokens, far above any usual KL target; if "
+            "it is a per-sequence target, set unit='sequence' (allowed units: 'sequence', "
+            "'token').",
+            category=RuntimeWarning,
+        )
+
+
+def _mean_length(metrics: Mapping[str, Any]) -> float | None:
+    """Mean response length in tokens from the logged metrics, or None if it cannot be told."""
+
+    def number(key: str) -> float | None:
+        value = metrics.get(key)
+        if value is None:
+            return None
+        value = float(value)
+        return value if math.isfinite(value) else None
+
+    length = number(LENGTH_KEY)
+    if length is None:
+        per_sequence, per_token = number("objective/kl"), number("objective/kl_per_token")
+        if per_sequence is None or per_token is None or per_sequence <= 0 or per_token <= 1e-12:
+            return None
+        length = per_sequence / per_token
+    return length if length >= 1 else None
+
+
 def _check_name(value: Any, option: str, owner: str, optional: bool = False) -> None:
     if optional and value is None:
         return
@@ -217,6 +279,9 @@ class KLControllerCallback(Callback):
 
     The controller state and the counters are saved in checkpoints, so a resumed fit continues
     the same beta trajectory.
+
+    After the first batch with a finite KL, a controller ``target`` that looks like the other
+    unit (:func:`check_target_unit`, e.g. 0.05 "per sequence" with 30-token responses) warns.
 
     Args:
         controller: A KL controller (``value``, ``update(current_kl, n_steps)``, ``state_dict``,
@@ -276,12 +341,19 @@ class KLControllerCallback(Callback):
         self.n_batches = 0
         self.n_samples = 0
         self.n_skipped = 0
+        self.unit_checked = False
         self._reader = BatchKLReader(self.monitor, batch_size_fn, owner)
 
     @property
     @override
     def state_key(self) -> str:
         return self._generate_state_key(monitor=self.monitor, attribute=self.attribute)
+
+    @property
+    def target(self) -> float | None:
+        """The controller's target KL (in ``unit``), or None for a law without one."""
+        target = getattr(self.controller, "target", None)
+        return float(target) if isinstance(target, (int, float)) else None
 
     @property
     def value(self) -> float:
@@ -330,6 +402,12 @@ class KLControllerCallback(Callback):
         self.n_samples += n_samples
         if math.isfinite(kl) and n_samples > 0:
             self.controller.update(kl, n_samples)
+            if not self.unit_checked:
+                self.unit_checked = True
+                if self.target is not None:
+                    check_target_unit(
+                        trainer.callback_metrics, self.target, self.unit, type(self).__name__
+                    )
         else:
             self.n_skipped += 1
             if self.n_skipped == 1:
@@ -352,6 +430,7 @@ class KLControllerCallback(Callback):
             "n_batches": self.n_batches,
             "n_samples": self.n_samples,
             "n_skipped": self.n_skipped,
+            "unit_checked": self.unit_checked,
         }
 
     @override
@@ -360,3 +439,4 @@ class KLControllerCallback(Callback):
         self.n_batches = state_dict.get("n_batches", 0)
         self.n_samples = state_dict.get("n_samples", 0)
         self.n_skipped = state_dict.get("n_skipped", 0)
+        self.unit_checked = state_dict.get("unit_checked", self.n_batches > 0)

@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import copy
 import os
-import warnings
 from typing import NamedTuple
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 
-def resolve_model_path(name_or_path: str) -> str:
+def resolve_model_path(name_or_path: str, option: str = "policy") -> str:
     """Map ``"default"`` to the default world's SFT model (built on first use); else pass through.
 
     Anything that is not an existing directory and does not look like a path (``.``, ``/``,
     ``~``) is taken as a Hugging Face hub name.
+
+    Args:
+        name_or_path: ``"default"``, a local directory or a hub name.
+        option: Name of the option that gave ``name_or_path``, for error messages.
 
     Raises:
         ValueError: if a path-like name does not exist.
@@ -35,49 +39,64 @@ def resolve_model_path(name_or_path: str) -> str:
         return expanded
     if name_or_path.startswith((".", "/", "~")):
         raise ValueError(
-            f"model path {name_or_path!r} does not exist; pass a local directory saved with "
-            "`save_pretrained`, a Hugging Face model name, or 'default' for the default world"
+            f"`{option}`: model path {name_or_path!r} does not exist; allowed: a local directory "
+            "saved with `save_pretrained`, a Hugging Face model name, or 'default' for the "
+            "default world"
         )
     return expanded
 
 
-def load_tokenizer(name_or_path: str):
-    """Load a tokenizer for generation: left padding, and a pad token (warns when one is added)."""
+def load_tokenizer(name_or_path: str, option: str = "tokenizer"):
+    """Load a tokenizer for generation: left padding, and a pad token (warns when one is added).
+
+    Args:
+        name_or_path: ``"default"``, a local directory or a hub name.
+        option: Name of the option that gave ``name_or_path``, for messages.
+    """
     from transformers import AutoTokenizer
 
+    path = resolve_model_path(name_or_path, option)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as err:
         raise ValueError(
-            f"could not load a tokenizer from {name_or_path!r} (`tokenizer`, or `policy` when "
-            f"no tokenizer is given): {err}"
+            f"`{option}`: could not load a tokenizer from {name_or_path!r}: {err}"
         ) from err
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(
-                f"tokenizer {name_or_path!r} has neither a pad nor an eos token; "
-                "add a pad token to it before training"
+                f"`{option}`: tokenizer {name_or_path!r} has neither a pad nor an eos token; "
+                "add a pad token to it (tokenizer.pad_token = ...; save_pretrained) before training"
             )
-        warnings.warn(
-            f"tokenizer {name_or_path!r} has no pad token; using its eos token "
+        rank_zero_warn(
+            f"`{option}`: tokenizer {name_or_path!r} has no pad token; using its eos token "
             f"{tokenizer.eos_token!r} as pad (padding is masked out everywhere)",
-            UserWarning,
-            stacklevel=2,
+            category=RuntimeWarning,
         )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
 
 
-def load_causal_lm(name_or_path: str, dtype: torch.dtype | None = None) -> nn.Module:
-    """Load a causal LM with dropout switched off (PPO ratios must be 1 before the first update)."""
+def load_causal_lm(
+    name_or_path: str, dtype: torch.dtype | None = None, option: str = "policy"
+) -> nn.Module:
+    """Load a causal LM with dropout switched off (PPO ratios must be 1 before the first update).
+
+    Args:
+        name_or_path: ``"default"``, a local directory or a hub name.
+        dtype: Weight dtype (None: as saved).
+        option: Name of the option that gave ``name_or_path``, for error messages.
+    """
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model_path(name_or_path)
+    path = resolve_model_path(name_or_path, option)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, TypeError) as err:
-        raise ValueError(f"could not load a causal LM from {name_or_path!r}: {err}") from err
+        raise ValueError(
+            f"`{option}`: could not load a causal LM from {name_or_path!r}: {err}"
+        ) from err
     disable_dropout(model)
     return model
 

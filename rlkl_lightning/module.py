@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from torchmetrics.text import Perplexity
 
 from rlkl_lightning import kl as klmod
 from rlkl_lightning.advantages import gae, shape_rewards
-from rlkl_lightning.masked import masked_mean, masked_whiten
+from rlkl_lightning.masked import masked_mean, masked_sum, masked_whiten
 from rlkl_lightning.models import (
     ValueHead,
     disable_dropout,
@@ -41,7 +40,12 @@ from rlkl_lightning.models import (
     load_tokenizer,
 )
 from rlkl_lightning.ppo_loss import entropy_from_logits, policy_loss, value_loss
-from rlkl_lightning.rewards import RewardModel, VaderSentimentReward, validate_scores
+from rlkl_lightning.rewards import (
+    RewardModel,
+    RewardShapeError,
+    VaderSentimentReward,
+    validate_scores,
+)
 from rlkl_lightning.rollout import Rollout, gather_logprobs, sample, score_tokens
 
 LR_SCHEDULES = ("constant", "linear")
@@ -127,26 +131,34 @@ class PPOModule(LightningModule):
         num_logged_samples: int = 4,
     ):
         super().__init__()
-        _check_args(locals())
+        args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        _check_args(args)
         self.save_hyperparameters(ignore=["reward"])
+        # LightningCLI saves a subclass's own arguments as the hyperparameters; the settings
+        # read from `hparams` below must be the ones this module was built with.
+        self.hparams.update({k: v for k, v in args.items() if k != "reward"})
         self.automatic_optimization = False
 
-        self.tokenizer = load_tokenizer(tokenizer or policy)
-        self.policy = load_causal_lm(policy)
+        self.tokenizer = load_tokenizer(tokenizer or policy, "tokenizer" if tokenizer else "policy")
+        self.policy = load_causal_lm(policy, option="policy")
         self.reference = freeze(
-            load_causal_lm(reference) if reference else frozen_copy(self.policy)
+            load_causal_lm(reference, option="reference") if reference else frozen_copy(self.policy)
         )
         if value_model is None:
             self.value_trunk = None
             self.value_head = ValueHead(hidden_size_of(self.policy))
         else:
-            self.value_trunk = load_causal_lm(value_model)
+            self.value_trunk = load_causal_lm(value_model, option="value_model")
             self.value_head = ValueHead(hidden_size_of(self.value_trunk))
         self.reward = reward if reward is not None else VaderSentimentReward()
         if getattr(self.policy.config, "vocab_size", None) != getattr(
             self.reference.config, "vocab_size", None
         ):
-            raise ValueError("`reference` must share the policy's vocabulary (vocab_size differs)")
+            raise ValueError(
+                "PPOModule: `reference` must share the policy's vocabulary: vocab_size "
+                f"{getattr(self.reference.config, 'vocab_size', None)} != the policy's "
+                f"{getattr(self.policy.config, 'vocab_size', None)}"
+            )
 
         _check_context(self.policy, max_prompt_tokens, max_new_tokens)
         self.kl_coef = float(init_kl_coef)
@@ -195,7 +207,7 @@ class PPOModule(LightningModule):
                     f"PPOModule: a prompt of {longest} tokens is longer than "
                     f"`max_prompt_tokens`={limit}; prompts are cut on the left to their last "
                     f"{limit} tokens (warned once)",
-                    category=UserWarning,
+                    category=RuntimeWarning,
                 )
         self.tokenizer.truncation_side = "left"
         enc = self.tokenizer(
@@ -249,15 +261,22 @@ class PPOModule(LightningModule):
             ref = score_tokens(self.reference, rollout, hp.temperature)
         ref_logits, ref_logprobs = ref.logits.clone(), ref.logprobs.clone()
         responses = self._decode(rollout.response_ids, mask)
+        reward_error: Exception | None = None
         try:
             scores = validate_scores(self.reward(prompts, responses), len(prompts), self.reward)
-            reward_error = None
         except (ValueError, RuntimeError) as err:
-            scores, reward_error = None, f"the reward model failed: {err}"
+            scores, reward_error = None, err
         # Every skip decision is agreed by all ranks: under DDP a rank that skipped while the
         # others ran backward would leave them waiting in the gradient all-reduce forever.
         if self._any_rank(reward_error is not None):
-            self._skip(reward_error or "the reward model failed on another rank")
+            # A wrong shape is a broken reward model, not a numeric fault: stop (on every
+            # rank) rather than skip every batch of the run.
+            if self._any_rank(isinstance(reward_error, RewardShapeError)):
+                raise ValueError(
+                    f"PPOModule: `reward` must return one finite score per (prompt, response) "
+                    f"pair, shape [{len(prompts)}]: {reward_error or 'failed on another rank'}"
+                ) from reward_error
+            self._skip(f"the reward model failed: {reward_error or 'on another rank'}")
             return
         scores = scores.to(self.device)
         if hp.score_clip is not None:
@@ -295,14 +314,23 @@ class PPOModule(LightningModule):
         n = len(prompts)
         self.batches_seen += 1
         self.samples_seen += n * self.trainer.world_size
-        entropy = masked_mean(entropy_from_logits(pol.logits), mask)
         n_tokens = mask.sum()
+        # Per-token means over the tokens of the global batch (all ranks): sums, then divide.
+        kl_sum, entropy_sum, all_tokens = self._global_sum(
+            torch.stack(
+                [
+                    kl_seq.sum(),
+                    masked_sum(entropy_from_logits(pol.logits), mask),
+                    n_tokens.to(kl_tokens.dtype),
+                ]
+            )
+        )
         metrics = {
             "objective/kl": kl_seq.mean(),
-            "objective/kl_per_token": klmod.token_mean_kl(kl_tokens, mask),
+            "objective/kl_per_token": kl_sum / all_tokens,
             "objective/score": scores.mean(),
             "objective/non_score_reward": -self.kl_coef * kl_seq.mean(),
-            "objective/entropy": entropy,
+            "objective/entropy": entropy_sum / all_tokens,
             "objective/response_tokens": n_tokens / n,
             "perf/tokens_per_s": n_tokens / (t_end - t_start),
             "perf/rollout_s": torch.tensor(t_rollout - t_start),
@@ -417,6 +445,12 @@ class PPOModule(LightningModule):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
         return float(norm)
 
+    def _global_sum(self, values: Tensor) -> Tensor:
+        """``values`` summed over all ranks (a collective under DDP: call it on every rank)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return values
+        return self.trainer.strategy.reduce(values, reduce_op="sum")
+
     def _any_rank(self, flag: bool) -> bool:
         """True if ``flag`` is true on any rank (a collective under DDP: call it on every rank)."""
         if self._trainer is None or self.trainer.world_size == 1:
@@ -446,7 +480,9 @@ class PPOModule(LightningModule):
             on_step=True,
             on_epoch=False,
             batch_size=1,
-            sync_dist=False,
+            # The same sync flag as the regular logging: Lightning rejects a key logged with
+            # different arguments within an epoch (a skip under DDP would end the run).
+            sync_dist=self.trainer.world_size > 1,
         )
 
     def _has_kl_controller(self) -> bool:
@@ -551,26 +587,32 @@ class PPOModule(LightningModule):
         """Put back the RNG state of a loaded checkpoint, right before the first resumed batch.
 
         Restored here rather than in ``on_load_checkpoint`` because Lightning draws random
-        numbers in between (sanity-check validation, creating the dataloader iterators).
+        numbers in between (sanity-check validation, creating the dataloader iterators). A
+        fresh multi-process run instead offsets each rank's seed by its rank: ``seed_everything``
+        gives every process the same seed, and the ranks would draw the same random numbers for
+        their rollouts.
         """
         states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
-        if not states:
-            return
         rank, world = self.trainer.global_rank, self.trainer.world_size
-        if len(states["cpu"]) != world:
+        if states and len(states["cpu"]) == world:
+            torch.set_rng_state(states["cpu"][rank])
+            if "cuda" in states and self.device.type == "cuda":
+                torch.cuda.set_rng_state(states["cuda"][rank], self.device)
+            return
+        if states:
             rank_zero_warn(
                 f"PPOModule: the checkpoint holds the RNG states of {len(states['cpu'])} "
                 f"processes but this run has {world}; rollouts continue with fresh random "
                 "numbers (training itself resumes correctly)",
                 category=RuntimeWarning,
             )
-            return
-        torch.set_rng_state(states["cpu"][rank])
-        if "cuda" in states and self.device.type == "cuda":
-            torch.cuda.set_rng_state(states["cuda"][rank], self.device)
+        if world > 1:
+            torch.manual_seed((torch.initial_seed() + 104_729 * rank) % 2**63)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore counters and put the current reference weights back for strict loading."""
+        state = checkpoint["state_dict"]
+        _check_checkpoint_weights(state, self.state_dict())  # before anything is restored
         counters = checkpoint.get("rlkl_counters", {})
         self.batches_seen = int(counters.get("batches_seen", 0))
         self.samples_seen = int(counters.get("samples_seen", 0))
@@ -578,8 +620,6 @@ class PPOModule(LightningModule):
         self.kl_coef = float(counters.get("kl_coef", self.kl_coef))
         self.reference_perplexity = counters.get("reference_perplexity")
         self._rng_to_restore = checkpoint.get("rlkl_rng")
-        state = checkpoint["state_dict"]
-        _check_checkpoint_weights(state, self.state_dict())
         for key, value in self.reference.state_dict().items():
             state.setdefault(f"reference.{key}", value)
 
@@ -676,9 +716,9 @@ def _check_args(args: dict[str, Any]) -> None:
             "None or a number > 0",
         )
     if args["top_k"] or args["top_p"] < 1:
-        warnings.warn(
-            "PPOModule: top_k/top_p truncate the sampling distribution, so the KL estimates "
-            "(and the penalty) no longer refer to the policy itself",
-            UserWarning,
-            stacklevel=3,
+        rank_zero_warn(
+            "PPOModule: `top_k`/`top_p` truncate the sampling distribution, so the KL estimates "
+            "(and the penalty) no longer refer to the policy itself; use top_k=0, top_p=1.0 "
+            "for KL-controlled runs",
+            category=RuntimeWarning,
         )

@@ -1,28 +1,37 @@
-"""A training DataLoader that resumes mid-epoch exactly where a checkpoint left it.
+"""Resuming exactly: a training DataLoader that resumes mid-epoch, and a checkpoint file check.
 
 Lightning restarts a plain DataLoader from the first batch of the epoch when a run resumes
 from a checkpoint saved mid-epoch, so the resumed run would see the epoch's first batches
-twice and never its last ones. Two pieces make the order of prompts a pure function of
+twice and never its last ones. These pieces make the order of prompts a pure function of
 (seed, epoch, position), so a resumed run draws exactly the batches the uninterrupted run
 would have drawn:
 
 * :class:`EpochShuffleSampler` shuffles with a generator seeded from ``(seed, epoch)``
-  (Lightning calls ``set_epoch`` before every epoch; under DDP it wraps this sampler and
-  forwards ``set_epoch``), so the permutation of any epoch can be rebuilt without replaying
-  the earlier ones;
+  (Lightning calls ``set_epoch`` before every epoch), so the permutation of any epoch can be
+  rebuilt without replaying the earlier ones;
+* under DDP, :class:`RankShardSampler` deals that order round-robin to the ranks, so the
+  global batch ``k`` of a run with ``W`` processes of batch ``b`` holds exactly the prompts of
+  batch ``k`` of a one-process run with batch ``W * b`` (no second shuffle on top);
 * :class:`ResumableDataLoader` counts the batches it has handed out in the current epoch and
   saves that count through ``state_dict``; Lightning stores it in the checkpoint and, on
   resume, calls ``load_state_dict``, after which the first iteration of the same epoch skips
   the batches already trained on.
+
+:func:`check_checkpoint` tells a truncated, corrupt or foreign checkpoint file apart before
+Lightning tries to restore it (``RLKLCLI`` calls it for ``--ckpt_path``).
 """
 
 from __future__ import annotations
 
+import math
+import os
+import zipfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -50,6 +59,45 @@ class EpochShuffleSampler(Sampler[int]):
     def __len__(self) -> int:
         """Number of samples."""
         return self.n
+
+
+class RankShardSampler(DistributedSampler):
+    """This rank's share of an epoch order: positions ``rank, rank + W, rank + 2W, ...``.
+
+    The order is :class:`EpochShuffleSampler`'s permutation for ``(seed, epoch)`` when
+    ``shuffle`` is set, else ``0 .. n-1``. As with ``DistributedSampler(drop_last=False)`` the
+    order is padded with its first entries to a multiple of the world size ``W``, so every rank
+    gets the same number of samples. Lightning leaves a ``DistributedSampler`` in place (it
+    does not wrap and reshuffle it) and calls ``set_epoch`` on it before every epoch.
+
+    Args:
+        n: Number of samples.
+        num_replicas: World size ``W``.
+        rank: This process's global rank.
+        seed: Seed of the shuffle (as in :class:`EpochShuffleSampler`).
+        shuffle: Shuffle every epoch (``False``: file order).
+    """
+
+    def __init__(self, n: int, num_replicas: int, rank: int, seed: int = 0, shuffle: bool = True):
+        super().__init__(
+            range(int(n)), num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False
+        )
+        self.n = int(n)
+        self.order_seed = int(seed)
+        self.order_shuffle = bool(shuffle)
+
+    def __iter__(self) -> Iterator[int]:
+        """This rank's indices of the current epoch's order."""
+        if self.order_shuffle:
+            inner = EpochShuffleSampler(self.n, self.order_seed)
+            inner.set_epoch(self.epoch)
+            order = list(inner)
+        else:
+            order = list(range(self.n))
+        total = self.num_replicas * math.ceil(self.n / self.num_replicas) if self.n else 0
+        while len(order) < total:
+            order += order[: total - len(order)]
+        return iter(order[self.rank : total : self.num_replicas])
 
 
 class ResumableDataLoader(DataLoader):
@@ -104,3 +152,53 @@ class ResumableDataLoader(DataLoader):
             "epoch": int(state_dict.get("epoch", 0)),
             "batches": int(state_dict.get("batches", 0)),
         }
+
+
+def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> None:
+    """Raise a clear error if ``path`` is not a readable Lightning checkpoint.
+
+    The file is opened the way Lightning will open it (``torch.load`` on the CPU, memory-mapped
+    when it is a zip archive, so large checkpoints are not read twice) and must hold a dict
+    with ``state_dict`` and ``pytorch-lightning_version``. Whether its weights fit the model is
+    checked later, when the model restores them (``PPOModule.on_load_checkpoint``).
+
+    Args:
+        path: The checkpoint file.
+        option: Name of the option that gave ``path``, for the message.
+
+    Raises:
+        ValueError: If the file is missing, empty, truncated, not a torch file or not a
+            Lightning checkpoint; the message lists the other checkpoints in its directory.
+    """
+    file = Path(path).expanduser()
+
+    def fail(problem: str) -> ValueError:
+        others = sorted(p.name for p in file.parent.glob("*.ckpt") if p.name != file.name)
+        hint = (
+            f"resume from another checkpoint in {str(file.parent)!r} ({', '.join(others)})"
+            if others
+            else "resume from another checkpoint"
+        )
+        return ValueError(
+            f"`{option}` {str(file)!r} {problem}; allowed: a checkpoint file written by "
+            f"Lightning (ModelCheckpoint, Trainer.save_checkpoint), 'last' or None. {hint}, or "
+            f"start a new run without `{option}`"
+        )
+
+    if not file.is_file():
+        raise fail("does not exist")
+    if file.stat().st_size == 0:
+        raise fail("is empty (the run may have been killed while writing it)")
+    try:
+        checkpoint = torch.load(
+            file, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(file)
+        )
+    except Exception as err:  # torch raises many types for a damaged file
+        raise fail(
+            f"cannot be read: it is truncated or corrupt ({type(err).__name__}: {err})"
+        ) from err
+    if not isinstance(checkpoint, dict):
+        raise fail(f"holds a {type(checkpoint).__name__}, not a Lightning checkpoint (a dict)")
+    missing = [k for k in ("state_dict", "pytorch-lightning_version") if k not in checkpoint]
+    if missing:
+        raise fail(f"is not a Lightning checkpoint (no {missing})")

@@ -11,8 +11,10 @@ implementations:
   reward of the embedded default world (no model download).
 
 Every output goes through :func:`validate_scores`: a wrong shape or a non-finite score
-raises :class:`InvalidRewardError` naming the reward class, so a trainer can skip the
-batch instead of learning from garbage.
+raises :class:`InvalidRewardError` naming the reward class, so a trainer never learns from
+garbage. A non-finite score is a numeric fault of one batch (``PPOModule`` skips it); a
+wrong shape or non-numeric output (:class:`RewardShapeError`) means the reward model is
+broken, and ``PPOModule`` stops instead of skipping every batch.
 """
 
 import abc
@@ -27,6 +29,7 @@ __all__ = [
     "FunctionReward",
     "InvalidRewardError",
     "RewardModel",
+    "RewardShapeError",
     "SequenceClassifierReward",
     "VaderSentimentReward",
     "validate_scores",
@@ -69,6 +72,10 @@ class InvalidRewardError(ValueError):
     """A reward model returned a wrong shape or non-finite scores."""
 
 
+class RewardShapeError(InvalidRewardError):
+    """A reward model returned non-numeric scores or not one score per sample."""
+
+
 def validate_scores(scores: Any, batch_size: int, source: object) -> Tensor:
     """Checks a reward output and returns it as a ``[B]`` float32 CPU tensor.
 
@@ -82,8 +89,8 @@ def validate_scores(scores: Any, batch_size: int, source: object) -> Tensor:
         ``[B]`` float32 tensor on the CPU.
 
     Raises:
-        InvalidRewardError: If ``scores`` is not numeric, not of shape ``[B]``, or holds
-            ``nan``/``inf``.
+        RewardShapeError: If ``scores`` is not numeric or not of shape ``[B]``.
+        InvalidRewardError: If ``scores`` holds ``nan``/``inf``.
     """
     if not isinstance(source, str):
         source = type(source).__name__
@@ -93,9 +100,9 @@ def validate_scores(scores: Any, batch_size: int, source: object) -> Tensor:
         else:
             out = torch.as_tensor(scores, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError) as err:
-        raise InvalidRewardError(f"{source} returned non-numeric scores: {err}") from err
+        raise RewardShapeError(f"{source} returned non-numeric scores: {err}") from err
     if out.shape != (batch_size,):
-        raise InvalidRewardError(
+        raise RewardShapeError(
             f"{source} must return one score per sample, shape [{batch_size}], "
             f"got shape {list(out.shape)}"
         )

@@ -1,0 +1,187 @@
+"""A PPOModule that records what each batch did, with rollouts seeded by the sample.
+
+Used by ``tests/test_ddp_module.py`` in-process and, through ``train.py``, in the processes a
+DDP run starts (they import this file by its ``class_path``; the test puts ``tests/`` on
+``PYTHONPATH``). Not collected by pytest (no ``test_`` prefix).
+
+Two things differ from a plain ``PPOModule``, both only to make runs comparable:
+
+* rollouts: each prompt's response is sampled alone, from a torch RNG seeded with a hash of
+  (prompt tokens, batch number), then the rows are padded back into one ``Rollout``. The
+  response of a prompt is then the same whichever rank, batch composition or world size
+  samples it; the real ``sample`` function does the sampling;
+* in batch ``cut_batch`` (0-based) each response is cut to a length of 1 to
+  ``max_new_tokens`` tokens drawn from the same hash, as if it had stopped at an EOS there, so
+  the ranks hold different numbers of response tokens;
+* the reward is the fraction of ``good`` words, ``nan`` for the prompt ``poison_prompt``
+  (a numeric fault on one rank only).
+
+Everything else (scoring, KL, GAE, whitening, updates, logging, callbacks) is PPOModule's own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+import rlkl_lightning.module as module_mod
+from rlkl_lightning import PPOModule
+from rlkl_lightning.kl_callback import KLControllerCallback
+from rlkl_lightning.rewards import FunctionReward
+from rlkl_lightning.rollout import Rollout
+
+REAL_SAMPLE = module_mod.sample
+REAL_SHAPE_REWARDS = module_mod.shape_rewards
+REAL_WHITEN = module_mod.masked_whiten
+
+
+class PoisonableReward:
+    """Fraction of ``good`` words in the response; ``nan`` for one prompt."""
+
+    def __init__(self, poison_prompt: str = "") -> None:
+        self.poison_prompt = poison_prompt
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+        scores = []
+        for prompt, response in zip(prompts, responses, strict=True):
+            words = response.split()
+            good = sum(w == "good" for w in words) / max(len(words), 1)
+            scores.append(math.nan if prompt == self.poison_prompt else good)
+        return torch.tensor(scores)
+
+
+class RecordingPPO(PPOModule):
+    """PPOModule with per-sample seeded rollouts that writes a JSON record per rank."""
+
+    def __init__(
+        self,
+        policy: str,
+        record_dir: str,
+        reference: str | None = None,
+        poison_prompt: str = "",
+        cut_batch: int = -1,
+        init_kl_coef: float = 0.2,
+        max_prompt_tokens: int = 8,
+        max_new_tokens: int = 6,
+        lr: float = 3e-3,
+    ) -> None:
+        super().__init__(
+            policy=policy,
+            reference=reference,
+            reward=FunctionReward(PoisonableReward(poison_prompt), batched=True),
+            init_kl_coef=init_kl_coef,
+            max_prompt_tokens=max_prompt_tokens,
+            max_new_tokens=max_new_tokens,
+            stop_at_eos=False,  # equal tokens per rank (but in cut_batch): see the test
+            ppo_epochs=1,
+            num_minibatches=1,
+            lr=lr,
+            log_samples_every=0,
+        )
+        self.record_dir = record_dir
+        self.cut_batch = cut_batch
+        self.batches: list[dict] = []
+        self.weights_before_cut: dict[str, torch.Tensor] = {}
+
+    # ---- per-sample random streams
+    def _seeded_sample(self, policy, prompt_ids, prompt_mask, **kwargs) -> Rollout:
+        pad = kwargs["pad_token_id"]
+        rows = []
+        for ids, mask in zip(prompt_ids, prompt_mask, strict=True):
+            prompt = ids[mask.bool()].unsqueeze(0)
+            key = f"{prompt.tolist()}|{self.batches_seen}".encode()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(zlib.crc32(key))
+                row = REAL_SAMPLE(policy, prompt, torch.ones_like(prompt), **kwargs)
+            if len(self.batches) - 1 == self.cut_batch:
+                keep = 1 + zlib.crc32(key) % row.response_ids.shape[1]
+                end = prompt.shape[1] + keep
+                row = Rollout(
+                    row.input_ids[:, :end],
+                    row.attention_mask[:, :end],
+                    row.response_ids[:, :keep],
+                    row.response_mask[:, :keep],
+                )
+            rows.append(row)
+        self.batches[-1]["responses"] = [r.response_ids[0].tolist() for r in rows]
+        width = max(r.input_ids.shape[1] - r.response_ids.shape[1] for r in rows)
+        length = max(r.response_ids.shape[1] for r in rows)
+
+        def pad_to(t: torch.Tensor, left: int, right: int, value: int | float) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (left, right), value=value)
+
+        parts: dict[str, list[torch.Tensor]] = {"ids": [], "am": [], "resp": [], "rmask": []}
+        for r in rows:
+            n_prompt = r.input_ids.shape[1] - r.response_ids.shape[1]
+            extra = length - r.response_ids.shape[1]
+            resp = pad_to(r.response_ids, 0, extra, pad)
+            parts["resp"].append(resp)
+            parts["rmask"].append(pad_to(r.response_mask, 0, extra, 0.0))
+            prompt = pad_to(r.input_ids[:, :n_prompt], width - n_prompt, 0, pad)
+            parts["ids"].append(torch.cat([prompt, resp], 1))
+            parts["am"].append(pad_to(r.attention_mask, width - n_prompt, extra, 0))
+        return Rollout(*(torch.cat(parts[k]) for k in ("ids", "am", "resp", "rmask")))
+
+    # ---- recording wrappers around the module's own functions
+    def _recording_shape_rewards(self, scores, kl, kl_coef, mask):
+        row = self.batches[-1]
+        row["kl_seq"] = torch.where(mask.bool(), kl, 0.0).sum(1).tolist()
+        row["tokens"] = mask.sum(1).tolist()
+        row["scores"] = scores.tolist()
+        row["kl_coef_in_rewards"] = float(kl_coef)
+        return REAL_SHAPE_REWARDS(scores, kl, kl_coef, mask)
+
+    def _recording_whiten(self, x, mask, *args, **kwargs):
+        out = REAL_WHITEN(x, mask, *args, **kwargs)
+        if kwargs.get("shift_mean", True) and not args:
+            row = self.batches[-1]
+            valid = mask.bool()
+            row["advantages_raw"] = [x[i][valid[i]].tolist() for i in range(x.shape[0])]
+            row["advantages"] = [out[i][valid[i]].tolist() for i in range(x.shape[0])]
+        return out
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        return {
+            k: v.detach().clone()
+            for k, v in self.state_dict().items()
+            if not k.startswith("reference.")
+        }
+
+    def training_step(self, batch, batch_idx):
+        """PPOModule's training step, with the rollouts seeded by the sample and recorded."""
+        if len(self.batches) == self.cut_batch:
+            self.weights_before_cut = self._weights()
+        self.batches.append({"prompts": list(batch["prompt"]), "beta_used": self.kl_coef})
+        seeded = mock.patch.object(module_mod, "sample", self._seeded_sample)
+        shape = mock.patch.object(module_mod, "shape_rewards", self._recording_shape_rewards)
+        whiten = mock.patch.object(module_mod, "masked_whiten", self._recording_whiten)
+        with seeded, shape, whiten:
+            return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        """Runs after the callbacks: the metrics include the new beta."""
+        metrics = self.trainer.callback_metrics
+        self.batches[-1]["metrics"] = {k: float(v) for k, v in metrics.items()}
+
+    def on_train_end(self):
+        """Write this rank's record and weights."""
+        callback = next(c for c in self.trainer.callbacks if isinstance(c, KLControllerCallback))
+        out = Path(self.record_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        rank = self.global_rank
+        record = {
+            "world_size": self.trainer.world_size,
+            "batches": self.batches,
+            "kl_coef": self.kl_coef,
+            "controller": callback.state_dict(),
+            "samples_seen": self.samples_seen,
+            "skipped_batches": self.skipped_batches,
+        }
+        (out / f"rank{rank}.json").write_text(json.dumps(record))
+        weights = {"final": self._weights(), "before_cut": self.weights_before_cut}
+        torch.save(weights, out / f"rank{rank}.pt")

@@ -1,0 +1,191 @@
+"""Property-based tests: KL estimators, reductions, reward shaping, GAE and whitening.
+
+Finite inputs give finite outputs, padded positions never matter (whatever they hold, nan and
+inf included) and are 0 in every output, and the results keep their defining identities. The
+controller laws have their own properties in ``test_controllers.py`` (beta finite, > 0 and
+inside its bounds for any KL, finite or not); here invalid law parameters are fuzzed.
+
+Input ranges: log-probabilities in [-80, 0] for float32, so that ``exp(-l)`` in ``k3`` is
+representable (a sampled token with probability below e^-80 does not occur); logits,
+rewards, values and scores up to 1e4 in magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlkl_lightning.advantages import gae, shape_rewards
+from rlkl_lightning.controllers import make_kl_controller
+from rlkl_lightning.kl import exact_kl, per_token_kl, sequence_kl, token_mean_kl
+from rlkl_lightning.masked import masked_whiten
+
+FUZZ = settings(max_examples=100, deadline=None)
+GARBAGE = [math.nan, math.inf, -math.inf, 1e30, -7.0]
+
+
+@st.composite
+def padded(draw, low=-1e4, high=1e4, min_rows=1, max_rows=4, max_len=6, min_valid=0):
+    """A ``[B, T]`` float32 tensor, a right-padding mask of prefix lengths, and garbage for
+    the padded positions."""
+    rows = draw(st.integers(min_rows, max_rows))
+    length = draw(st.integers(1, max_len))
+    lengths = draw(st.lists(st.integers(min_valid, length), min_size=rows, max_size=rows))
+    values = draw(
+        st.lists(
+            st.floats(low, high, allow_nan=False, width=32),
+            min_size=rows * length,
+            max_size=rows * length,
+        )
+    )
+    x = torch.tensor(values, dtype=torch.float32).reshape(rows, length)
+    mask = torch.arange(length).expand(rows, length) < torch.tensor(lengths).unsqueeze(1)
+    garbage = draw(st.sampled_from(GARBAGE))
+    return x, mask, garbage
+
+
+def with_garbage(x: torch.Tensor, mask: torch.Tensor, garbage: float) -> torch.Tensor:
+    return x.masked_fill(~mask, garbage)
+
+
+# ---- KL estimators and reductions ------------------------------------------------------------
+
+
+@FUZZ
+@given(
+    data=padded(low=-80.0, high=0.0),
+    ref=st.lists(st.floats(-80.0, 0.0, width=32), min_size=24, max_size=24),
+    estimator=st.sampled_from(["k1", "k2", "k3"]),
+)
+def test_sample_estimators_are_finite_and_respect_the_mask(data, ref, estimator):
+    logprobs, mask, garbage = data
+    ref_logprobs = torch.tensor(ref[: logprobs.numel()]).reshape(logprobs.shape)
+    kl = per_token_kl(logprobs, ref_logprobs, estimator)
+    assert kl.shape == logprobs.shape and kl.dtype == torch.float32
+    assert torch.isfinite(kl).all()
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        assert torch.equal(kl, log_ratio)
+    else:
+        assert (kl >= 0).all()  # k2 = l^2/2 and k3 = e^-l - 1 + l are never negative
+    per_seq = sequence_kl(kl, mask)
+    assert torch.isfinite(per_seq).all()
+    # Padding never counts, whatever it holds.
+    dirty = with_garbage(kl, mask, garbage)
+    assert torch.equal(sequence_kl(dirty, mask), per_seq)
+    expected = [float(kl[i][mask[i]].double().sum()) for i in range(kl.shape[0])]
+    assert per_seq.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-4)
+    if mask.any():
+        mean = token_mean_kl(dirty, mask)
+        assert torch.isfinite(mean)
+        assert float(mean) == pytest.approx(float(kl[mask].double().mean()), rel=1e-5, abs=1e-4)
+
+
+@FUZZ
+@given(
+    logits=st.lists(st.floats(-1e4, 1e4, width=32), min_size=12, max_size=12),
+    ref_logits=st.lists(st.floats(-1e4, 1e4, width=32), min_size=12, max_size=12),
+    vocab=st.sampled_from([2, 3, 4, 6]),
+)
+def test_exact_kl_is_finite_and_non_negative(logits, ref_logits, vocab):
+    p = torch.tensor(logits).reshape(-1, vocab)
+    q = torch.tensor(ref_logits).reshape(-1, vocab)
+    kl = exact_kl(p, q)
+    assert kl.shape == (12 // vocab,)
+    assert torch.isfinite(kl).all() and (kl >= 0).all()
+    assert torch.equal(exact_kl(p, p), torch.zeros_like(kl))
+
+
+# ---- reward shaping and GAE --------------------------------------------------------------------
+
+
+@FUZZ
+@given(
+    data=padded(min_valid=1),
+    kl_data=st.lists(st.floats(-1e3, 1e3, width=32), min_size=24, max_size=24),
+    kl_coef=st.floats(0.0, 1e3),
+)
+def test_shape_rewards_sum_to_score_minus_penalty_and_respect_the_mask(data, kl_data, kl_coef):
+    kl, mask, garbage = data
+    scores = torch.tensor(kl_data[: kl.shape[0]], dtype=torch.float32)
+    rewards = shape_rewards(scores, with_garbage(kl, mask, garbage), kl_coef, mask)
+    assert torch.isfinite(rewards).all()
+    assert (rewards[~mask] == 0).all()
+    assert torch.equal(rewards, shape_rewards(scores, kl, kl_coef, mask))
+    for i in range(kl.shape[0]):
+        total = float(scores[i]) - kl_coef * float(kl[i][mask[i]].double().sum())
+        scale = abs(float(scores[i])) + kl_coef * float(kl[i][mask[i]].abs().double().sum())
+        assert float(rewards[i].double().sum()) == pytest.approx(total, abs=1e-5 * scale + 1e-6)
+
+
+@FUZZ
+@given(
+    data=padded(),
+    values=st.lists(st.floats(-1e4, 1e4, width=32), min_size=24, max_size=24),
+    gamma=st.floats(0.0, 1.0),
+    lam=st.floats(0.0, 1.0),
+    value_garbage=st.sampled_from(GARBAGE),
+)
+def test_gae_is_finite_bounded_and_ignores_padding(data, values, gamma, lam, value_garbage):
+    rewards, mask, garbage = data
+    v = torch.tensor(values[: rewards.numel()]).reshape(rewards.shape)
+    advantages, returns = gae(rewards, v, mask, gamma, lam)
+    assert torch.isfinite(advantages).all() and torch.isfinite(returns).all()
+    assert (advantages[~mask] == 0).all() and (returns[~mask] == 0).all()
+    dirty = gae(
+        with_garbage(rewards, mask, garbage), with_garbage(v, mask, value_garbage), mask, gamma, lam
+    )
+    assert torch.equal(dirty[0], advantages) and torch.equal(dirty[1], returns)
+    # |delta_t| <= max|r| + 2 max|V| and |A_t| <= sum of discounted |delta| <= T * that.
+    if mask.any():
+        bound = rewards.shape[1] * (rewards[mask].abs().max() + 2 * v[mask].abs().max())
+        assert float(advantages.abs().max()) <= float(bound) * (1 + 1e-5) + 1e-3
+        torch.testing.assert_close(
+            returns[mask] - advantages[mask], v[mask], rtol=1e-5, atol=1e-3 + 1e-6 * float(bound)
+        )
+
+
+@FUZZ
+@given(data=padded(min_rows=2, min_valid=1), shift_mean=st.booleans())  # >= 2 valid entries
+def test_whitening_is_finite_and_ignores_padding(data, shift_mean):
+    x, mask, garbage = data
+    out = masked_whiten(x, mask, shift_mean=shift_mean)
+    assert torch.isfinite(out).all()
+    assert (out[~mask] == 0).all()
+    assert torch.equal(masked_whiten(with_garbage(x, mask, garbage), mask, shift_mean), out)
+    n = int(mask.sum())
+    if n >= 2:
+        # |x_i - m| <= sqrt(n - 1) * std for the unbiased std of the same deviations.
+        bound = math.sqrt(n - 1) * (1 + 1e-4) + 1e-4
+        assert float(masked_whiten(x, mask).abs().max()) <= bound
+
+
+# ---- controller parameters ----------------------------------------------------------------------
+
+BAD = st.sampled_from([0.0, -1.0, -1e-9, math.nan, math.inf, -math.inf])
+# (law, option) pairs where the option belongs to the law.
+LAW_OPTIONS = [
+    (law, option)
+    for law, options in {
+        "fixed": ["init_kl_coef", "min_kl_coef", "max_kl_coef"],
+        "adaptive": ["init_kl_coef", "target", "horizon", "min_kl_coef"],
+        "exponential": ["init_kl_coef", "target", "k", "max_kl_coef"],
+        "pi": ["init_kl_coef", "target", "error_clip", "min_kl_coef"],
+    }.items()
+    for option in options
+]
+
+
+@FUZZ
+@given(law_option=st.sampled_from(LAW_OPTIONS), bad=BAD)
+def test_invalid_controller_parameters_always_name_the_option(law_option, bad):
+    law, option = law_option
+    kwargs = {"init_kl_coef": 0.1, "target": None if law == "fixed" else 6.0, "law": law}
+    kwargs.update({"exponential": {"k": 0.1}, "pi": {"kp": 0.5, "ki": 0.05}}.get(law, {}))
+    kwargs[option] = bad
+    with pytest.raises(ValueError, match=rf"`{option}` must be a finite number"):
+        make_kl_controller(**kwargs)
