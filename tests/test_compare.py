@@ -17,8 +17,7 @@ METRIC_KEYS = {"final_score", "kl_tracking_error", "in_band_fraction", "drift_wa
 METRIC_KEYS |= {"final_perplexity"}
 
 
-@pytest.fixture(scope="module")
-def study(tiny_lm_dir, tmp_path_factory):
+def run_quick_study(tiny_lm_dir, tmp_path_factory):
     """`--quick` on configs/compare.yaml with a tiny model: 2 controllers x 2 seeds x 3 batches."""
     tmp = tmp_path_factory.mktemp("study")
     prompts = tmp / "prompts.txt"
@@ -47,8 +46,15 @@ def events(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-def test_writes_the_files_with_their_keys(study):
-    out, summary = study
+def test_quick_study_end_to_end(tiny_lm_dir, tmp_path_factory):
+    """One study, several checks (one test, so `pytest -n` runs the study once)."""
+    study = run_quick_study(tiny_lm_dir, tmp_path_factory)
+    check_files_and_keys(*study)
+    check_numbers_agree_with_the_event_files(*study)
+    check_each_run_is_a_reproducible_train_config(*study)
+
+
+def check_files_and_keys(out, summary):
     for name in ("curves.png", "report.md", "summary.json"):
         assert (out / name).stat().st_size > 0, name
     assert not (out / "frontier.png").exists()  # --quick runs no sweep
@@ -66,9 +72,8 @@ def test_writes_the_files_with_their_keys(study):
     assert "Adaptive reached similar or better score with KL closer to target:" in report
 
 
-def test_numbers_agree_with_the_event_files(study):
+def check_numbers_agree_with_the_event_files(out, summary):
     """Recompute every number from the raw events, independently of the study's own reader."""
-    out, summary = study
     target, n = 0.05, 3
     for group in ("fixed", "adaptive"):
         per_seed = summary[group]["per_seed"]
@@ -100,8 +105,7 @@ def test_numbers_agree_with_the_event_files(study):
     )
 
 
-def test_each_run_is_a_reproducible_train_config(study):
-    out, _ = study
+def check_each_run_is_a_reproducible_train_config(out, _summary):
     config = yaml.safe_load((out / "configs" / "adaptive-seed1.yaml").read_text())
     assert config["seed_everything"] == 1 and config["data"]["init_args"]["seed"] == 1
     assert config["trainer"]["max_steps"] == 3 * 4 * 4  # batches x ppo_epochs x minibatches
@@ -120,6 +124,7 @@ def test_a_failing_run_stops_the_study_and_quotes_its_log(tmp_path):
     extra.write_text(yaml.safe_dump({"overrides": bad}))
     argv = ["--config", str(ROOT / "configs" / "compare.yaml"), "--config", str(extra)]
     argv += ["--quick", "--seeds", "1", "--out", str(tmp_path / "out")]
+    argv += ["--runs", json.dumps({"fixed": str(ROOT / "configs" / "ppo_fixed.yaml")})]
     with pytest.raises(RuntimeError, match=r"(?s)run fixed-seed0 failed .*does not exist"):
         main(argv)
 
