@@ -2,8 +2,9 @@
 
 One training batch (a list of prompts) runs the pipeline of the README:
 
-1. rollout with the policy (KV cache, left padding);
-2. score: policy log-probs and values, reference log-probs, the reward model's score;
+1. rollout with the policy (KV cache, left padding), keeping the policy's log-probs, logits and
+   hidden states of its samples (``decode.sample_and_score``: no second policy pass);
+2. score: values, reference log-probs, the reward model's score;
 3. shape: ``r_t = -kl_coef * kl_t`` plus the score on the last response token
    (Ziegler et al. 2019, arXiv 1909.08593, eq. 2);
 4. GAE and advantage whitening;

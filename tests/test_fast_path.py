@@ -171,6 +171,24 @@ def test_fused_gelu_gives_the_same_losses_and_gradients(tiny_lm_dir):
         torch.testing.assert_close(p.grad, q.grad, **TIGHT, msg=name)
 
 
+def test_reward_classifier_scores_unchanged_by_the_fused_gelu(tiny_lm_dir, tmp_path):
+    from transformers import AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
+
+    from rlkl_lightning.rewards import SequenceClassifierReward
+
+    AutoTokenizer.from_pretrained(str(tiny_lm_dir)).save_pretrained(tmp_path)
+    config = GPT2Config.from_pretrained(str(tiny_lm_dir))
+    config.num_labels = 2
+    torch.manual_seed(0)
+    GPT2ForSequenceClassification(config).save_pretrained(tmp_path)
+    reward = SequenceClassifierReward(str(tmp_path), label=1)
+    assert any(isinstance(m, TanhGELU) for m in reward.model.modules())
+    responses = ["good film", "the plot was very dull and the taste poor", "nice"]
+    fused = reward(PROMPTS[:3], responses)
+    reward.model = GPT2ForSequenceClassification.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(fused, reward(PROMPTS[:3], responses), **TIGHT)
+
+
 def test_ppo_losses_gradients_and_steps_match_the_plain_computation(tiny_lm_dir):
     """PPOModule's update on a fixed batch: fast models and fused AdamW vs the plain ones."""
     kw = dict(
