@@ -21,6 +21,44 @@ from rlkl_lightning.models import position_ids_from_mask
 from rlkl_lightning.rollout import Rollout, TokenScores, gather_logprobs, response_mask_after_eos
 
 
+def _kv_cache(policy: nn.Module, capacity: int):
+    """A ``DynamicCache`` whose full-attention layers write into buffers allocated once.
+
+    ``DynamicLayer`` grows by concatenation, copying the whole cache at every step of every
+    layer; :class:`_PreallocatedLayer` writes the new keys and values in place and hands out
+    views. Other layer kinds (sliding windows, ...) keep transformers' own classes.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class _PreallocatedLayer(DynamicLayer):
+        _layer_type = None  # never registered in transformers' layer-type mappings
+
+        def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+            super().lazy_initialization(key_states, value_states)
+            b, h, _, dk = key_states.shape
+            self._keys = key_states.new_empty(b, h, capacity, dk)
+            self._values = value_states.new_empty(b, h, capacity, value_states.shape[-1])
+            self._length = 0
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, end = self._length, self._length + key_states.shape[-2]
+            if end > capacity:  # not reached by _decode; stay correct anyway
+                return super().update(key_states, value_states, *args, **kwargs)
+            self._keys[:, :, start:end] = key_states
+            self._values[:, :, start:end] = value_states
+            self._length = end
+            self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+            return self.keys, self.values
+
+    cache = DynamicCache(config=policy.config)
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [_PreallocatedLayer() for _ in cache.layers]
+    return cache
+
+
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     """Top-k, then nucleus (top-p) truncation of ``[B, V]`` logits; removed entries are ``-inf``.
 
@@ -108,12 +146,10 @@ def _decode(
     eos_token_id: int | None,
     pad_token_id: int,
 ) -> tuple[Rollout, TokenScores]:
-    from transformers import DynamicCache
-
     batch = prompt_ids.shape[0]
     mask = prompt_mask.long()
     positions = position_ids_from_mask(mask)
-    cache = DynamicCache(config=policy.config)
+    cache = _kv_cache(policy, prompt_ids.shape[1] + max_new_tokens)
     out = policy(
         input_ids=prompt_ids,
         attention_mask=mask,

@@ -147,7 +147,23 @@ class LMOutput(NamedTuple):
 
 
 def lm_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, keep: int) -> LMOutput:
-    """Run a causal LM and keep only the last ``keep`` positions of logits and hidden states."""
+    """Run a causal LM and keep only the last ``keep`` positions of logits and hidden states.
+
+    With a plain LM head (:func:`plain_lm_head_weight`) the head is applied here, as one
+    ``[B * keep, H] x [H, V]`` matrix product: transformers applies it to a strided slice of the
+    hidden states, which PyTorch runs as a batched product several times slower on CPU.
+    """
+    weight = plain_lm_head_weight(model)
+    if weight is not None:
+        hidden = trunk_forward(model, input_ids, attention_mask, keep)
+        logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+        return LMOutput(logits.view(*hidden.shape[:2], -1), hidden)
+    return _own_forward(model, input_ids, attention_mask, keep)
+
+
+def _own_forward(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, keep: int
+) -> LMOutput:
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -199,7 +215,7 @@ def _check_plain_head(model: nn.Module) -> bool:
     mask = torch.ones_like(ids)
     try:
         hidden = trunk_forward(model, ids, mask, ids.shape[1])
-        logits = lm_forward(model, ids, mask, ids.shape[1]).logits
+        logits = _own_forward(model, ids, mask, ids.shape[1]).logits
     except (TypeError, ValueError, AttributeError):
         return False
     ours = hidden.to(head.weight.dtype) @ head.weight.t()
