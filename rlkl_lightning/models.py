@@ -98,7 +98,40 @@ def load_causal_lm(
             f"`{option}`: could not load a causal LM from {name_or_path!r}: {err}"
         ) from err
     disable_dropout(model)
+    fuse_tanh_gelu(model)
     return model
+
+
+class TanhGELU(nn.Module):
+    """The tanh approximation of GELU in PyTorch's fused kernel."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Element-wise ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+        return nn.functional.gelu(x, approximate="tanh")
+
+
+def fuse_tanh_gelu(model: nn.Module) -> int:
+    """Compute the tanh-approximated GELU with PyTorch's one fused kernel, in place.
+
+    GPT-2's ``gelu_new`` (and ``gelu_fast``) evaluate
+    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` (Hendrycks & Gimpel 2016,
+    arXiv 1606.08415) as about eight element-wise operations, each a pass over the MLP
+    activations forward and again backward. :class:`TanhGELU` evaluates the same formula with
+    ``torch.nn.functional.gelu(x, approximate="tanh")``, one kernel; the results agree to float
+    rounding (``tests/test_fast_path.py``).
+
+    Returns:
+        The number of activation modules replaced.
+    """
+    from transformers.activations import FastGELUActivation, NewGELUActivation
+
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if type(child) in (NewGELUActivation, FastGELUActivation):
+                setattr(module, name, TanhGELU())
+                replaced += 1
+    return replaced
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -133,7 +166,23 @@ class LMOutput(NamedTuple):
 
 
 def lm_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, keep: int) -> LMOutput:
-    """Run a causal LM and keep only the last ``keep`` positions of logits and hidden states."""
+    """Run a causal LM and keep only the last ``keep`` positions of logits and hidden states.
+
+    With a plain LM head (:func:`plain_lm_head_weight`) the head is applied here, as one
+    ``[B * keep, H] x [H, V]`` matrix product: transformers applies it to a strided slice of the
+    hidden states, which PyTorch runs as a batched product several times slower on CPU.
+    """
+    weight = plain_lm_head_weight(model)
+    if weight is not None:
+        hidden = trunk_forward(model, input_ids, attention_mask, keep)
+        logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+        return LMOutput(logits.view(*hidden.shape[:2], -1), hidden)
+    return _own_forward(model, input_ids, attention_mask, keep)
+
+
+def _own_forward(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, keep: int
+) -> LMOutput:
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -143,6 +192,53 @@ def lm_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, keep
         use_cache=False,
     )
     return LMOutput(out.logits[:, -keep:], out.hidden_states[-1][:, -keep:])
+
+
+def trunk_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, keep: int) -> Tensor:
+    """Last hidden states ``[B, keep, H]`` of a causal LM's trunk, without its LM head.
+
+    ``model.base_model`` (e.g. ``GPT2Model`` inside ``GPT2LMHeadModel``) ends with the final
+    normalization, so this equals ``lm_forward(...).hidden`` without computing any logits.
+    """
+    out = model.base_model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return out.last_hidden_state[:, -keep:]
+
+
+def plain_lm_head_weight(model: nn.Module) -> Tensor | None:
+    """``W`` if the model's logits are exactly ``trunk_hidden @ W.T``, else None.
+
+    True of GPT-2, Llama, Mistral, Qwen and most causal LMs; not of heads with a bias, a logit
+    scale or soft-capping. Checked once per model on a short input (the answer is cached on the
+    model), so an unusual head falls back to the model's own forward instead of being wrong.
+    """
+    cached = getattr(model, "_rlkl_plain_head", None)
+    if cached is None:
+        cached = _check_plain_head(model)
+        model._rlkl_plain_head = cached
+    head = model.get_output_embeddings() if cached else None
+    return head.weight if head is not None else None
+
+
+@torch.no_grad()
+def _check_plain_head(model: nn.Module) -> bool:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear or head.bias is not None or not hasattr(model, "base_model"):
+        return False
+    device = head.weight.device
+    ids = torch.arange(1, 6, device=device).remainder(head.weight.shape[0]).unsqueeze(0)
+    mask = torch.ones_like(ids)
+    try:
+        hidden = trunk_forward(model, ids, mask, ids.shape[1])
+        logits = _own_forward(model, ids, mask, ids.shape[1]).logits
+    except (TypeError, ValueError, AttributeError):
+        return False
+    ours = hidden.to(head.weight.dtype) @ head.weight.t()
+    return bool(torch.allclose(ours.float(), logits.float(), rtol=1e-4, atol=1e-4))
 
 
 class ValueHead(nn.Module):

@@ -221,7 +221,10 @@ class SequenceClassifierReward:
         self.tokenizer.padding_side = "right"
         self.tokenizer.truncation_side = "left"
 
+        from rlkl_lightning.models import fuse_tanh_gelu
+
         self.model = AutoModelForSequenceClassification.from_pretrained(str(model))
+        fuse_tanh_gelu(self.model)  # same activation in one kernel (models.fuse_tanh_gelu)
         self.model.eval()
         self.model.requires_grad_(False)
         if self.model.config.pad_token_id is None:

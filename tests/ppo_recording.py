@@ -9,7 +9,8 @@ Two things differ from a plain ``PPOModule``, both only to make runs comparable:
 * rollouts: each prompt's response is sampled alone, from a torch RNG seeded with a hash of
   (prompt tokens, batch number), then the rows are padded back into one ``Rollout``. The
   response of a prompt is then the same whichever rank, batch composition or world size
-  samples it; the real ``sample`` function does the sampling;
+  samples it; the real ``sample_and_score`` function does the sampling and keeps the policy's
+  scores of each row, which are padded back together with the rollout;
 * in batch ``cut_batch`` (0-based) each response is cut to a length of 1 to
   ``max_new_tokens`` tokens drawn from the same hash, as if it had stopped at an EOS there, so
   the ranks hold different numbers of response tokens;
@@ -33,9 +34,9 @@ import rlkl_lightning.module as module_mod
 from rlkl_lightning import PPOModule
 from rlkl_lightning.kl_callback import KLControllerCallback
 from rlkl_lightning.rewards import FunctionReward
-from rlkl_lightning.rollout import Rollout
+from rlkl_lightning.rollout import Rollout, TokenScores
 
-REAL_SAMPLE = module_mod.sample
+REAL_SAMPLE = module_mod.sample_and_score
 REAL_SHAPE_REWARDS = module_mod.shape_rewards
 REAL_WHITEN = module_mod.masked_whiten
 
@@ -89,7 +90,9 @@ class RecordingPPO(PPOModule):
         self.weights_before_cut: dict[str, torch.Tensor] = {}
 
     # ---- per-sample random streams
-    def _seeded_sample(self, policy, prompt_ids, prompt_mask, **kwargs) -> Rollout:
+    def _seeded_sample(
+        self, policy, prompt_ids, prompt_mask, **kwargs
+    ) -> tuple[Rollout, TokenScores]:
         pad = kwargs["pad_token_id"]
         rows = []
         for ids, mask in zip(prompt_ids, prompt_mask, strict=True):
@@ -97,7 +100,7 @@ class RecordingPPO(PPOModule):
             key = f"{prompt.tolist()}|{self.batches_seen}".encode()
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(zlib.crc32(key))
-                row = REAL_SAMPLE(policy, prompt, torch.ones_like(prompt), **kwargs)
+                row, scores = REAL_SAMPLE(policy, prompt, torch.ones_like(prompt), **kwargs)
             if len(self.batches) - 1 == self.cut_batch:
                 keep = 1 + zlib.crc32(key) % row.response_ids.shape[1]
                 end = prompt.shape[1] + keep
@@ -107,16 +110,18 @@ class RecordingPPO(PPOModule):
                     row.response_ids[:, :keep],
                     row.response_mask[:, :keep],
                 )
-            rows.append(row)
-        self.batches[-1]["responses"] = [r.response_ids[0].tolist() for r in rows]
-        width = max(r.input_ids.shape[1] - r.response_ids.shape[1] for r in rows)
-        length = max(r.response_ids.shape[1] for r in rows)
+                scores = TokenScores(*(t[:, :keep] for t in scores))
+            rows.append((row, scores))
+        self.batches[-1]["responses"] = [r.response_ids[0].tolist() for r, _ in rows]
+        width = max(r.input_ids.shape[1] - r.response_ids.shape[1] for r, _ in rows)
+        length = max(r.response_ids.shape[1] for r, _ in rows)
 
         def pad_to(t: torch.Tensor, left: int, right: int, value: int | float) -> torch.Tensor:
             return torch.nn.functional.pad(t, (left, right), value=value)
 
         parts: dict[str, list[torch.Tensor]] = {"ids": [], "am": [], "resp": [], "rmask": []}
-        for r in rows:
+        padded_scores = []
+        for r, scores in rows:
             n_prompt = r.input_ids.shape[1] - r.response_ids.shape[1]
             extra = length - r.response_ids.shape[1]
             resp = pad_to(r.response_ids, 0, extra, pad)
@@ -125,7 +130,16 @@ class RecordingPPO(PPOModule):
             prompt = pad_to(r.input_ids[:, :n_prompt], width - n_prompt, 0, pad)
             parts["ids"].append(torch.cat([prompt, resp], 1))
             parts["am"].append(pad_to(r.attention_mask, width - n_prompt, extra, 0))
-        return Rollout(*(torch.cat(parts[k]) for k in ("ids", "am", "resp", "rmask")))
+            # Scores at padded response positions are masked out everywhere: zeros.
+            padded_scores.append(
+                TokenScores(
+                    pad_to(scores.logits.transpose(1, 2), 0, extra, 0.0).transpose(1, 2),
+                    pad_to(scores.logprobs, 0, extra, 0.0),
+                    pad_to(scores.hidden.transpose(1, 2), 0, extra, 0.0).transpose(1, 2),
+                )
+            )
+        rollout = Rollout(*(torch.cat(parts[k]) for k in ("ids", "am", "resp", "rmask")))
+        return rollout, TokenScores(*(torch.cat(ts) for ts in zip(*padded_scores, strict=True)))
 
     # ---- recording wrappers around the module's own functions
     def _recording_shape_rewards(self, scores, kl, kl_coef, mask):
@@ -157,7 +171,7 @@ class RecordingPPO(PPOModule):
         if len(self.batches) == self.cut_batch:
             self.weights_before_cut = self._weights()
         self.batches.append({"prompts": list(batch["prompt"]), "beta_used": self.kl_coef})
-        seeded = mock.patch.object(module_mod, "sample", self._seeded_sample)
+        seeded = mock.patch.object(module_mod, "sample_and_score", self._seeded_sample)
         shape = mock.patch.object(module_mod, "shape_rewards", self._recording_shape_rewards)
         whiten = mock.patch.object(module_mod, "masked_whiten", self._recording_whiten)
         with seeded, shape, whiten:

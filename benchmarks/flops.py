@@ -1,0 +1,128 @@
+"""Analytic FLOP counts of one PPO iteration, and the machine's measured fp32 matmul peak.
+
+Counting convention (multiply-add = 2 FLOPs; matmuls only, element-wise ops ignored). For a
+GPT-2 with ``L`` layers, width ``d``, vocabulary ``V``:
+
+- trunk, per token and forward: ``24 L d^2`` (QKV ``6 d^2``, attention output ``2 d^2``,
+  MLP ``16 d^2``, per layer), i.e. ``2 x (trunk parameters without embeddings) x tokens``;
+- attention, per sequence of ``T`` tokens and forward: ``4 L d T^2`` (``Q K^T`` and
+  ``softmax x V`` over the full ``T x T`` score matrix, as the masked kernel computes it);
+  one decoding step against ``t`` cached positions costs ``4 L d t``;
+- LM head: ``2 d V`` per position whose logits are computed (``logits_to_keep``);
+- classifier / value head: ``2 d`` per position it is applied to;
+- backward = 2 x forward, so a training pass counts 3 x the forward FLOPs.
+
+Each library is charged for the work it executes (TRL computes logits at every position and
+runs a separate value trunk; both take the rollout-time log-probs from the sampling logits), so
+the peak fractions say how well each uses the machine, and ``gflop_per_iter`` shows the work
+each chooses to do for the same PPO iteration.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Model and batch sizes of the benchmark."""
+
+    layers: int
+    width: int
+    vocab: int
+    batch: int
+    prompt: int
+    response: int
+    epochs: int
+
+    @property
+    def seq(self) -> int:
+        """Prompt plus response tokens."""
+        return self.prompt + self.response
+
+
+def _trunk(s: Shape, tokens: int) -> float:
+    return 24.0 * s.layers * s.width**2 * tokens
+
+
+def _attn(s: Shape, seqs: int, length: int) -> float:
+    return 4.0 * s.layers * s.width * length**2 * seqs
+
+
+def _head(s: Shape, positions: int, outputs: int) -> float:
+    return 2.0 * s.width * outputs * positions
+
+
+def forward(s: Shape, seqs: int, length: int, logit_positions: int, head_outputs: int) -> float:
+    """One forward over ``seqs`` sequences of ``length`` tokens."""
+    return (
+        _trunk(s, seqs * length)
+        + _attn(s, seqs, length)
+        + _head(s, seqs * logit_positions, head_outputs)
+    )
+
+
+def rollout(s: Shape) -> float:
+    """KV-cache sampling: a prefill with logits at the last prompt position, then R-1 steps."""
+    total = forward(s, s.batch, s.prompt, 1, s.vocab)
+    for step in range(1, s.response):
+        context = s.prompt + step
+        total += _trunk(s, s.batch) + 4.0 * s.layers * s.width * context * s.batch
+        total += _head(s, s.batch, s.vocab)
+    return total
+
+
+def trunk(s: Shape, seqs: int, length: int) -> float:
+    """The trunk alone (no LM head) over ``seqs`` sequences of ``length`` tokens."""
+    return _trunk(s, seqs * length) + _attn(s, seqs, length)
+
+
+def phases(s: Shape, side: str) -> dict[str, float]:
+    """FLOPs per phase of one iteration for ``side`` in ``ours``, ``ours_separate_value``, ``trl``.
+
+    ours: the sampling loop (its logits and hidden states are kept: no policy scoring pass);
+    scoring runs the reference (logits at R+1 positions), the value head on the kept hidden
+    states and the reward model (score head at every position, as the classifier computes it);
+    each PPO epoch trains on all B sequences, the LM head at the R response positions. The
+    separate-value variant adds a value trunk (no LM head) to scoring and to every epoch.
+    trl: no policy scoring pass either (log-probs from the generation logits); reference logits
+    at all T positions, value model and reward model (score head at all T positions), and per
+    epoch a training pass of the policy (logits at all T positions) plus the value model.
+    """
+    b, t, r = s.batch, s.seq, s.response
+    reward = forward(s, b, t, t, 1)
+    if side == "trl":
+        policy_train = forward(s, b, t, t, s.vocab) + forward(s, b, t, t, 1)
+        score = forward(s, b, t, t, s.vocab) + forward(s, b, t, t, 1) + reward
+    else:
+        policy_train = forward(s, b, t, r, s.vocab) + _head(s, b * r, 1)
+        score = forward(s, b, t, r + 1, s.vocab) + _head(s, b * r, 1) + reward
+        if side == "ours_separate_value":
+            policy_train += trunk(s, b, t)
+            score += trunk(s, b, t)
+    return {"rollout": rollout(s), "score": score, "update": 3.0 * s.epochs * policy_train}
+
+
+def matmul_peak(
+    threads: int, sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 5
+) -> float:
+    """The machine's fp32 matmul peak: the best GFLOP/s of square ``torch.mm`` over a few sizes.
+
+    The best of several sizes and runs, because on a shared machine any single timing may be
+    slowed down by other processes, never sped up.
+    """
+    torch.set_num_threads(threads)
+    best = 0.0
+    for size in sizes:
+        a = torch.randn(size, size)
+        b = torch.randn(size, size)
+        out = torch.empty(size, size)
+        torch.mm(a, b, out=out)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            best = max(best, 2.0 * size**3 / (time.perf_counter() - start) / 1e9)
+    return best

@@ -1,0 +1,285 @@
+"""Benchmark workers: one process per library, paced one PPO iteration at a time.
+
+A worker loads its library, builds its trainer on the benchmark world and starts training.
+Before every iteration it blocks until the parent writes ``go`` on its stdin; after the
+iteration it writes one JSON line (wall time, phase split, max RSS) to the result pipe. So the
+parent can alternate the libraries iteration by iteration while only one of them runs.
+
+Run by ``ppo_throughput.py``: ``python workers.py SIDE WORLD_DIR RESULT_FD ITERATIONS``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+BATCH, RESPONSE, EPOCHS, MINIBATCHES, TEMPERATURE = 32, 32, 4, 4, 0.7
+KL_COEF, LR, SEED, THREADS = 0.05, 3e-6, 0, 2
+
+
+class StepCounter:
+    """Counts optimizer steps of every torch optimizer in this process (a global step hook)."""
+
+    def __init__(self):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.steps = 0
+        register_optimizer_step_post_hook(self._count)
+
+    def _count(self, optimizer, args, kwargs) -> None:
+        self.steps += 1
+
+    def take(self) -> int:
+        """Steps since the last call."""
+        steps, self.steps = self.steps, 0
+        return steps
+
+
+class Pacer:
+    """Blocks before each iteration until told to go; reports each iteration's timings."""
+
+    def __init__(self, fd: int):
+        self.out = os.fdopen(fd, "w", buffering=1)
+        self.start = 0.0
+        self.counter = StepCounter()
+        self.info: dict = {}
+
+    def send(self, **message) -> None:
+        """Write one JSON line to the parent."""
+        self.out.write(json.dumps(message) + "\n")
+
+    def wait(self) -> None:
+        """Wait for ``go`` from the parent; the iteration clock starts when it arrives."""
+        line = sys.stdin.readline().strip()
+        if line != "go":
+            raise SystemExit(0)
+        self.counter.take()
+        self.start = time.perf_counter()
+
+    def done(self, **phases: float) -> None:
+        """Report the iteration that just ended."""
+        seconds = time.perf_counter() - self.start
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+        steps = self.counter.take()
+        self.send(seconds=seconds, max_rss_mib=rss, optimizer_steps=steps, **self.info, **phases)
+
+
+def describe_optimizer(optimizer) -> dict:
+    """What the worker reports about its optimizer (to check both sides run the same one)."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning / accelerate wrappers
+    return {"optimizer": f"{type(optimizer).__name__}(fused={optimizer.defaults.get('fused')})"}
+
+
+class SpacedPairReward:
+    """The reward classifier on ``prompt + " " + response``.
+
+    The benchmark tokenizer is word level and decodes a response without a leading space, so
+    the plain concatenation would glue the last prompt word to the first response word; with
+    the space the classifier sees the same 48 tokens that TRL gives its reward model.
+    """
+
+    def __init__(self, classifier):
+        self.classifier = classifier
+
+    def __call__(self, prompts: list[str], responses: list[str]):
+        """Scores ``[B]``."""
+        return self.classifier(prompts, [" " + r for r in responses])
+
+    def to(self, device):
+        """Move the classifier."""
+        self.classifier.to(device)
+        return self
+
+
+def run_ours(world: Path, pacer: Pacer, iterations: int, separate_value: bool) -> None:
+    """PPOModule's real training_step under a Lightning Trainer, one batch per iteration."""
+    import torch
+    from bench_world import prompts
+    from lightning.pytorch import Callback, Trainer, seed_everything
+    from torch.utils.data import DataLoader
+
+    from rlkl_lightning import PPOModule
+    from rlkl_lightning.rewards import SequenceClassifierReward
+
+    seed_everything(SEED, verbose=False)
+    module = PPOModule(
+        policy=str(world / "policy"),
+        value_model=str(world / "policy") if separate_value else None,
+        reward=SpacedPairReward(
+            SequenceClassifierReward(
+                str(world / "reward"), label=0, text="prompt+response", batch_size=BATCH
+            )
+        ),
+        init_kl_coef=KL_COEF,
+        kl_estimator="k1",
+        max_prompt_tokens=16,
+        max_new_tokens=RESPONSE,
+        temperature=TEMPERATURE,
+        stop_at_eos=False,
+        ppo_epochs=EPOCHS,
+        num_minibatches=MINIBATCHES,
+        lr=LR,
+        log_samples_every=0,
+    )
+
+    class Pace(Callback):
+        def on_train_start(self, trainer, pl_module):
+            pacer.info = describe_optimizer(trainer.optimizers[0])
+            pacer.wait()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            m = trainer.callback_metrics
+            pacer.done(
+                rollout=float(m["perf/rollout_s"]),
+                score=float(m["perf/score_s"]),
+                update=float(m["perf/update_s"]),
+            )
+            if batch_idx + 1 < iterations:
+                pacer.wait()
+
+    data = DataLoader(
+        prompts(BATCH * iterations), batch_size=BATCH, collate_fn=lambda xs: {"prompt": xs}
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        callbacks=[Pace()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    torch.set_num_threads(THREADS)
+    pacer.send(ready=True)
+    trainer.fit(module, data)
+
+
+def run_trl(world: Path, pacer: Pacer, iterations: int) -> None:
+    """TRL's PPOTrainer.train() on the same world and the same work per iteration."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    import tempfile
+
+    import torch
+    from bench_world import prompts
+    from datasets import Dataset
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        TrainerCallback,
+        set_seed,
+    )
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as trl_ppo
+
+    set_seed(SEED)
+    tokenizer = AutoTokenizer.from_pretrained(world / "policy")
+    ids = tokenizer(prompts(BATCH * iterations))["input_ids"]
+    dataset = Dataset.from_dict({"input_ids": ids})
+    policy = AutoModelForCausalLM.from_pretrained(world / "policy")
+    reference = AutoModelForCausalLM.from_pretrained(world / "policy")
+    reward = AutoModelForSequenceClassification.from_pretrained(world / "reward")
+    value = AutoModelForSequenceClassification.from_pretrained(world / "value")
+    config = PPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
+        per_device_train_batch_size=BATCH,  # with 1 accumulation step: 32 prompts per iteration
+        gradient_accumulation_steps=1,  # so every minibatch is one optimizer step (16 per iter)
+        num_mini_batches=MINIBATCHES,
+        num_ppo_epochs=EPOCHS,
+        local_rollout_forward_batch_size=BATCH,  # one generation / scoring batch
+        total_episodes=BATCH * iterations,
+        response_length=RESPONSE,
+        temperature=TEMPERATURE,
+        stop_token=None,  # exactly 32 new tokens, like stop_at_eos=False on our side
+        missing_eos_penalty=None,
+        kl_coef=KL_COEF,
+        kl_estimator="k1",
+        learning_rate=LR,
+        num_sample_generations=0,  # no extra sampling for logs
+        bf16=False,  # fp32, as the benchmark prescribes (TRL's default is bf16)
+        fp16=False,
+        gradient_checkpointing=False,  # TRL's default recomputes activations: off, it only slows
+        use_cpu=True,
+        seed=SEED,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+    marks: dict[str, float] = {}
+    generate = trl_ppo.batch_generation
+    forward = trl_ppo.forward
+
+    def timed_generation(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        marks["rollout_end"] = time.perf_counter()
+        return out
+
+    def timed_forward(model, *args, **kwargs):
+        # The update loop forwards the policy+value wrapper; scoring forwards the reference.
+        if isinstance(model, trl_ppo.PolicyAndValueWrapper) and "update_start" not in marks:
+            marks["update_start"] = time.perf_counter()
+        return forward(model, *args, **kwargs)
+
+    trl_ppo.batch_generation = timed_generation
+    trl_ppo.forward = timed_forward
+
+    class Pace(TrainerCallback):
+        def __init__(self):
+            self.steps = 0
+
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            pacer.info = describe_optimizer(optimizer)
+            pacer.wait()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            end = time.perf_counter()
+            pacer.done(
+                rollout=marks["rollout_end"] - pacer.start,
+                score=marks["update_start"] - marks["rollout_end"],
+                update=end - marks["update_start"],
+            )
+            marks.clear()
+            self.steps += 1
+            if self.steps < iterations:
+                pacer.wait()
+
+    trainer = PPOTrainer(
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=reference,
+        reward_model=reward,
+        train_dataset=dataset,
+        value_model=value,
+        callbacks=[Pace()],
+    )
+    torch.set_num_threads(THREADS)
+    pacer.send(ready=True)
+    trainer.train()
+
+
+def main() -> None:
+    side, world, fd, iterations = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch
+
+    torch.set_num_threads(THREADS)
+    pacer = Pacer(fd)
+    if side == "trl":
+        run_trl(world, pacer, iterations)
+    else:
+        run_ours(world, pacer, iterations, separate_value=side == "ours_separate_value")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Fast rollouts: one KV-cache sampling loop that also scores the policy's own samples.
+
+The plain pipeline samples with ``generate`` (:func:`rlkl_lightning.rollout.sample`) and then
+forwards the whole sequences through the policy again (:func:`~rlkl_lightning.rollout.
+score_tokens`) for the rollout-time log-probabilities, full logits and last hidden states.
+Those quantities are already computed while sampling: the logits that sample response token
+``t`` are the policy's next-token logits at position ``P - 1 + t``, and a causal model gives the
+same values whether it sees the sequence token by token with a KV cache or all at once (up to
+float rounding). :func:`sample_and_score` keeps them, so the second policy pass is not needed,
+and it drives the model directly instead of through ``generate``, whose per-step bookkeeping
+costs more than the forward itself for small models. ``tests/test_fast_path.py`` checks the
+result against the plain pipeline.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from rlkl_lightning.models import position_ids_from_mask
+from rlkl_lightning.rollout import Rollout, TokenScores, gather_logprobs, response_mask_after_eos
+
+
+def _kv_cache(policy: nn.Module, capacity: int):
+    """A ``DynamicCache`` whose full-attention layers write into buffers allocated once.
+
+    ``DynamicLayer`` grows by concatenation, copying the whole cache at every step of every
+    layer; :class:`_PreallocatedLayer` writes the new keys and values in place and hands out
+    views. Other layer kinds (sliding windows, ...) keep transformers' own classes.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class _PreallocatedLayer(DynamicLayer):
+        _layer_type = None  # never registered in transformers' layer-type mappings
+
+        def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+            super().lazy_initialization(key_states, value_states)
+            b, h, _, dk = key_states.shape
+            self._keys = key_states.new_empty(b, h, capacity, dk)
+            self._values = value_states.new_empty(b, h, capacity, value_states.shape[-1])
+            self._length = 0
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, end = self._length, self._length + key_states.shape[-2]
+            if end > capacity:  # not reached by _decode; stay correct anyway
+                return super().update(key_states, value_states, *args, **kwargs)
+            self._keys[:, :, start:end] = key_states
+            self._values[:, :, start:end] = value_states
+            self._length = end
+            self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+            return self.keys, self.values
+
+    cache = DynamicCache(config=policy.config)
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [_PreallocatedLayer() for _ in cache.layers]
+    return cache
+
+
+def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Top-k, then nucleus (top-p) truncation of ``[B, V]`` logits; removed entries are ``-inf``.
+
+    Nucleus sampling keeps the smallest set of most likely tokens whose probability reaches
+    ``top_p`` (Holtzman et al. 2020, arXiv 1904.09751), and always the most likely token.
+    """
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(
+            -1, order, mass_before >= top_p
+        )
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def draw(probs: Tensor) -> Tensor:
+    """One sample per row of ``[B, V]`` probabilities, by inverting the CDF: ``[B, 1]`` ids.
+
+    With ``u ~ U[0, total)`` the token is the first index whose cumulative probability exceeds
+    ``u``, so token ``i`` is drawn with probability ``p_i / total``, never a token of
+    probability 0. One uniform number per row; ``torch.multinomial`` draws an exponential
+    number per vocabulary entry, which dominated the sampling step on CPU. The CDF is
+    accumulated in float64 so the probabilities are kept to float32 precision.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
+
+
+@torch.no_grad()
+def sample_and_score(
+    policy: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    stop_at_eos: bool = True,
+) -> tuple[Rollout, TokenScores]:
+    """Sample responses with a KV cache and keep the policy's scores of them.
+
+    Arguments are those of :func:`rlkl_lightning.rollout.sample`. Tokens are drawn from
+    ``softmax(filter(logits / temperature))``; the returned scores use the unfiltered
+    ``logits / temperature``, exactly like :func:`~rlkl_lightning.rollout.score_tokens`.
+
+    Returns:
+        ``(rollout, scores)``: the same :class:`Rollout` as ``sample`` builds, and the
+        policy's :class:`TokenScores` at its response positions (float32 logits).
+    """
+    was_training = policy.training
+    policy.eval()
+    try:
+        return _decode(
+            policy,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            eos_token_id if stop_at_eos else None,
+            pad_token_id,
+        )
+    finally:
+        policy.train(was_training)
+
+
+def _decode(
+    policy: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    eos_token_id: int | None,
+    pad_token_id: int,
+) -> tuple[Rollout, TokenScores]:
+    batch = prompt_ids.shape[0]
+    mask = prompt_mask.long()
+    positions = position_ids_from_mask(mask)
+    cache = _kv_cache(policy, prompt_ids.shape[1] + max_new_tokens)
+    out = policy(
+        input_ids=prompt_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        output_hidden_states=True,
+    )
+    next_position = positions[:, -1:] + 1
+    finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+    tokens: list[Tensor] = []
+    logits_steps: list[Tensor] = []
+    hidden_steps: list[Tensor] = []
+    for step in range(max_new_tokens):
+        logits = out.logits[:, -1].float() / temperature
+        logits_steps.append(logits)
+        hidden_steps.append(out.hidden_states[-1][:, -1])
+        token = draw(torch.softmax(filter_logits(logits, top_k, top_p), dim=-1))
+        tokens.append(token)
+        if eos_token_id is not None:
+            finished |= token[:, 0] == eos_token_id
+            if bool(finished.all()):
+                break
+        if step + 1 == max_new_tokens:
+            break  # the last token's own logits are never needed
+        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+        out = policy(
+            input_ids=token,
+            attention_mask=mask,
+            position_ids=next_position,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        next_position = next_position + 1
+
+    response_ids = torch.cat(tokens, dim=1)
+    response_mask = response_mask_after_eos(response_ids, eos_token_id)
+    # As in rollout.sample: tokens after EOS become pad, and no model attends to them.
+    response_ids = torch.where(response_mask.bool(), response_ids, pad_token_id)
+    attention_mask = torch.cat([prompt_mask.to(response_mask.dtype), response_mask], dim=1).long()
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    rollout = Rollout(input_ids, attention_mask, response_ids, response_mask)
+    logits = torch.stack(logits_steps, dim=1)
+    scores = TokenScores(
+        logits, gather_logprobs(logits, response_ids), torch.stack(hidden_steps, dim=1)
+    )
+    return rollout, scores
