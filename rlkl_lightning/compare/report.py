@@ -181,7 +181,7 @@ def _markdown(summary, groups, n_runs, first_runs, study, kl, frontier: bool) ->
             f"| `{group}` | {g['init_kl_coef']:g} | {cell('final_score', '.3f')} | "
             f"{cell('kl_tracking_error', '.2f')} | {cell('in_band_fraction', '.2f')} | "
             f"{cell('drift_warnings', '.1f')} | {cell('final_kl', '.2f')} | "
-            f"{cell('final_kl_coef', '.3g')} | {cell('final_perplexity', '.3f')} |"
+            f"{cell('final_kl_coef', '.3f')} | {cell('final_perplexity', '.3f')} |"
         )
     ref = summary["reference_perplexity"]
     lines += [
