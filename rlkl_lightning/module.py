@@ -99,6 +99,9 @@ class PPOModule(LightningModule):
         log_samples_every: write a table of sampled generations to TensorBoard every this many
             batches (0: never).
         num_logged_samples: rows in that table.
+        max_skipped_in_a_row: stop the run with an error once this many batches in a row were
+            skipped (a reward model that always fails would otherwise burn the whole run);
+            None: never stop.
     """
 
     def __init__(
@@ -134,6 +137,7 @@ class PPOModule(LightningModule):
         max_grad_norm: float | None = 1.0,
         log_samples_every: int = 50,
         num_logged_samples: int = 4,
+        max_skipped_in_a_row: int | None = 20,
     ):
         super().__init__()
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -174,6 +178,7 @@ class PPOModule(LightningModule):
         self.batches_seen = 0
         self.samples_seen = 0
         self.skipped_batches = 0
+        self.skipped_in_a_row = 0
 
     # ------------------------------------------------------------------ set-up
     def configure_optimizers(self):
@@ -321,6 +326,7 @@ class PPOModule(LightningModule):
 
         n = len(prompts)
         self.batches_seen += 1
+        self.skipped_in_a_row = 0
         self.samples_seen += n * self.trainer.world_size
         n_tokens = mask.sum()
         # Per-token means over the tokens of the global batch (all ranks): sums, then divide.
@@ -479,6 +485,16 @@ class PPOModule(LightningModule):
         skipped; ``progress/skipped_batches`` counts the skips.
         """
         self.skipped_batches += 1
+        self.skipped_in_a_row += 1
+        limit = self.hparams.max_skipped_in_a_row
+        if limit is not None and self.skipped_in_a_row >= limit:
+            # Every rank skipped the same batches (the decision is agreed), so all stop here.
+            raise RuntimeError(
+                f"PPOModule: {self.skipped_in_a_row} batches in a row were skipped, the last "
+                f"because {why}; stopping (`max_skipped_in_a_row`={limit}). Fix the cause, or "
+                "set `max_skipped_in_a_row` higher or to None. Weights and beta are those of "
+                "the last trained batch."
+            )
         rank_zero_warn(
             f"PPOModule: skipping batch {self.batches_seen + 1}: {why}; kl_coef is unchanged "
             f"({self.skipped_batches} batches skipped so far)",
@@ -575,6 +591,7 @@ class PPOModule(LightningModule):
             "batches_seen": self.batches_seen,
             "samples_seen": self.samples_seen,
             "skipped_batches": self.skipped_batches,
+            "skipped_in_a_row": self.skipped_in_a_row,
             "kl_coef": self.kl_coef,
             "reference_perplexity": self.reference_perplexity,
         }
@@ -631,6 +648,7 @@ class PPOModule(LightningModule):
         self.batches_seen = int(counters.get("batches_seen", 0))
         self.samples_seen = int(counters.get("samples_seen", 0))
         self.skipped_batches = int(counters.get("skipped_batches", 0))
+        self.skipped_in_a_row = int(counters.get("skipped_in_a_row", 0))
         self.kl_coef = float(counters.get("kl_coef", self.kl_coef))
         self.reference_perplexity = counters.get("reference_perplexity")
         self._rng_to_restore = checkpoint.get("rlkl_rng")
@@ -723,6 +741,12 @@ def _check_args(args: dict[str, Any]) -> None:
         need(0 <= args[name] <= 1, name, "in [0, 1]")
     need(args["warmup_batches"] >= 0, "warmup_batches", "an integer >= 0")
     need(args["log_samples_every"] >= 0, "log_samples_every", "an integer >= 0 (0 = never)")
+    need(
+        args["max_skipped_in_a_row"] is None
+        or (isinstance(args["max_skipped_in_a_row"], int) and args["max_skipped_in_a_row"] >= 1),
+        "max_skipped_in_a_row",
+        "None or an integer >= 1",
+    )
     for name in ("score_clip", "max_grad_norm"):
         need(
             args[name] is None or (finite(args[name]) and args[name] > 0),

@@ -153,6 +153,7 @@ def test_unknown_estimator_names_the_allowed_ones(tiny_lm_dir):
         ("cliprange", -0.2, "a finite number > 0"),
         ("max_grad_norm", 0.0, "None or a number > 0"),
         ("lr_schedule", "cosine", r"one of \('constant', 'linear'\)"),
+        ("max_skipped_in_a_row", 0, "None or an integer >= 1"),
     ],
 )
 def test_ppo_options_name_the_option_and_allowed_values(tiny_lm_dir, option, bad, allowed):
@@ -413,6 +414,37 @@ def test_non_finite_batch_is_skipped_with_weights_and_beta_kept(tiny_lm_dir, fau
     assert (monitor.n_batches, monitor.n_skipped, len(monitor.values)) == (3, 1, 2)
     assert float(trainer.callback_metrics["progress/skipped_batches"]) == 1.0
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_a_run_whose_batches_are_all_skipped_stops_with_an_error(tiny_lm_dir):
+    always_nan = FunctionReward(lambda prompts, responses: [math.nan] * len(prompts), True)
+    module = PPOModule(**ppo_args(tiny_lm_dir, reward=always_nan, max_skipped_in_a_row=3))
+    before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    with (
+        pytest.warns(RuntimeWarning, match="skipping batch 1"),
+        pytest.raises(
+            RuntimeError,
+            match=r"3 batches in a row were skipped, the last because the reward model failed"
+            r".*`max_skipped_in_a_row`=3",
+        ),
+    ):
+        fit(module, 10)
+    assert (module.batches_seen, module.skipped_batches) == (0, 3)
+    assert all(torch.equal(v, before[k]) for k, v in module.policy.state_dict().items())
+
+
+def test_skips_that_alternate_with_trained_batches_never_stop_the_run(tiny_lm_dir):
+    calls = []
+
+    def every_other(prompts, responses):
+        calls.append(1)
+        return [math.nan if len(calls) % 2 else 0.5] * len(prompts)
+
+    reward = FunctionReward(every_other, batched=True)
+    module = PPOModule(**ppo_args(tiny_lm_dir, reward=reward, max_skipped_in_a_row=2))
+    with pytest.warns(RuntimeWarning, match="skipping batch"):
+        fit(module, 6)
+    assert (module.batches_seen, module.skipped_batches, module.skipped_in_a_row) == (3, 3, 0)
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
