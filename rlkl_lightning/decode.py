@@ -45,7 +45,7 @@ def _kv_cache(policy: nn.Module, capacity: int):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             start, end = self._length, self._length + key_states.shape[-2]
-            if end > capacity:  # not reached by _decode; stay correct anyway
+            if end > capacity:  # not reached by sample_and_score; stay correct anyway
                 return super().update(key_states, value_states, *args, **kwargs)
             self._keys[:, :, start:end] = key_states
             self._values[:, :, start:end] = value_states
@@ -117,85 +117,64 @@ def sample_and_score(
         ``(rollout, scores)``: the same :class:`Rollout` as ``sample`` builds, and the
         policy's :class:`TokenScores` at its response positions (float32 logits).
     """
+    eos = eos_token_id if stop_at_eos else None
     was_training = policy.training
     policy.eval()
     try:
-        return _decode(
-            policy,
-            prompt_ids,
-            prompt_mask,
-            max_new_tokens,
-            temperature,
-            top_k,
-            top_p,
-            eos_token_id if stop_at_eos else None,
-            pad_token_id,
-        )
-    finally:
-        policy.train(was_training)
-
-
-def _decode(
-    policy: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    eos_token_id: int | None,
-    pad_token_id: int,
-) -> tuple[Rollout, TokenScores]:
-    batch = prompt_ids.shape[0]
-    mask = prompt_mask.long()
-    positions = position_ids_from_mask(mask)
-    cache = _kv_cache(policy, prompt_ids.shape[1] + max_new_tokens)
-    out = policy(
-        input_ids=prompt_ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-        output_hidden_states=True,
-    )
-    next_position = positions[:, -1:] + 1
-    finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
-    tokens: list[Tensor] = []
-    logits_steps: list[Tensor] = []
-    hidden_steps: list[Tensor] = []
-    for step in range(max_new_tokens):
-        logits = out.logits[:, -1].float() / temperature
-        logits_steps.append(logits)
-        hidden_steps.append(out.hidden_states[-1][:, -1])
-        token = draw(torch.softmax(filter_logits(logits, top_k, top_p), dim=-1))
-        tokens.append(token)
-        if eos_token_id is not None:
-            finished |= token[:, 0] == eos_token_id
-            if bool(finished.all()):
-                break
-        if step + 1 == max_new_tokens:
-            break  # the last token's own logits are never needed
-        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+        batch = prompt_ids.shape[0]
+        mask = prompt_mask.long()
+        positions = position_ids_from_mask(mask)
+        cache = _kv_cache(policy, prompt_ids.shape[1] + max_new_tokens)
         out = policy(
-            input_ids=token,
+            input_ids=prompt_ids,
             attention_mask=mask,
-            position_ids=next_position,
+            position_ids=positions,
             past_key_values=cache,
             use_cache=True,
+            logits_to_keep=1,
             output_hidden_states=True,
         )
-        next_position = next_position + 1
+        next_position = positions[:, -1:] + 1
+        finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+        tokens: list[Tensor] = []
+        logits_steps: list[Tensor] = []
+        hidden_steps: list[Tensor] = []
+        for step in range(max_new_tokens):
+            logits = out.logits[:, -1].float() / temperature
+            logits_steps.append(logits)
+            hidden_steps.append(out.hidden_states[-1][:, -1])
+            token = draw(torch.softmax(filter_logits(logits, top_k, top_p), dim=-1))
+            tokens.append(token)
+            if eos is not None:
+                finished |= token[:, 0] == eos
+                if bool(finished.all()):
+                    break
+            if step + 1 == max_new_tokens:
+                break  # the last token's own logits are never needed
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            out = policy(
+                input_ids=token,
+                attention_mask=mask,
+                position_ids=next_position,
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=True,
+            )
+            next_position = next_position + 1
 
-    response_ids = torch.cat(tokens, dim=1)
-    response_mask = response_mask_after_eos(response_ids, eos_token_id)
-    # As in rollout.sample: tokens after EOS become pad, and no model attends to them.
-    response_ids = torch.where(response_mask.bool(), response_ids, pad_token_id)
-    attention_mask = torch.cat([prompt_mask.to(response_mask.dtype), response_mask], dim=1).long()
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    rollout = Rollout(input_ids, attention_mask, response_ids, response_mask)
-    logits = torch.stack(logits_steps, dim=1)
-    scores = TokenScores(
-        logits, gather_logprobs(logits, response_ids), torch.stack(hidden_steps, dim=1)
-    )
-    return rollout, scores
+        response_ids = torch.cat(tokens, dim=1)
+        response_mask = response_mask_after_eos(response_ids, eos)
+        # As in rollout.sample: tokens after EOS become pad, and no model attends to them.
+        response_ids = torch.where(response_mask.bool(), response_ids, pad_token_id)
+        attention_mask = torch.cat(
+            [prompt_mask.to(response_mask.dtype), response_mask], dim=1
+        ).long()
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+        rollout = Rollout(input_ids, attention_mask, response_ids, response_mask)
+        logits = torch.stack(logits_steps, dim=1)
+        scores = TokenScores(
+            logits, gather_logprobs(logits, response_ids), torch.stack(hidden_steps, dim=1)
+        )
+        return rollout, scores
+    finally:
+        policy.train(was_training)

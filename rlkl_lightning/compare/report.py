@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from rlkl_lightning.compare.runs import Run
 
 SMOOTH = 5  # batches in the moving average of the score and KL curves
-KL_DEFAULTS = {"target": 6.0, "unit": "sequence", "low": 0.5, "high": 2.0}  # as KLSettings
+KL_FIELDS = ("target", "unit", "low", "high")  # of the CLI's `kl` group (KLSettings)
 
 
 def kl_settings(runs: list[Run]) -> dict[str, Any]:
@@ -32,15 +32,18 @@ def kl_settings(runs: list[Run]) -> dict[str, Any]:
     Raises:
         ValueError: If the runs do not share them (their numbers would not be comparable).
     """
+    from rlkl_lightning.cli import KLSettings
+
+    defaults = KLSettings()
     seen = set()
     for run in runs:
         kl = yaml.safe_load(run.config.read_text()).get("kl") or {}
-        seen.add(tuple(kl.get(k, v) for k, v in KL_DEFAULTS.items()))
+        seen.add(tuple(kl.get(k, getattr(defaults, k)) for k in KL_FIELDS))
     if len(seen) != 1:
         raise ValueError(
             f"compare: the runs must share kl.target, kl.unit, kl.low and kl.high; got {seen}"
         )
-    return dict(zip(KL_DEFAULTS, seen.pop(), strict=True))
+    return dict(zip(KL_FIELDS, seen.pop(), strict=True))
 
 
 def aggregate(per_seed: list[dict[str, float]]) -> dict[str, Any]:
