@@ -485,3 +485,14 @@ def test_config_keys_and_validation():
         WorldConfig(n_embd=130, n_head=4)
     with pytest.raises(ValueError, match="`prompt_max_words`"):
         WorldConfig(prompt_min_words=4, prompt_max_words=3)
+
+
+def test_world_builds_while_lightningcli_instantiates_a_module(tiny_config, tmp_path):
+    # `policy: default` builds the world inside the CLI's instantiation of the PPO module, where
+    # Lightning's "given hyperparameters" context is set to that module's arguments; the SFT
+    # modules must not pick them up (they once got `tokenizer=None` and tried the hub).
+    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters_context
+
+    with _given_hyperparameters_context({"tokenizer": None, "policy": "default"}, "cli"):
+        world = build_world(tiny_config, cache_dir=tmp_path, progress=False, num_threads=1)
+    assert (world.model_dir / "config.json").is_file()

@@ -19,6 +19,7 @@ lexicon and patterns, so editing them rebuilds the world.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import json
@@ -370,7 +371,10 @@ def _make_model(
             f"about 2-3 minutes on 2 CPU cores, once) into {out.parent} ..."
         )
     with _quiet_lightning(progress), _torch_threads(num_threads):
-        report = _train_and_evaluate(config, corpus, out, progress)
+        # In a fresh, empty context: when the world is built while LightningCLI instantiates a
+        # module (``policy: default``), Lightning's context variable of "given hyperparameters"
+        # would otherwise hand that module's arguments to the SFT modules' save_hyperparameters.
+        report = contextvars.Context().run(_train_and_evaluate, config, corpus, out, progress)
     (out / _WORLD_DONE).write_text(json.dumps(report, indent=2))
     if progress:
         _info(
