@@ -1,4 +1,4 @@
-"""Resuming exactly: a training DataLoader that resumes mid-epoch, and a checkpoint file check.
+"""Resuming exactly: data order, random streams, and checks of the checkpoint being resumed.
 
 Lightning restarts a plain DataLoader from the first batch of the epoch when a run resumes
 from a checkpoint saved mid-epoch, so the resumed run would see the epoch's first batches
@@ -18,7 +18,9 @@ would have drawn:
   the batches already trained on.
 
 :func:`check_checkpoint` tells a truncated, corrupt or foreign checkpoint file apart before
-Lightning tries to restore it (``RLKLCLI`` calls it for ``--ckpt_path``).
+Lightning tries to restore it (``RLKLCLI`` calls it for ``--ckpt_path``), and
+:func:`check_checkpoint_weights` a checkpoint of another model. :func:`rng_states` and
+:func:`restore_rng_states` carry every rank's random stream across a resume.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 
@@ -202,3 +207,98 @@ def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> None
     missing = [k for k in ("state_dict", "pytorch-lightning_version") if k not in checkpoint]
     if missing:
         raise fail(f"is not a Lightning checkpoint (no {missing})")
+
+
+def rng_states(trainer: Trainer | None, device: torch.device) -> dict[str, list[Tensor]]:
+    """The torch RNG state of every rank, for a checkpoint: rollouts and minibatches draw from it.
+
+    Under DDP every rank's state is gathered (all ranks save a checkpoint together, so this is
+    a collective), and a resumed run continues each rank's own random stream.
+
+    Args:
+        trainer: The trainer (None outside a fit: this process only).
+        device: The module's device; a CUDA device's generator is saved too.
+
+    Returns:
+        ``{"cpu": [state per rank], "cuda": [...]}``.
+    """
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    if trainer is None or trainer.world_size == 1:
+        return {key: [value] for key, value in states.items()}
+    strategy = trainer.strategy
+    return {
+        key: list(strategy.all_gather(value.to(strategy.root_device)).cpu().unbind(0))
+        for key, value in states.items()
+    }
+
+
+def restore_rng_states(
+    states: dict[str, list[Tensor]] | None, trainer: Trainer, device: torch.device, owner: str
+) -> None:
+    """Put back this rank's saved RNG state, or give a fresh multi-process run per-rank streams.
+
+    Called right before the first batch of a fit (``on_train_start``): Lightning draws random
+    numbers between loading a checkpoint and that point (sanity-check validation, creating the
+    dataloader iterators). Without saved states, a run of several processes offsets each rank's
+    seed by its rank: ``seed_everything`` gives every process the same seed, and the ranks
+    would draw the same random numbers for their rollouts.
+
+    Args:
+        states: What :func:`rng_states` saved, or None for a fresh run.
+        trainer: The trainer (rank and world size).
+        device: The module's device.
+        owner: Name of the module, for the warning.
+    """
+    rank, world = trainer.global_rank, trainer.world_size
+    if states and len(states["cpu"]) == world:
+        torch.set_rng_state(states["cpu"][rank])
+        if "cuda" in states and device.type == "cuda":
+            torch.cuda.set_rng_state(states["cuda"][rank], device)
+        return
+    if states:
+        rank_zero_warn(
+            f"{owner}: the checkpoint holds the RNG states of {len(states['cpu'])} processes "
+            f"but this run has {world}; rollouts continue with fresh random numbers (training "
+            "itself resumes correctly)",
+            category=RuntimeWarning,
+        )
+    if world > 1:
+        torch.manual_seed((torch.initial_seed() + 104_729 * rank) % 2**63)
+
+
+def check_checkpoint_weights(
+    saved: dict[str, Tensor], current: dict[str, Tensor], owner: str
+) -> None:
+    """Raise a clear error if a checkpoint's weights do not belong to this model.
+
+    The frozen reference (keys ``reference.*``) is not saved in checkpoints and not compared.
+
+    Args:
+        saved: The checkpoint's ``state_dict``.
+        current: The model's own ``state_dict()``.
+        owner: Name of the module, for the message.
+
+    Raises:
+        ValueError: Naming the missing, unexpected and resized keys (five of each at most).
+    """
+    ours = {k: v for k, v in current.items() if not k.startswith("reference.")}
+    theirs = {k: v for k, v in saved.items() if not k.startswith("reference.")}
+    missing = sorted(ours.keys() - theirs.keys())
+    unexpected = sorted(theirs.keys() - ours.keys())
+    resized = sorted(
+        k
+        for k in ours.keys() & theirs.keys()
+        if hasattr(theirs[k], "shape") and tuple(theirs[k].shape) != tuple(ours[k].shape)
+    )
+    problems = [("missing", missing), ("unexpected", unexpected), ("shape differs", resized)]
+    details = "; ".join(
+        f"{what}: {keys[:5]}{' ...' if len(keys) > 5 else ''}" for what, keys in problems if keys
+    )
+    if details:
+        raise ValueError(
+            f"{owner}: the checkpoint (`ckpt_path`) was not written for this model "
+            f"(policy/value head differ: {details}); resume with the `model` settings it was "
+            "trained with, or start a new run without `ckpt_path`"
+        )

@@ -1,4 +1,13 @@
-"""Rollouts: sample responses with the policy, then score them token by token.
+"""Rollouts: one KV-cache sampling loop that also scores the policy's own samples.
+
+The policy's log-probabilities, full logits and last hidden states at the response positions
+are computed while sampling: the logits that sample response token ``t`` are the policy's
+next-token logits at position ``P - 1 + t``, and a causal model gives the same values whether
+it sees the sequence token by token with a KV cache or all at once (up to float rounding).
+:func:`sample_and_score` keeps them, so no second policy pass is needed, and it drives the
+model directly instead of through ``generate``, whose per-step bookkeeping costs more than the
+forward itself for small models. ``tests/test_fast_path.py`` checks it against ``generate``
+followed by a scoring pass (``tests/generate_reference.py``).
 
 Shapes: ``B`` prompts, ``P`` prompt tokens (left padded), ``R`` response tokens (right
 padded after the first EOS), ``V`` vocabulary.
@@ -6,29 +15,12 @@ padded after the first EOS), ``V`` vocabulary.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor, nn
-from transformers import GenerationConfig
 
-from rlkl_lightning.models import lm_forward
-
-
-class Rollout(NamedTuple):
-    """Sampled token ids of one batch.
-
-    Attributes:
-        input_ids: ``[B, P + R]`` prompt and response tokens.
-        attention_mask: ``[B, P + R]`` 1 on real prompt tokens and valid response tokens.
-        response_ids: ``[B, R]`` the sampled tokens (``input_ids[:, P:]``).
-        response_mask: ``[B, R]`` float, 1 up to and including the first EOS, 0 after it.
-    """
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    response_ids: Tensor
-    response_mask: Tensor
+from rlkl_lightning.logprobs import TokenScores, gather_logprobs
+from rlkl_lightning.models import position_ids_from_mask
+from rlkl_lightning.trajectory import Trajectory
 
 
 def response_mask_after_eos(response_ids: Tensor, eos_token_id: int | None) -> Tensor:
@@ -49,8 +41,80 @@ def response_mask_after_eos(response_ids: Tensor, eos_token_id: int | None) -> T
     return (eos_before == 0).float()
 
 
+def _kv_cache(policy: nn.Module, capacity: int):
+    """A ``DynamicCache`` whose full-attention layers write into buffers allocated once.
+
+    ``DynamicLayer`` grows by concatenation, copying the whole cache at every step of every
+    layer; :class:`_PreallocatedLayer` writes the new keys and values in place and hands out
+    views. Other layer kinds (sliding windows, ...) keep transformers' own classes.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class _PreallocatedLayer(DynamicLayer):
+        _layer_type = None  # never registered in transformers' layer-type mappings
+
+        def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+            super().lazy_initialization(key_states, value_states)
+            b, h, _, dk = key_states.shape
+            self._keys = key_states.new_empty(b, h, capacity, dk)
+            self._values = value_states.new_empty(b, h, capacity, value_states.shape[-1])
+            self._length = 0
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, end = self._length, self._length + key_states.shape[-2]
+            if end > capacity:  # not reached by sample_and_score; stay correct anyway
+                return super().update(key_states, value_states, *args, **kwargs)
+            self._keys[:, :, start:end] = key_states
+            self._values[:, :, start:end] = value_states
+            self._length = end
+            self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+            return self.keys, self.values
+
+    cache = DynamicCache(config=policy.config)
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [_PreallocatedLayer() for _ in cache.layers]
+    return cache
+
+
+def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Top-k, then nucleus (top-p) truncation of ``[B, V]`` logits; removed entries are ``-inf``.
+
+    Nucleus sampling keeps the smallest set of most likely tokens whose probability reaches
+    ``top_p`` (Holtzman et al. 2020, arXiv 1904.09751), and always the most likely token.
+    """
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(
+            -1, order, mass_before >= top_p
+        )
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def draw(probs: Tensor) -> Tensor:
+    """One sample per row of ``[B, V]`` probabilities, by inverting the CDF: ``[B, 1]`` ids.
+
+    With ``u ~ U[0, total)`` the token is the first index whose cumulative probability exceeds
+    ``u``, so token ``i`` is drawn with probability ``p_i / total``, never a token of
+    probability 0. One uniform number per row; ``torch.multinomial`` draws an exponential
+    number per vocabulary entry, which dominated the sampling step on CPU. The CDF is
+    accumulated in float64 so the probabilities are kept to float32 precision.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
+
+
 @torch.no_grad()
-def sample(
+def sample_and_score(
     policy: nn.Module,
     prompt_ids: Tensor,
     prompt_mask: Tensor,
@@ -62,81 +126,86 @@ def sample(
     eos_token_id: int | None,
     pad_token_id: int,
     stop_at_eos: bool = True,
-) -> Rollout:
-    """Sample up to ``max_new_tokens`` per prompt with the KV cache.
+) -> tuple[Trajectory, TokenScores]:
+    """Sample responses with a KV cache and keep the policy's scores of them.
+
+    Tokens are drawn from ``softmax(filter(logits / temperature))``; the returned scores use
+    the unfiltered ``logits / temperature``, exactly like
+    :func:`~rlkl_lightning.logprobs.score_tokens`.
 
     Args:
-        policy: a causal LM with ``generate``.
+        policy: A causal LM.
         prompt_ids: ``[B, P]`` left-padded prompt tokens.
         prompt_mask: ``[B, P]`` attention mask of the prompts.
-        max_new_tokens: response length limit.
-        temperature: sampling temperature (> 0).
-        top_k: keep the ``top_k`` most likely tokens (0 keeps all).
-        top_p: nucleus sampling mass (1.0 keeps all).
-        eos_token_id: generation of a row stops at this token.
-        pad_token_id: filler after EOS.
-        stop_at_eos: if False, always generate exactly ``max_new_tokens`` (benchmarks).
+        max_new_tokens: Response length limit.
+        temperature: Sampling temperature (> 0).
+        top_k: Keep the ``top_k`` most likely tokens (0 keeps all).
+        top_p: Nucleus sampling mass (1.0 keeps all).
+        eos_token_id: A row stops at this token.
+        pad_token_id: Filler after EOS.
+        stop_at_eos: If False, always generate exactly ``max_new_tokens`` (benchmarks).
 
     Returns:
-        The rollout; ``R`` may be shorter than ``max_new_tokens`` if every row stopped early.
+        ``(trajectory, scores)``: a :class:`Trajectory` with ids, masks and the policy's
+        log-probs (``R`` may be shorter than ``max_new_tokens`` if every row stopped early),
+        and the policy's :class:`TokenScores` at its response positions (float32 logits).
     """
+    eos = eos_token_id if stop_at_eos else None
     was_training = policy.training
     policy.eval()
-    # A fresh GenerationConfig: nothing from the model's own defaults (repetition penalty,
-    # top-k 50, ...) may change the distribution we sample, or the KL estimates are biased.
-    config = GenerationConfig(
-        do_sample=True,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=0 if stop_at_eos else max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_token_id=eos_token_id if stop_at_eos else None,
-        pad_token_id=pad_token_id,
-        use_cache=True,
-    )
-    out = policy.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config
-    )
-    policy.train(was_training)
-    response_ids = out[:, prompt_ids.shape[1] :]
-    response_mask = response_mask_after_eos(response_ids, eos_token_id if stop_at_eos else None)
-    attention_mask = torch.cat([prompt_mask.to(response_mask.dtype), response_mask], dim=1).long()
-    # Tokens after EOS are filler: make them pad so no model ever conditions on them.
-    response_ids = torch.where(response_mask.bool(), response_ids, pad_token_id)
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    return Rollout(input_ids, attention_mask, response_ids, response_mask)
+    try:
+        batch = prompt_ids.shape[0]
+        mask = prompt_mask.long()
+        positions = position_ids_from_mask(mask)
+        cache = _kv_cache(policy, prompt_ids.shape[1] + max_new_tokens)
+        out = policy(
+            input_ids=prompt_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            output_hidden_states=True,
+        )
+        next_position = positions[:, -1:] + 1
+        finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+        tokens: list[Tensor] = []
+        logits_steps: list[Tensor] = []
+        hidden_steps: list[Tensor] = []
+        for step in range(max_new_tokens):
+            logits = out.logits[:, -1].float() / temperature
+            logits_steps.append(logits)
+            hidden_steps.append(out.hidden_states[-1][:, -1])
+            token = draw(torch.softmax(filter_logits(logits, top_k, top_p), dim=-1))
+            tokens.append(token)
+            if eos is not None:
+                finished |= token[:, 0] == eos
+                if bool(finished.all()):
+                    break
+            if step + 1 == max_new_tokens:
+                break  # the last token's own logits are never needed
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+            out = policy(
+                input_ids=token,
+                attention_mask=mask,
+                position_ids=next_position,
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=True,
+            )
+            next_position = next_position + 1
 
-
-class TokenScores(NamedTuple):
-    """Per-token quantities of the responses under one model.
-
-    Attributes:
-        logits: ``[B, R, V]`` temperature-scaled next-token logits for each response position.
-        logprobs: ``[B, R]`` log-probability of each sampled token.
-        hidden: ``[B, R, H]`` last hidden state at the positions that predict each token.
-    """
-
-    logits: Tensor
-    logprobs: Tensor
-    hidden: Tensor
-
-
-def score_tokens(model: nn.Module, rollout: Rollout, temperature: float) -> TokenScores:
-    """Forward the whole sequence once and read off the response positions.
-
-    The logits at position ``P - 1 + t`` predict response token ``t``, so the last ``R + 1``
-    positions are kept and the final one dropped. Logits are divided by the sampling
-    temperature, so the log-probabilities are those of the distribution actually sampled.
-    """
-    response_len = rollout.response_ids.shape[1]
-    out = lm_forward(model, rollout.input_ids, rollout.attention_mask, keep=response_len + 1)
-    logits = out.logits[:, :-1].float() / temperature
-    logprobs = gather_logprobs(logits, rollout.response_ids)
-    return TokenScores(logits, logprobs, out.hidden[:, :-1])
-
-
-def gather_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """``log softmax(logits)[token]`` per position: ``[B, R, V], [B, R] -> [B, R]``."""
-    logz = torch.logsumexp(logits, dim=-1)
-    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
+        response_ids = torch.cat(tokens, dim=1)
+        response_mask = response_mask_after_eos(response_ids, eos)
+        # Tokens after EOS are filler: make them pad so no model ever conditions on them.
+        response_ids = torch.where(response_mask.bool(), response_ids, pad_token_id)
+        attention_mask = torch.cat(
+            [prompt_mask.to(response_mask.dtype), response_mask], dim=1
+        ).long()
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+        logits = torch.stack(logits_steps, dim=1)
+        logprobs = gather_logprobs(logits, response_ids)
+        traj = Trajectory(input_ids, attention_mask, response_ids, response_mask, logprobs)
+        return traj, TokenScores(logits, logprobs, torch.stack(hidden_steps, dim=1))
+    finally:
+        policy.train(was_training)

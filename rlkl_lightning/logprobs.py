@@ -1,0 +1,114 @@
+"""Log-probabilities of response tokens under a causal LM, and the fused head the update uses.
+
+The logits at position ``P - 1 + t`` predict response token ``t``, so a forward pass over the
+whole sequence keeps its last ``R + 1`` positions and drops the final one. Logits are divided
+by the sampling temperature, so the log-probabilities are those of the distribution actually
+sampled. Log-softmax is always taken in float32, whatever the model's dtype.
+
+The PPO update needs ``log softmax(h W^T / T)[y]`` per response token, and its gradient, but
+never the ``[N, V]`` logits themselves. Through autograd the logits tensor is copied for the
+temperature, reduced, gathered, and its gradient is assembled from several ``[N, V]`` pieces.
+With ``p = softmax(z)`` and ``z = h W^T / T`` the gradient is simply::
+
+    d log p_y / d z = onehot(y) - p          (times the incoming gradient g, divided by T)
+
+so :class:`TokenLogProbs` keeps one ``[N, V]`` buffer, turns it into ``-g p / T`` in place,
+adds ``g / T`` at the chosen tokens, and multiplies by ``W`` and ``h`` for the two input
+gradients. ``tests/test_fast_path.py`` compares values and gradients with autograd's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from rlkl_lightning.models import lm_forward, plain_lm_head_weight, trunk_forward
+from rlkl_lightning.trajectory import Trajectory
+
+
+class TokenScores(NamedTuple):
+    """Per-token quantities of the responses under one model.
+
+    Attributes:
+        logits: ``[B, R, V]`` float32 temperature-scaled next-token logits at each response
+            position (None where they were not needed).
+        logprobs: ``[B, R]`` float32 log-probability of each sampled token.
+        hidden: ``[B, R, H]`` last hidden state at the positions that predict each token.
+    """
+
+    logits: Tensor | None
+    logprobs: Tensor
+    hidden: Tensor
+
+
+def gather_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """``log softmax(logits)[token]`` per position: ``[B, R, V], [B, R] -> [B, R]``."""
+    logz = torch.logsumexp(logits, dim=-1)
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
+
+
+def score_tokens(
+    model: nn.Module, traj: Trajectory, temperature: float, logits: bool = True
+) -> TokenScores:
+    """Forward the whole sequences once and read the response positions off.
+
+    Args:
+        model: A causal LM.
+        traj: Supplies ``input_ids``, ``attention_mask`` and ``response_ids``.
+        temperature: Sampling temperature; logits are divided by it.
+        logits: Also return the ``[B, R, V]`` logits. Without them, a model whose logits are
+            ``hidden @ W.T`` gets its log-probs from :func:`token_logprobs` (no logits
+            tensor, a cheaper backward).
+    """
+    keep = traj.response_ids.shape[1] + 1
+    weight = None if logits else plain_lm_head_weight(model)
+    if weight is not None:
+        hidden = trunk_forward(model, traj.input_ids, traj.attention_mask, keep)[:, :-1]
+        return TokenScores(
+            None, token_logprobs(hidden, weight, traj.response_ids, temperature), hidden
+        )
+    out = lm_forward(model, traj.input_ids, traj.attention_mask, keep)
+    scaled = out.logits[:, :-1].float() / temperature
+    return TokenScores(scaled, gather_logprobs(scaled, traj.response_ids), out.hidden[:, :-1])
+
+
+class TokenLogProbs(torch.autograd.Function):
+    """``log_softmax(hidden @ weight.T / temperature)`` gathered at ``tokens``: ``[N]``."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+        """``hidden [N, H]``, ``weight [V, H]``, ``tokens [N]`` -> log-probabilities ``[N]``."""
+        logits = (hidden @ weight.t()).float()  # log-probs always in float32
+        logits.mul_(1.0 / temperature)
+        logz = torch.logsumexp(logits, dim=-1)
+        out = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
+        ctx.save_for_backward(hidden, weight, tokens, logits, logz)
+        ctx.temperature = temperature
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        """Gradients for ``hidden`` and ``weight`` (the saved logits buffer is reused)."""
+        hidden, weight, tokens, logits, logz = ctx.saved_tensors
+        scale = grad_out.unsqueeze(-1) / ctx.temperature  # [N, 1]
+        grad_logits = logits.sub_(logz.unsqueeze(-1)).exp_().mul_(-scale)  # -g p / T
+        grad_logits.scatter_add_(-1, tokens.unsqueeze(-1), scale)  # + g / T at y
+        grad_logits = grad_logits.to(weight.dtype)
+        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None
+
+
+def token_logprobs(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+    """Log-probabilities of ``tokens [B, R]`` under ``softmax(hidden [B, R, H] @ weight.T / T)``.
+
+    Equal to ``gather_logprobs((hidden @ weight.T).float() / T, tokens)``, float32.
+    """
+    flat = TokenLogProbs.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, tokens.reshape(-1), float(temperature)
+    )
+    return flat.view(tokens.shape)

@@ -1,0 +1,634 @@
+"""RLPipeline: the phases every KL-regularised policy-gradient module shares.
+
+One training batch (a list of prompts) is five phases over one :class:`Trajectory`
+(README, "The pipeline"); ``training_step`` reads them top to bottom:
+
+1. :meth:`rollout` samples responses with the policy (KV cache, left padding) and keeps the
+   policy's log-probs, logits and hidden states of its samples (no second policy pass);
+2. :meth:`score` adds the reference's log-probs, the reward model's scores and the per-token
+   KL, and the per-sequence KL of every estimator for the log;
+3. :meth:`shape` turns them into advantages (the algorithm's own: GAE for PPO);
+4. :meth:`update` runs epochs x minibatches x micro-batches of :meth:`loss` (the algorithm's
+   own), with gradient clipping and one optimizer step per minibatch;
+5. :meth:`log_batch` logs every metric of the README's table.
+
+A subclass supplies :meth:`shape` and :meth:`loss` (and may extend :meth:`score`), so a new
+algorithm is a short file. Skip gates (non-finite reward, KL, advantages, loss, gradient) raise
+:class:`SkipBatch`; the decision is agreed by all ranks, and weights, optimizer state and beta
+stay untouched. ``kl_coef`` is a plain attribute: a ``KLControllerCallback`` rewrites it after
+each batch, and the next batch's rewards or losses use the new value.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, ClassVar
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torchmetrics.text import Perplexity
+
+from rlkl_lightning import kl as klmod
+from rlkl_lightning.logprobs import TokenScores, score_tokens
+from rlkl_lightning.masked import masked_sum
+from rlkl_lightning.models import (
+    disable_dropout,
+    freeze,
+    frozen_copy,
+    lm_forward,
+    load_causal_lm,
+    load_tokenizer,
+)
+from rlkl_lightning.ppo_loss import entropy_from_logits
+from rlkl_lightning.resumable import check_checkpoint_weights, restore_rng_states, rng_states
+from rlkl_lightning.rewards import (
+    RewardModel,
+    RewardShapeError,
+    VaderSentimentReward,
+    validate_scores,
+)
+from rlkl_lightning.rollout import sample_and_score
+from rlkl_lightning.trajectory import Trajectory
+
+LR_SCHEDULES = ("constant", "linear")
+
+
+class SkipBatch(Exception):
+    """Raised by a phase to skip the batch's update; the message says why."""
+
+
+class RLPipeline(LightningModule):
+    """Rollout, scoring, KL, the update loop and logging, shared by PPO and critic-free methods.
+
+    Args:
+        policy: Hugging Face causal LM name or local directory; ``"default"`` is the default
+            world's SFT model (built on first use).
+        tokenizer: tokenizer name or directory; defaults to ``policy``.
+        reference: reference model name or directory; defaults to a frozen copy of the policy.
+        reward: the reward model, called as ``reward(prompts, responses) -> [B]`` scores;
+            defaults to the VADER sentiment of the response.
+        init_kl_coef: beta before any controller update (a ``KLControllerCallback`` overwrites
+            ``kl_coef`` at fit start with its controller's value).
+        kl_estimator: per-token KL in the reward and in ``objective/kl``: ``k1``, ``k2``,
+            ``k3`` or ``exact`` (see the README, "KL units and estimators").
+        max_prompt_tokens: prompts are truncated on the left to this many tokens.
+        max_new_tokens: response length limit (tokens).
+        temperature: sampling temperature; log-probs are computed at the same temperature.
+        top_k: sample among the top-k tokens only (0 = all). Anything but 0 makes the samples
+            come from a truncated distribution, so the KL estimates are biased; keep 0 for
+            KL-controlled runs.
+        top_p: nucleus sampling (1.0 = off); same caveat as ``top_k``.
+        stop_at_eos: stop each response at its first EOS (False: always ``max_new_tokens``).
+        ppo_epochs: passes over each batch of rollouts.
+        num_minibatches: minibatches per pass (one optimizer step each).
+        grad_accum_steps: micro-batches per minibatch, when a minibatch does not fit in memory.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        lr_schedule: ``constant`` or ``linear`` (decay to 0 over the training batches).
+        warmup_batches: linear warm-up length in batches.
+        cliprange: PPO ratio clip epsilon.
+        score_clip: clip reward-model scores to ``[-score_clip, score_clip]`` (None: no clip).
+        max_grad_norm: gradient-norm clip (None: no clip).
+        log_samples_every: write a table of sampled generations to TensorBoard every this many
+            batches (0: never).
+        num_logged_samples: rows in that table.
+        max_skipped_in_a_row: stop the run with an error once this many batches in a row were
+            skipped (a reward model that always fails would otherwise burn the whole run);
+            None: never stop.
+    """
+
+    #: The name messages give the module (its options are named in them too).
+    owner: ClassVar[str] = "RLPipeline"
+
+    def __init__(
+        self,
+        policy: str = "default",
+        tokenizer: str | None = None,
+        reference: str | None = None,
+        reward: RewardModel | None = None,
+        init_kl_coef: float = 0.1,
+        kl_estimator: str = "k1",
+        max_prompt_tokens: int = 64,
+        max_new_tokens: int = 24,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_at_eos: bool = True,
+        ppo_epochs: int = 4,
+        num_minibatches: int = 4,
+        grad_accum_steps: int = 1,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        lr_schedule: str = "constant",
+        warmup_batches: int = 0,
+        cliprange: float = 0.2,
+        score_clip: float | None = None,
+        max_grad_norm: float | None = 1.0,
+        log_samples_every: int = 50,
+        num_logged_samples: int = 4,
+        max_skipped_in_a_row: int | None = 20,
+    ):
+        super().__init__()
+        args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self._check_args(args)
+        self.save_hyperparameters(ignore=["reward"])
+        # LightningCLI saves a subclass's own arguments as the hyperparameters; the settings
+        # read from `hparams` must be the ones this module was built with.
+        self.hparams.update({k: v for k, v in args.items() if k != "reward"})
+        self.automatic_optimization = False
+
+        self.tokenizer = load_tokenizer(tokenizer or policy, "tokenizer" if tokenizer else "policy")
+        self.policy = load_causal_lm(policy, option="policy")
+        self.reference = freeze(
+            load_causal_lm(reference, option="reference") if reference else frozen_copy(self.policy)
+        )
+        vocab = [getattr(m.config, "vocab_size", None) for m in (self.reference, self.policy)]
+        if vocab[0] != vocab[1]:
+            raise ValueError(
+                f"{self.owner}: `reference` must share the policy's vocabulary: vocab_size "
+                f"{vocab[0]} != the policy's {vocab[1]}"
+            )
+        self._check_context(max_prompt_tokens, max_new_tokens)
+        self.reward = reward if reward is not None else VaderSentimentReward()
+        self.kl_coef = float(init_kl_coef)
+        self.val_perplexity = Perplexity(ignore_index=-100)
+        self.ref_perplexity = Perplexity(ignore_index=-100)
+        self.reference_perplexity: float | None = None
+        # Counted here: trainer.global_step counts optimizer steps, several per batch.
+        self.batches_seen = 0
+        self.samples_seen = 0
+        self.skipped_batches = 0
+        self.skipped_in_a_row = 0
+
+    # ------------------------------------------------------------------ set-up
+    def configure_optimizers(self):
+        """AdamW over every trainable parameter (policy, value function if any)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        # The fused kernel does one pass per tensor instead of a dozen (same update rule).
+        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+        optimizer = torch.optim.AdamW(
+            params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, fused=fused
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
+        return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+    def _lr_factor(self, batch: int) -> float:
+        warmup = self.hparams.warmup_batches
+        if warmup and batch < warmup:
+            return (batch + 1) / warmup
+        if self.hparams.lr_schedule == "linear" and self._trainer is not None:
+            total = max(int(self.trainer.estimated_stepping_batches), 1)
+            return max(0.0, 1.0 - (batch - warmup) / max(total - warmup, 1))
+        return 1.0
+
+    def on_fit_start(self) -> None:
+        """Keep the frozen models frozen and the reward on our device."""
+        freeze(self.reference)
+        disable_dropout(self.policy)
+        if hasattr(self.reward, "to"):
+            self.reward.to(self.device)
+
+    # ------------------------------------------------------------------ the pipeline
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """One batch of prompts through the five phases (module docstring)."""
+        prompts = list(batch["prompt"])
+        clock = [time.perf_counter()]
+        try:
+            traj, policy_scores = self.rollout(prompts)  # 1. rollout
+            clock.append(time.perf_counter())
+            traj, responses, diagnostics = self.score(prompts, traj, policy_scores)  # 2. score
+            traj = self.shape(traj)  # 3. shape
+            self._gate(
+                not all(
+                    bool(torch.isfinite(t[traj.response_mask.bool()]).all())
+                    for t in (traj.logprobs, traj.values, traj.advantages, traj.returns)
+                    if t is not None
+                ),
+                "log-probs, values, advantages or returns are not finite",
+            )
+            clock.append(time.perf_counter())
+            stats = self.update(traj)  # 4. update
+            clock.append(time.perf_counter())
+        except SkipBatch as skip:
+            self._skip(str(skip))
+            return
+        self.log_batch(prompts, responses, traj, diagnostics, stats, clock)  # 5. log
+
+    def rollout(self, prompts: list[str]) -> tuple[Trajectory, TokenScores]:
+        """Phase 1: sample a response per prompt; the policy's scores of them come along."""
+        hp = self.hparams
+        prompt_ids, prompt_mask = self._encode_prompts(prompts)
+        return sample_and_score(
+            self.policy,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens=hp.max_new_tokens,
+            temperature=hp.temperature,
+            top_k=hp.top_k,
+            top_p=hp.top_p,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            stop_at_eos=hp.stop_at_eos,
+        )
+
+    def score(
+        self, prompts: list[str], traj: Trajectory, policy_scores: TokenScores
+    ) -> tuple[Trajectory, list[str], dict[str, Tensor]]:
+        """Phase 2: reference log-probs, reward scores and the per-token KL.
+
+        Returns:
+            The trajectory with ``ref_logprobs``, ``scores`` and ``kl`` set; the decoded
+            responses; and the per-sequence KL ``[B]`` of every estimator (``kl_k1``, ...)
+            plus the policy's summed token entropy (``entropy_sum``), taken from the full
+            logits that are dropped after this phase.
+        """
+        hp = self.hparams
+        mask = traj.response_mask
+        with torch.inference_mode():
+            ref = score_tokens(self.reference, traj, hp.temperature)
+        ref_logits, ref_logprobs = ref.logits.clone(), ref.logprobs.clone()
+        responses = [
+            self.tokenizer.decode(row[m.bool()], skip_special_tokens=True)
+            for row, m in zip(traj.response_ids, mask, strict=True)
+        ]
+        scores = self._reward_scores(prompts, responses)
+        per_token = {
+            name: klmod.per_token_kl(traj.logprobs, ref_logprobs, name)
+            for name in ("k1", "k2", "k3")
+        }
+        per_token["exact"] = klmod.exact_kl(policy_scores.logits, ref_logits)
+        kl = per_token[hp.kl_estimator]
+        diagnostics = {f"kl_{k}": klmod.sequence_kl(v, mask) for k, v in per_token.items()}
+        self._gate(
+            not bool(torch.isfinite(diagnostics[f"kl_{hp.kl_estimator}"]).all()),
+            "the KL to the reference is not finite (on this or another rank)",
+        )
+        diagnostics["entropy_sum"] = masked_sum(entropy_from_logits(policy_scores.logits), mask)
+        traj = traj._replace(ref_logprobs=ref_logprobs, kl=kl, scores=scores)
+        return traj, responses, diagnostics
+
+    def shape(self, traj: Trajectory) -> Trajectory:
+        """Phase 3: advantages (and returns) from scores, KL and ``kl_coef``; per algorithm."""
+        raise NotImplementedError
+
+    def loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one (micro-)minibatch and its detached statistics; per algorithm."""
+        raise NotImplementedError
+
+    def update(self, traj: Trajectory) -> dict[str, Tensor]:
+        """Phase 4: ``ppo_epochs`` x ``num_minibatches`` optimizer steps over the trajectory.
+
+        Each minibatch's loss is the token-weighted mean of its micro-batches' losses; the
+        returned statistics are means over the optimizer steps.
+        """
+        hp = self.hparams
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        totals: dict[str, float] = {}
+        updates = 0
+        for _ in range(hp.ppo_epochs):
+            order = torch.randperm(traj.response_ids.shape[0], device=self.device)
+            for minibatch in order.chunk(hp.num_minibatches):
+                mb_tokens = traj.response_mask[minibatch].sum().clamp(min=1)
+                step_stats: dict[str, float] = {}
+                for micro in minibatch.chunk(hp.grad_accum_steps):
+                    part = traj.select(micro)
+                    loss, stats = self.loss(part)
+                    self._gate(not bool(torch.isfinite(loss)), "the PPO loss is not finite")
+                    weight = part.response_mask.sum() / mb_tokens
+                    self.manual_backward(loss * weight)
+                    for key, value in stats.items():
+                        step_stats[key] = step_stats.get(key, 0.0) + float(value) * float(weight)
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                max_norm = hp.max_grad_norm if hp.max_grad_norm else float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                self._gate(not math.isfinite(grad_norm), "the gradient norm is not finite")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                step_stats["policy/grad_norm"] = grad_norm
+                for key, value in step_stats.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                updates += 1
+        scheduler.step()
+        result = {key: torch.tensor(value / updates) for key, value in totals.items()}
+        result["policy/lr"] = torch.tensor(scheduler.get_last_lr()[0])
+        return result
+
+    def log_batch(
+        self,
+        prompts: list[str],
+        responses: list[str],
+        traj: Trajectory,
+        diagnostics: dict[str, Tensor],
+        stats: dict[str, Tensor],
+        clock: list[float],
+    ) -> None:
+        """Phase 5: count the batch and log every metric (README, "Metrics")."""
+        n = len(prompts)
+        self.batches_seen += 1
+        self.skipped_in_a_row = 0
+        self.samples_seen += n * self.trainer.world_size
+        mask = traj.response_mask
+        kl_seq = diagnostics[f"kl_{self.hparams.kl_estimator}"]
+        n_tokens = mask.sum()
+        # Per-token means over the tokens of the global batch (all ranks): sums, then divide.
+        kl_sum, entropy_sum, all_tokens = self._global_sum(
+            torch.stack([kl_seq.sum(), diagnostics["entropy_sum"], n_tokens.to(traj.kl.dtype)])
+        )
+        t_start, t_rollout, t_scored, t_end = clock
+        metrics = {
+            "objective/kl": kl_seq.mean(),
+            "objective/kl_per_token": kl_sum / all_tokens,
+            "objective/score": traj.scores.mean(),
+            "objective/non_score_reward": -self.kl_coef * kl_seq.mean(),
+            "objective/entropy": entropy_sum / all_tokens,
+            "objective/response_tokens": n_tokens / n,
+            "perf/tokens_per_s": n_tokens / (t_end - t_start),
+            "perf/rollout_s": torch.tensor(t_rollout - t_start),
+            "perf/score_s": torch.tensor(t_scored - t_rollout),
+            "perf/update_s": torch.tensor(t_end - t_scored),
+            "progress/samples": torch.tensor(float(self.samples_seen)),
+            "progress/skipped_batches": torch.tensor(float(self.skipped_batches)),
+            **stats,
+        }
+        for name in ("k1", "k2", "k3", "exact"):
+            metrics[f"objective/kl_{name}"] = diagnostics[f"kl_{name}"].mean()
+        self.log_dict(
+            {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()},
+            on_step=True,
+            on_epoch=False,
+            batch_size=n,
+            sync_dist=self.trainer.world_size > 1,
+        )
+        self._log_samples(prompts, responses, traj.scores)
+
+    # ------------------------------------------------------------------ pieces of the phases
+    def _log_samples(self, prompts: list[str], responses: list[str], scores: Tensor) -> None:
+        """A TensorBoard text table of a few samples every ``log_samples_every`` batches."""
+        every = self.hparams.log_samples_every
+        if not every or (self.batches_seen - 1) % every or self.global_rank != 0:
+            return
+        experiment = getattr(self.logger, "experiment", None)
+        if experiment is None or not hasattr(experiment, "add_text"):
+            return
+        rows = ["| prompt | response | score |", "|---|---|---|"]
+        for prompt, response, score in list(zip(prompts, responses, scores.tolist()))[
+            : self.hparams.num_logged_samples
+        ]:
+            cells = [s.replace("|", "\\|").replace("\n", " ") for s in (prompt, response)]
+            rows.append(f"| {cells[0]} | {cells[1]} | {score:.3f} |")
+        experiment.add_text("samples", "\n".join(rows), global_step=self.batches_seen)
+
+    def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        if not getattr(self, "_warned_truncation", False):
+            limit = self.hparams.max_prompt_tokens
+            longest = max(len(ids) for ids in self.tokenizer(prompts)["input_ids"])
+            if longest > limit:
+                self._warned_truncation = True
+                rank_zero_warn(
+                    f"{self.owner}: a prompt of {longest} tokens is longer than "
+                    f"`max_prompt_tokens`={limit}; prompts are cut on the left to their last "
+                    f"{limit} tokens (warned once)",
+                    category=RuntimeWarning,
+                )
+        self.tokenizer.truncation_side = "left"
+        enc = self.tokenizer(
+            prompts,
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=self.hparams.max_prompt_tokens,
+        )
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
+    def _reward_scores(self, prompts: list[str], responses: list[str]) -> Tensor:
+        """The reward model's ``[B]`` scores on our device, clipped; skips or stops on faults."""
+        error: Exception | None = None
+        try:
+            scores = validate_scores(self.reward(prompts, responses), len(prompts), self.reward)
+        except (ValueError, RuntimeError) as err:
+            scores, error = None, err
+        if self._any_rank(error is not None):
+            # A wrong shape is a broken reward model, not a numeric fault: stop (on every
+            # rank) rather than skip every batch of the run.
+            if self._any_rank(isinstance(error, RewardShapeError)):
+                raise ValueError(
+                    f"{self.owner}: `reward` must return one finite score per (prompt, response) "
+                    f"pair, shape [{len(prompts)}]: {error or 'failed on another rank'}"
+                ) from error
+            raise SkipBatch(f"the reward model failed: {error or 'on another rank'}")
+        scores = scores.to(self.device)
+        if self.hparams.score_clip is not None:
+            scores = scores.clamp(-self.hparams.score_clip, self.hparams.score_clip)
+        return scores
+
+    def _gate(self, bad: bool, why: str) -> None:
+        """Skip the batch if ``bad`` on any rank (a collective under DDP: call it on every rank).
+
+        Every skip decision is agreed by all ranks: under DDP a rank that skipped while the
+        others ran backward would leave them waiting in the gradient all-reduce forever. The
+        gradients of a half-done update are dropped, so weights and optimizer stay untouched.
+        """
+        if self._any_rank(bad):
+            if self._trainer is not None:
+                self.optimizers().zero_grad(set_to_none=True)
+            raise SkipBatch(why)
+
+    def _global_sum(self, values: Tensor) -> Tensor:
+        """``values`` summed over all ranks (a collective under DDP: call it on every rank)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return values
+        return self.trainer.strategy.reduce(values, reduce_op="sum")
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True if ``flag`` is true on any rank (a collective under DDP: call it on every rank)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return bool(flag)
+        return bool(self.trainer.strategy.reduce_boolean_decision(bool(flag), all=False))
+
+    def _skip(self, why: str) -> None:
+        """Skip this batch's update: weights and beta stay as they are.
+
+        The KL is logged as ``nan`` for this batch, so KL callbacks see that there is no
+        usable value (they keep beta and count the batch) even when the very first batch is
+        skipped; ``progress/skipped_batches`` counts the skips.
+        """
+        self.skipped_batches += 1
+        self.skipped_in_a_row += 1
+        limit = self.hparams.max_skipped_in_a_row
+        if limit is not None and self.skipped_in_a_row >= limit:
+            # Every rank skipped the same batches (the decision is agreed), so all stop here.
+            raise RuntimeError(
+                f"{self.owner}: {self.skipped_in_a_row} batches in a row were skipped, the last "
+                f"because {why}; stopping (`max_skipped_in_a_row`={limit}). Fix the cause, or "
+                "set `max_skipped_in_a_row` higher or to None. Weights and beta are those of "
+                "the last trained batch."
+            )
+        rank_zero_warn(
+            f"{self.owner}: skipping batch {self.batches_seen + 1}: {why}; kl_coef is unchanged "
+            f"({self.skipped_batches} batches skipped so far)",
+            category=RuntimeWarning,
+        )
+        nan = torch.tensor(float("nan"))
+        self.log_dict(
+            {
+                "objective/kl": nan,
+                "objective/kl_per_token": nan,
+                "progress/skipped_batches": torch.tensor(float(self.skipped_batches)),
+            },
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+            # The same sync flag as the regular logging: Lightning rejects a key logged with
+            # different arguments within an epoch (a skip under DDP would end the run).
+            sync_dist=self.trainer.world_size > 1,
+        )
+
+    # ------------------------------------------------------------------ validation
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Accumulate held-out perplexity of the policy (and of the reference, once)."""
+        ids, mask = self._encode_texts(list(batch["text"]))
+        # A target counts only if both it and the position predicting it are real tokens
+        # (with left padding, the pad just before BOS would otherwise "predict" BOS).
+        valid = mask[:, 1:].bool() & mask[:, :-1].bool()
+        labels = ids[:, 1:].masked_fill(~valid, -100)
+        keep = ids.shape[1]
+        logits = lm_forward(self.policy, ids, mask, keep).logits[:, :-1].float()
+        self.val_perplexity.update(logits, labels)
+        if self.reference_perplexity is None and not self.trainer.sanity_checking:
+            with torch.inference_mode():
+                ref_logits = lm_forward(self.reference, ids, mask, keep).logits[:, :-1].float()
+            self.ref_perplexity.update(ref_logits.clone(), labels)
+
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val/perplexity`` and ``val/perplexity_ref`` (the reference's is computed once)."""
+        policy_ppl = self.val_perplexity.compute()
+        self.val_perplexity.reset()
+        if self.trainer.sanity_checking:
+            return
+        if self.reference_perplexity is None:
+            self.reference_perplexity = float(self.ref_perplexity.compute())
+            self.ref_perplexity.reset()
+        self.log("val/perplexity", policy_ppl, on_epoch=True)
+        self.log("val/perplexity_ref", torch.tensor(self.reference_perplexity), on_epoch=True)
+        self.log("progress/samples_at_val", torch.tensor(float(self.samples_seen)), on_epoch=True)
+
+    def _encode_texts(self, texts: list[str]) -> tuple[Tensor, Tensor]:
+        tok = self.tokenizer
+        wrapped = [f"{tok.bos_token or ''}{t}{tok.eos_token or ''}" for t in texts]
+        tok.truncation_side = "right"
+        enc = tok(
+            wrapped,
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=_context_of(self.policy) or 1024,
+            add_special_tokens=False,
+        )
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
+    # ------------------------------------------------------------------ checkpoints
+    _COUNTERS = ("batches_seen", "samples_seen", "skipped_batches", "skipped_in_a_row")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store counters, beta and RNG states; drop the frozen reference (rebuilt from config)."""
+        checkpoint["state_dict"] = {
+            k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("reference.")
+        }
+        checkpoint["rlkl_counters"] = {
+            **{name: getattr(self, name) for name in self._COUNTERS},
+            "kl_coef": self.kl_coef,
+            "reference_perplexity": self.reference_perplexity,
+        }
+        checkpoint["rlkl_rng"] = rng_states(self._trainer, self.device)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore counters and put the current reference weights back for strict loading."""
+        state = checkpoint["state_dict"]
+        check_checkpoint_weights(state, self.state_dict(), self.owner)  # before any restore
+        counters = checkpoint.get("rlkl_counters", {})
+        for name in self._COUNTERS:
+            setattr(self, name, int(counters.get(name, 0)))
+        self.kl_coef = float(counters.get("kl_coef", self.kl_coef))
+        self.reference_perplexity = counters.get("reference_perplexity")
+        self._rng_to_restore = checkpoint.get("rlkl_rng")
+        for key, value in self.reference.state_dict().items():
+            state.setdefault(f"reference.{key}", value)
+
+    def on_train_start(self) -> None:
+        """Put back a loaded checkpoint's RNG state, right before the first resumed batch."""
+        states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
+        restore_rng_states(states, self.trainer, self.device, self.owner)
+
+    # ------------------------------------------------------------------ argument checks
+    def _check_context(self, max_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Prompt plus response must fit the policy's context window (``n_positions``)."""
+        context = _context_of(self.policy)
+        if context and max_prompt_tokens + max_new_tokens > context:
+            raise ValueError(
+                f"{self.owner}: `max_prompt_tokens` ({max_prompt_tokens}) + `max_new_tokens` "
+                f"({max_new_tokens}) = {max_prompt_tokens + max_new_tokens} tokens do not fit "
+                f"the policy's context of {context} positions; lower them so that their sum is "
+                f"<= {context}"
+            )
+
+    def _need(self, ok: bool, option: str, allowed: str, value: Any) -> None:
+        if not ok:
+            raise ValueError(f"{self.owner}: `{option}` must be {allowed}, got {value!r}")
+
+    def _check_args(self, args: dict[str, Any]) -> None:
+        """Validate the shared arguments; every error names the option and the allowed values."""
+
+        def need(ok: bool, option: str, allowed: str) -> None:
+            self._need(ok, option, allowed, args[option])
+
+        finite = math.isfinite
+        estimators = klmod.KL_ESTIMATORS
+        need(args["kl_estimator"] in estimators, "kl_estimator", f"one of {estimators}")
+        need(args["lr_schedule"] in LR_SCHEDULES, "lr_schedule", f"one of {LR_SCHEDULES}")
+        init_kl_coef = args["init_kl_coef"]
+        need(finite(init_kl_coef) and init_kl_coef >= 0, "init_kl_coef", "a finite number >= 0")
+        for name in (
+            "max_prompt_tokens",
+            "max_new_tokens",
+            "ppo_epochs",
+            "num_minibatches",
+            "grad_accum_steps",
+        ):
+            need(isinstance(args[name], int) and args[name] >= 1, name, "an integer >= 1")
+        top_k = args["top_k"]
+        need(isinstance(top_k, int) and top_k >= 0, "top_k", "an integer >= 0 (0 = off)")
+        temperature = args["temperature"]
+        need(finite(temperature) and temperature > 0, "temperature", "a finite number > 0")
+        need(0 < args["top_p"] <= 1, "top_p", "in (0, 1]")
+        for name in ("lr", "cliprange"):
+            need(finite(args[name]) and args[name] > 0, name, "a finite number > 0")
+        decay = args["weight_decay"]
+        need(finite(decay) and decay >= 0, "weight_decay", "a finite number >= 0")
+        need(args["warmup_batches"] >= 0, "warmup_batches", "an integer >= 0")
+        need(args["log_samples_every"] >= 0, "log_samples_every", "an integer >= 0 (0 = never)")
+        limit = args["max_skipped_in_a_row"]
+        need(
+            limit is None or (isinstance(limit, int) and limit >= 1),
+            "max_skipped_in_a_row",
+            "None or an integer >= 1",
+        )
+        for name in ("score_clip", "max_grad_norm"):
+            value = args[name]
+            need(value is None or (finite(value) and value > 0), name, "None or a number > 0")
+        if top_k or args["top_p"] < 1:
+            rank_zero_warn(
+                f"{self.owner}: `top_k`/`top_p` truncate the sampling distribution, so the KL "
+                "estimates (and the penalty) no longer refer to the policy itself; use top_k=0, "
+                "top_p=1.0 for KL-controlled runs",
+                category=RuntimeWarning,
+            )
+
+
+def _context_of(model: torch.nn.Module) -> int | None:
+    """The model's context length in tokens (``n_positions`` or ``max_position_embeddings``)."""
+    config = model.config
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)

@@ -1,0 +1,47 @@
+"""The ``Trajectory``: every tensor of one training batch, filled in phase by phase.
+
+Shapes: ``B`` sequences, ``P`` prompt tokens (left padded), ``R`` response tokens (right
+padded after the first EOS). The rollout fills the first five fields, scoring the next four,
+and shaping the last two; minibatches are ``trajectory.select(rows)``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+
+class Trajectory(NamedTuple):
+    """Sampled sequences and what the pipeline computed about them.
+
+    Attributes:
+        input_ids: ``[B, P + R]`` prompt and response tokens.
+        attention_mask: ``[B, P + R]`` 1 on real prompt tokens and valid response tokens.
+        response_ids: ``[B, R]`` the sampled tokens (``input_ids[:, P:]``); pad after EOS.
+        response_mask: ``[B, R]`` float, 1 up to and including the first EOS, 0 after it.
+        logprobs: ``[B, R]`` float32 log-probs of the sampled tokens under the policy at
+            rollout time (the "old" log-probs of PPO's ratio).
+        ref_logprobs: ``[B, R]`` float32 log-probs of the same tokens under the reference.
+        kl: ``[B, R]`` per-token KL to the reference, by the run's ``kl_estimator``.
+        scores: ``[B]`` reward-model scores (clipped if the run clips them).
+        values: ``[B, R]`` value estimates at rollout time (None without a critic).
+        advantages: ``[B, R]`` advantages (whitened where the algorithm whitens them).
+        returns: ``[B, R]`` value targets (None without a critic).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    logprobs: Tensor
+    ref_logprobs: Tensor | None = None
+    kl: Tensor | None = None
+    scores: Tensor | None = None
+    values: Tensor | None = None
+    advantages: Tensor | None = None
+    returns: Tensor | None = None
+
+    def select(self, rows: Tensor) -> Trajectory:
+        """The trajectory of the sequences ``rows`` (a minibatch); unset fields stay None."""
+        return Trajectory(*(None if t is None else t[rows] for t in self))
