@@ -17,6 +17,8 @@ _LAZY = {
     "KLControllerCallback": "rlkl_lightning.kl_callback",
     "KLDriftMonitor": "rlkl_lightning.drift_monitor",
     "PPOModule": "rlkl_lightning.module",
+    "RLPipeline": "rlkl_lightning.pipeline",
+    "Trajectory": "rlkl_lightning.trajectory",
 }
 
 __all__ = sorted(_LAZY)

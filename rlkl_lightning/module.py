@@ -14,13 +14,13 @@ PPO adds a value function and its own shaping and loss:
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from rlkl_lightning.advantages import gae, shape_rewards
+from rlkl_lightning.arguments import PPO_RULES, check_all
 from rlkl_lightning.logprobs import TokenScores, score_tokens
 from rlkl_lightning.masked import masked_mean, masked_whiten
 from rlkl_lightning.models import ValueHead, hidden_size_of, load_causal_lm, trunk_forward
@@ -61,21 +61,7 @@ class PPOModule(RLPipeline):
         **kwargs: Any,
     ):
         own = {k: v for k, v in locals().items() if k not in ("self", "__class__", "kwargs")}
-        # Checked before the models load, like the shared arguments.
-        finite = math.isfinite
-        checks = [
-            (
-                finite(cliprange_value) and cliprange_value > 0,
-                "cliprange_value",
-                "a finite number > 0",
-            ),
-            (finite(vf_coef) and vf_coef >= 0, "vf_coef", "a finite number >= 0"),
-            (finite(ent_coef) and ent_coef >= 0, "ent_coef", "a finite number >= 0"),
-            (0 <= gamma <= 1, "gamma", "in [0, 1]"),
-            (0 <= lam <= 1, "lam", "in [0, 1]"),
-        ]
-        for ok, option, allowed in checks:
-            self._need(ok, option, allowed, own[option])
+        check_all(self.owner, own, PPO_RULES)  # before the models load, like the shared ones
         super().__init__(**kwargs)
         self.hparams.update(own)
         if value_model is None:

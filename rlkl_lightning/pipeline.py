@@ -26,24 +26,24 @@ import time
 from typing import Any, ClassVar
 
 import torch
-from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torchmetrics.text import Perplexity
 
 from rlkl_lightning import kl as klmod
+from rlkl_lightning.arguments import check_context, check_pipeline_args
+from rlkl_lightning.heldout import HeldoutPerplexity
 from rlkl_lightning.logprobs import TokenScores, score_tokens
 from rlkl_lightning.masked import masked_sum
+from rlkl_lightning.metrics import batch_metrics, samples_table
 from rlkl_lightning.models import (
     disable_dropout,
     freeze,
     frozen_copy,
-    lm_forward,
     load_causal_lm,
     load_tokenizer,
 )
 from rlkl_lightning.ppo_loss import entropy_from_logits
-from rlkl_lightning.resumable import check_checkpoint_weights, restore_rng_states, rng_states
+from rlkl_lightning.resumable import ResumableModule
 from rlkl_lightning.rewards import (
     RewardModel,
     RewardShapeError,
@@ -53,14 +53,12 @@ from rlkl_lightning.rewards import (
 from rlkl_lightning.rollout import sample_and_score
 from rlkl_lightning.trajectory import Trajectory
 
-LR_SCHEDULES = ("constant", "linear")
-
 
 class SkipBatch(Exception):
     """Raised by a phase to skip the batch's update; the message says why."""
 
 
-class RLPipeline(LightningModule):
+class RLPipeline(ResumableModule, HeldoutPerplexity):
     """Rollout, scoring, KL, the update loop and logging, shared by PPO and critic-free methods.
 
     Args:
@@ -133,7 +131,7 @@ class RLPipeline(LightningModule):
     ):
         super().__init__()
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        self._check_args(args)
+        check_pipeline_args(self.owner, args)
         self.save_hyperparameters(ignore=["reward"])
         # LightningCLI saves a subclass's own arguments as the hyperparameters; the settings
         # read from `hparams` must be the ones this module was built with.
@@ -151,17 +149,9 @@ class RLPipeline(LightningModule):
                 f"{self.owner}: `reference` must share the policy's vocabulary: vocab_size "
                 f"{vocab[0]} != the policy's {vocab[1]}"
             )
-        self._check_context(max_prompt_tokens, max_new_tokens)
+        check_context(self.owner, self.policy, max_prompt_tokens, max_new_tokens)
         self.reward = reward if reward is not None else VaderSentimentReward()
         self.kl_coef = float(init_kl_coef)
-        self.val_perplexity = Perplexity(ignore_index=-100)
-        self.ref_perplexity = Perplexity(ignore_index=-100)
-        self.reference_perplexity: float | None = None
-        # Counted here: trainer.global_step counts optimizer steps, several per batch.
-        self.batches_seen = 0
-        self.samples_seen = 0
-        self.skipped_batches = 0
-        self.skipped_in_a_row = 0
 
     # ------------------------------------------------------------------ set-up
     def configure_optimizers(self):
@@ -297,7 +287,7 @@ class RLPipeline(LightningModule):
                 for micro in minibatch.chunk(hp.grad_accum_steps):
                     part = traj.select(micro)
                     loss, stats = self.loss(part)
-                    self._gate(not bool(torch.isfinite(loss)), "the PPO loss is not finite")
+                    self._gate(not bool(torch.isfinite(loss)), "the loss is not finite")
                     weight = part.response_mask.sum() / mb_tokens
                     self.manual_backward(loss * weight)
                     for key, value in stats.items():
@@ -331,31 +321,12 @@ class RLPipeline(LightningModule):
         self.batches_seen += 1
         self.skipped_in_a_row = 0
         self.samples_seen += n * self.trainer.world_size
-        mask = traj.response_mask
-        kl_seq = diagnostics[f"kl_{self.hparams.kl_estimator}"]
-        n_tokens = mask.sum()
-        # Per-token means over the tokens of the global batch (all ranks): sums, then divide.
-        kl_sum, entropy_sum, all_tokens = self._global_sum(
-            torch.stack([kl_seq.sum(), diagnostics["entropy_sum"], n_tokens.to(traj.kl.dtype)])
+        metrics = batch_metrics(
+            traj, diagnostics, self.hparams.kl_estimator, self.kl_coef, clock, self._global_sum
         )
-        t_start, t_rollout, t_scored, t_end = clock
-        metrics = {
-            "objective/kl": kl_seq.mean(),
-            "objective/kl_per_token": kl_sum / all_tokens,
-            "objective/score": traj.scores.mean(),
-            "objective/non_score_reward": -self.kl_coef * kl_seq.mean(),
-            "objective/entropy": entropy_sum / all_tokens,
-            "objective/response_tokens": n_tokens / n,
-            "perf/tokens_per_s": n_tokens / (t_end - t_start),
-            "perf/rollout_s": torch.tensor(t_rollout - t_start),
-            "perf/score_s": torch.tensor(t_scored - t_rollout),
-            "perf/update_s": torch.tensor(t_end - t_scored),
-            "progress/samples": torch.tensor(float(self.samples_seen)),
-            "progress/skipped_batches": torch.tensor(float(self.skipped_batches)),
-            **stats,
-        }
-        for name in ("k1", "k2", "k3", "exact"):
-            metrics[f"objective/kl_{name}"] = diagnostics[f"kl_{name}"].mean()
+        metrics["progress/samples"] = torch.tensor(float(self.samples_seen))
+        metrics["progress/skipped_batches"] = torch.tensor(float(self.skipped_batches))
+        metrics.update(stats)
         self.log_dict(
             {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()},
             on_step=True,
@@ -374,13 +345,8 @@ class RLPipeline(LightningModule):
         experiment = getattr(self.logger, "experiment", None)
         if experiment is None or not hasattr(experiment, "add_text"):
             return
-        rows = ["| prompt | response | score |", "|---|---|---|"]
-        for prompt, response, score in list(zip(prompts, responses, scores.tolist()))[
-            : self.hparams.num_logged_samples
-        ]:
-            cells = [s.replace("|", "\\|").replace("\n", " ") for s in (prompt, response)]
-            rows.append(f"| {cells[0]} | {cells[1]} | {score:.3f} |")
-        experiment.add_text("samples", "\n".join(rows), global_step=self.batches_seen)
+        table = samples_table(prompts, responses, scores, self.hparams.num_logged_samples)
+        experiment.add_text("samples", table, global_step=self.batches_seen)
 
     def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         if not getattr(self, "_warned_truncation", False):
@@ -472,163 +438,10 @@ class RLPipeline(LightningModule):
             f"({self.skipped_batches} batches skipped so far)",
             category=RuntimeWarning,
         )
-        nan = torch.tensor(float("nan"))
-        self.log_dict(
-            {
-                "objective/kl": nan,
-                "objective/kl_per_token": nan,
-                "progress/skipped_batches": torch.tensor(float(self.skipped_batches)),
-            },
-            on_step=True,
-            on_epoch=False,
-            batch_size=1,
-            # The same sync flag as the regular logging: Lightning rejects a key logged with
-            # different arguments within an epoch (a skip under DDP would end the run).
-            sync_dist=self.trainer.world_size > 1,
-        )
-
-    # ------------------------------------------------------------------ validation
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Accumulate held-out perplexity of the policy (and of the reference, once)."""
-        ids, mask = self._encode_texts(list(batch["text"]))
-        # A target counts only if both it and the position predicting it are real tokens
-        # (with left padding, the pad just before BOS would otherwise "predict" BOS).
-        valid = mask[:, 1:].bool() & mask[:, :-1].bool()
-        labels = ids[:, 1:].masked_fill(~valid, -100)
-        keep = ids.shape[1]
-        logits = lm_forward(self.policy, ids, mask, keep).logits[:, :-1].float()
-        self.val_perplexity.update(logits, labels)
-        if self.reference_perplexity is None and not self.trainer.sanity_checking:
-            with torch.inference_mode():
-                ref_logits = lm_forward(self.reference, ids, mask, keep).logits[:, :-1].float()
-            self.ref_perplexity.update(ref_logits.clone(), labels)
-
-    def on_validation_epoch_end(self) -> None:
-        """Log ``val/perplexity`` and ``val/perplexity_ref`` (the reference's is computed once)."""
-        policy_ppl = self.val_perplexity.compute()
-        self.val_perplexity.reset()
-        if self.trainer.sanity_checking:
-            return
-        if self.reference_perplexity is None:
-            self.reference_perplexity = float(self.ref_perplexity.compute())
-            self.ref_perplexity.reset()
-        self.log("val/perplexity", policy_ppl, on_epoch=True)
-        self.log("val/perplexity_ref", torch.tensor(self.reference_perplexity), on_epoch=True)
-        self.log("progress/samples_at_val", torch.tensor(float(self.samples_seen)), on_epoch=True)
-
-    def _encode_texts(self, texts: list[str]) -> tuple[Tensor, Tensor]:
-        tok = self.tokenizer
-        wrapped = [f"{tok.bos_token or ''}{t}{tok.eos_token or ''}" for t in texts]
-        tok.truncation_side = "right"
-        enc = tok(
-            wrapped,
-            return_tensors="pt",
-            padding=True,
-            truncation=True,
-            max_length=_context_of(self.policy) or 1024,
-            add_special_tokens=False,
-        )
-        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
-
-    # ------------------------------------------------------------------ checkpoints
-    _COUNTERS = ("batches_seen", "samples_seen", "skipped_batches", "skipped_in_a_row")
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Store counters, beta and RNG states; drop the frozen reference (rebuilt from config)."""
-        checkpoint["state_dict"] = {
-            k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("reference.")
-        }
-        checkpoint["rlkl_counters"] = {
-            **{name: getattr(self, name) for name in self._COUNTERS},
-            "kl_coef": self.kl_coef,
-            "reference_perplexity": self.reference_perplexity,
-        }
-        checkpoint["rlkl_rng"] = rng_states(self._trainer, self.device)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore counters and put the current reference weights back for strict loading."""
-        state = checkpoint["state_dict"]
-        check_checkpoint_weights(state, self.state_dict(), self.owner)  # before any restore
-        counters = checkpoint.get("rlkl_counters", {})
-        for name in self._COUNTERS:
-            setattr(self, name, int(counters.get(name, 0)))
-        self.kl_coef = float(counters.get("kl_coef", self.kl_coef))
-        self.reference_perplexity = counters.get("reference_perplexity")
-        self._rng_to_restore = checkpoint.get("rlkl_rng")
-        for key, value in self.reference.state_dict().items():
-            state.setdefault(f"reference.{key}", value)
-
-    def on_train_start(self) -> None:
-        """Put back a loaded checkpoint's RNG state, right before the first resumed batch."""
-        states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
-        restore_rng_states(states, self.trainer, self.device, self.owner)
-
-    # ------------------------------------------------------------------ argument checks
-    def _check_context(self, max_prompt_tokens: int, max_new_tokens: int) -> None:
-        """Prompt plus response must fit the policy's context window (``n_positions``)."""
-        context = _context_of(self.policy)
-        if context and max_prompt_tokens + max_new_tokens > context:
-            raise ValueError(
-                f"{self.owner}: `max_prompt_tokens` ({max_prompt_tokens}) + `max_new_tokens` "
-                f"({max_new_tokens}) = {max_prompt_tokens + max_new_tokens} tokens do not fit "
-                f"the policy's context of {context} positions; lower them so that their sum is "
-                f"<= {context}"
-            )
-
-    def _need(self, ok: bool, option: str, allowed: str, value: Any) -> None:
-        if not ok:
-            raise ValueError(f"{self.owner}: `{option}` must be {allowed}, got {value!r}")
-
-    def _check_args(self, args: dict[str, Any]) -> None:
-        """Validate the shared arguments; every error names the option and the allowed values."""
-
-        def need(ok: bool, option: str, allowed: str) -> None:
-            self._need(ok, option, allowed, args[option])
-
-        finite = math.isfinite
-        estimators = klmod.KL_ESTIMATORS
-        need(args["kl_estimator"] in estimators, "kl_estimator", f"one of {estimators}")
-        need(args["lr_schedule"] in LR_SCHEDULES, "lr_schedule", f"one of {LR_SCHEDULES}")
-        init_kl_coef = args["init_kl_coef"]
-        need(finite(init_kl_coef) and init_kl_coef >= 0, "init_kl_coef", "a finite number >= 0")
-        for name in (
-            "max_prompt_tokens",
-            "max_new_tokens",
-            "ppo_epochs",
-            "num_minibatches",
-            "grad_accum_steps",
-        ):
-            need(isinstance(args[name], int) and args[name] >= 1, name, "an integer >= 1")
-        top_k = args["top_k"]
-        need(isinstance(top_k, int) and top_k >= 0, "top_k", "an integer >= 0 (0 = off)")
-        temperature = args["temperature"]
-        need(finite(temperature) and temperature > 0, "temperature", "a finite number > 0")
-        need(0 < args["top_p"] <= 1, "top_p", "in (0, 1]")
-        for name in ("lr", "cliprange"):
-            need(finite(args[name]) and args[name] > 0, name, "a finite number > 0")
-        decay = args["weight_decay"]
-        need(finite(decay) and decay >= 0, "weight_decay", "a finite number >= 0")
-        need(args["warmup_batches"] >= 0, "warmup_batches", "an integer >= 0")
-        need(args["log_samples_every"] >= 0, "log_samples_every", "an integer >= 0 (0 = never)")
-        limit = args["max_skipped_in_a_row"]
-        need(
-            limit is None or (isinstance(limit, int) and limit >= 1),
-            "max_skipped_in_a_row",
-            "None or an integer >= 1",
-        )
-        for name in ("score_clip", "max_grad_norm"):
-            value = args[name]
-            need(value is None or (finite(value) and value > 0), name, "None or a number > 0")
-        if top_k or args["top_p"] < 1:
-            rank_zero_warn(
-                f"{self.owner}: `top_k`/`top_p` truncate the sampling distribution, so the KL "
-                "estimates (and the penalty) no longer refer to the policy itself; use top_k=0, "
-                "top_p=1.0 for KL-controlled runs",
-                category=RuntimeWarning,
-            )
-
-
-def _context_of(model: torch.nn.Module) -> int | None:
-    """The model's context length in tokens (``n_positions`` or ``max_position_embeddings``)."""
-    config = model.config
-    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+        nan, skipped = torch.tensor(float("nan")), torch.tensor(float(self.skipped_batches))
+        # The same sync flag as the regular logging: Lightning rejects a key logged with
+        # different arguments within an epoch (a skip under DDP would end the run).
+        metrics = {"objective/kl": nan, "objective/kl_per_token": nan}
+        metrics["progress/skipped_batches"] = skipped
+        sync = self.trainer.world_size > 1
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=sync)

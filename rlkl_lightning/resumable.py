@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
@@ -302,3 +302,52 @@ def check_checkpoint_weights(
             f"(policy/value head differ: {details}); resume with the `model` settings it was "
             "trained with, or start a new run without `ckpt_path`"
         )
+
+
+class ResumableModule(LightningModule):
+    """Counters, beta and random streams of an RL module, carried through checkpoints.
+
+    Checkpoints store the counters (``trainer.global_step`` counts optimizer steps, several per
+    batch, so batches and samples are counted here), ``kl_coef``, the reference's held-out
+    perplexity and every rank's RNG state, and leave out the frozen ``reference`` (it is
+    rebuilt from the config, and put back before Lightning's strict loading). For a module
+    with ``owner``, ``reference``, ``kl_coef`` and ``reference_perplexity`` attributes.
+    """
+
+    #: The counters saved in checkpoints, each an int starting at 0.
+    COUNTERS = ("batches_seen", "samples_seen", "skipped_batches", "skipped_in_a_row")
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name in self.COUNTERS:
+            setattr(self, name, 0)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store counters, beta and RNG states; drop the frozen reference."""
+        checkpoint["state_dict"] = {
+            k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("reference.")
+        }
+        checkpoint["rlkl_counters"] = {
+            **{name: getattr(self, name) for name in self.COUNTERS},
+            "kl_coef": self.kl_coef,
+            "reference_perplexity": self.reference_perplexity,
+        }
+        checkpoint["rlkl_rng"] = rng_states(self._trainer, self.device)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Check the weights fit, restore counters and beta, put the reference weights back."""
+        state = checkpoint["state_dict"]
+        check_checkpoint_weights(state, self.state_dict(), self.owner)  # before any restore
+        counters = checkpoint.get("rlkl_counters", {})
+        for name in self.COUNTERS:
+            setattr(self, name, int(counters.get(name, 0)))
+        self.kl_coef = float(counters.get("kl_coef", self.kl_coef))
+        self.reference_perplexity = counters.get("reference_perplexity")
+        self._rng_to_restore = checkpoint.get("rlkl_rng")
+        for key, value in self.reference.state_dict().items():
+            state.setdefault(f"reference.{key}", value)
+
+    def on_train_start(self) -> None:
+        """Put back a loaded checkpoint's RNG state, right before the first resumed batch."""
+        states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
+        restore_rng_states(states, self.trainer, self.device, self.owner)

@@ -34,7 +34,7 @@ class Trajectory(NamedTuple):
     attention_mask: Tensor
     response_ids: Tensor
     response_mask: Tensor
-    logprobs: Tensor
+    logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     kl: Tensor | None = None
     scores: Tensor | None = None

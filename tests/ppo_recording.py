@@ -7,17 +7,18 @@ DDP run starts (they import this file by its ``class_path``; the test puts ``tes
 Two things differ from a plain ``PPOModule``, both only to make runs comparable:
 
 * rollouts: each prompt's response is sampled alone, from a torch RNG seeded with a hash of
-  (prompt tokens, batch number), then the rows are padded back into one ``Rollout``. The
+  (prompt tokens, batch number), then the rows are padded back into one ``Trajectory``. The
   response of a prompt is then the same whichever rank, batch composition or world size
   samples it; the real ``sample_and_score`` function does the sampling and keeps the policy's
-  scores of each row, which are padded back together with the rollout;
+  scores of each row, which are padded back together with the trajectory;
 * in batch ``cut_batch`` (0-based) each response is cut to a length of 1 to
   ``max_new_tokens`` tokens drawn from the same hash, as if it had stopped at an EOS there, so
   the ranks hold different numbers of response tokens;
 * the reward is the fraction of ``good`` words, ``nan`` for the prompt ``poison_prompt``
   (a numeric fault on one rank only).
 
-Everything else (scoring, KL, GAE, whitening, updates, logging, callbacks) is PPOModule's own.
+Everything else (scoring, KL, GAE, whitening, updates, logging, callbacks) is PPOModule's own;
+the rollout and shape phases are overridden only to seed and to record.
 """
 
 from __future__ import annotations
@@ -26,19 +27,16 @@ import json
 import math
 import zlib
 from pathlib import Path
-from unittest import mock
 
 import torch
 
-import rlkl_lightning.module as module_mod
 from rlkl_lightning import PPOModule
+from rlkl_lightning.advantages import gae, shape_rewards
 from rlkl_lightning.kl_callback import KLControllerCallback
+from rlkl_lightning.logprobs import TokenScores
 from rlkl_lightning.rewards import FunctionReward
-from rlkl_lightning.rollout import Rollout, TokenScores
-
-REAL_SAMPLE = module_mod.sample_and_score
-REAL_SHAPE_REWARDS = module_mod.shape_rewards
-REAL_WHITEN = module_mod.masked_whiten
+from rlkl_lightning.rollout import sample_and_score
+from rlkl_lightning.trajectory import Trajectory
 
 
 class PoisonableReward:
@@ -90,21 +88,32 @@ class RecordingPPO(PPOModule):
         self.weights_before_cut: dict[str, torch.Tensor] = {}
 
     # ---- per-sample random streams
-    def _seeded_sample(
-        self, policy, prompt_ids, prompt_mask, **kwargs
-    ) -> tuple[Rollout, TokenScores]:
-        pad = kwargs["pad_token_id"]
+    def rollout(self, prompts: list[str]) -> tuple[Trajectory, TokenScores]:
+        hp = self.hparams
+        prompt_ids, prompt_mask = self._encode_prompts(prompts)
+        pad = self.tokenizer.pad_token_id
+        kwargs = dict(
+            max_new_tokens=hp.max_new_tokens,
+            temperature=hp.temperature,
+            top_k=hp.top_k,
+            top_p=hp.top_p,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=pad,
+            stop_at_eos=hp.stop_at_eos,
+        )
         rows = []
         for ids, mask in zip(prompt_ids, prompt_mask, strict=True):
             prompt = ids[mask.bool()].unsqueeze(0)
             key = f"{prompt.tolist()}|{self.batches_seen}".encode()
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(zlib.crc32(key))
-                row, scores = REAL_SAMPLE(policy, prompt, torch.ones_like(prompt), **kwargs)
+                row, scores = sample_and_score(
+                    self.policy, prompt, torch.ones_like(prompt), **kwargs
+                )
             if len(self.batches) - 1 == self.cut_batch:
                 keep = 1 + zlib.crc32(key) % row.response_ids.shape[1]
                 end = prompt.shape[1] + keep
-                row = Rollout(
+                row = Trajectory(
                     row.input_ids[:, :end],
                     row.attention_mask[:, :end],
                     row.response_ids[:, :keep],
@@ -138,26 +147,25 @@ class RecordingPPO(PPOModule):
                     pad_to(scores.hidden.transpose(1, 2), 0, extra, 0.0).transpose(1, 2),
                 )
             )
-        rollout = Rollout(*(torch.cat(parts[k]) for k in ("ids", "am", "resp", "rmask")))
-        return rollout, TokenScores(*(torch.cat(ts) for ts in zip(*padded_scores, strict=True)))
+        scores = TokenScores(*(torch.cat(ts) for ts in zip(*padded_scores, strict=True)))
+        ids = (torch.cat(parts[k]) for k in ("ids", "am", "resp", "rmask"))
+        return Trajectory(*ids, scores.logprobs), scores
 
     # ---- recording wrappers around the module's own functions
-    def _recording_shape_rewards(self, scores, kl, kl_coef, mask):
-        row = self.batches[-1]
-        row["kl_seq"] = torch.where(mask.bool(), kl, 0.0).sum(1).tolist()
+    def shape(self, traj: Trajectory) -> Trajectory:
+        """PPOModule's shaping; records its inputs and the advantages before and after whitening."""
+        row, mask = self.batches[-1], traj.response_mask
+        valid = mask.bool()
+        row["kl_seq"] = torch.where(valid, traj.kl, 0.0).sum(1).tolist()
         row["tokens"] = mask.sum(1).tolist()
-        row["scores"] = scores.tolist()
-        row["kl_coef_in_rewards"] = float(kl_coef)
-        return REAL_SHAPE_REWARDS(scores, kl, kl_coef, mask)
-
-    def _recording_whiten(self, x, mask, *args, **kwargs):
-        out = REAL_WHITEN(x, mask, *args, **kwargs)
-        if kwargs.get("shift_mean", True) and not args:
-            row = self.batches[-1]
-            valid = mask.bool()
-            row["advantages_raw"] = [x[i][valid[i]].tolist() for i in range(x.shape[0])]
-            row["advantages"] = [out[i][valid[i]].tolist() for i in range(x.shape[0])]
-        return out
+        row["scores"] = traj.scores.tolist()
+        row["kl_coef_in_rewards"] = float(self.kl_coef)
+        rewards = shape_rewards(traj.scores, traj.kl, self.kl_coef, mask)
+        raw, _ = gae(rewards, traj.values, mask, self.hparams.gamma, self.hparams.lam)
+        shaped = super().shape(traj)
+        row["advantages_raw"] = [raw[i][valid[i]].tolist() for i in range(raw.shape[0])]
+        row["advantages"] = [shaped.advantages[i][valid[i]].tolist() for i in range(raw.shape[0])]
+        return shaped
 
     def _weights(self) -> dict[str, torch.Tensor]:
         return {
@@ -171,11 +179,7 @@ class RecordingPPO(PPOModule):
         if len(self.batches) == self.cut_batch:
             self.weights_before_cut = self._weights()
         self.batches.append({"prompts": list(batch["prompt"]), "beta_used": self.kl_coef})
-        seeded = mock.patch.object(module_mod, "sample_and_score", self._seeded_sample)
-        shape = mock.patch.object(module_mod, "shape_rewards", self._recording_shape_rewards)
-        whiten = mock.patch.object(module_mod, "masked_whiten", self._recording_whiten)
-        with seeded, shape, whiten:
-            return super().training_step(batch, batch_idx)
+        return super().training_step(batch, batch_idx)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         """Runs after the callbacks: the metrics include the new beta."""

@@ -379,7 +379,7 @@ class FaultyPPO(PPOModule):
         ("reward_raises", "the reward model failed: reward server unavailable"),
         ("kl_nan", "the KL to the reference is not finite"),
         ("values_nan", "log-probs, values, advantages or returns are not finite"),
-        ("loss_nan", "the PPO loss is not finite"),
+        ("loss_nan", "the loss is not finite"),
         ("grad_inf", "the gradient norm is not finite"),
     ],
 )

@@ -1,7 +1,7 @@
 """The fast path against the plain computation, on fixed batches of tiny local models.
 
 Each optimization must give the plain computation's results to float rounding: the sampling
-loop that keeps the policy's scores (decode.py), the fused tanh-GELU (models.py) and the fused
+loop that keeps the policy's scores (rollout.py), the fused tanh-GELU (models.py) and the fused
 AdamW (PPOModule.configure_optimizers).
 """
 
@@ -11,11 +11,12 @@ import copy
 
 import pytest
 import torch
+from generate_reference import sample as generate_then_score
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from rlkl_lightning import PPOModule
-from rlkl_lightning.decode import draw, filter_logits, sample_and_score
+from rlkl_lightning.logprobs import gather_logprobs, score_tokens, token_logprobs
 from rlkl_lightning.models import (
     TanhGELU,
     disable_dropout,
@@ -28,8 +29,7 @@ from rlkl_lightning.models import (
     trunk_forward,
 )
 from rlkl_lightning.rewards import FunctionReward
-from rlkl_lightning.rollout import gather_logprobs, sample, score_tokens
-from rlkl_lightning.token_logprobs import token_logprobs
+from rlkl_lightning.rollout import draw, filter_logits, sample_and_score
 
 PROMPTS = ["the film was", "this book is really very", "the food", "a"]
 TIGHT = dict(rtol=1e-5, atol=1e-5)
@@ -87,7 +87,7 @@ def test_sampling_loop_builds_the_rollout_like_generate(policy_and_prompts):
         pad_token_id=pad,
     )
     fast, _ = sample_and_score(policy_eos, ids, mask, **kw)
-    plain = sample(policy_eos, ids, mask, **kw)
+    plain = generate_then_score(policy_eos, ids, mask, **kw)
     for ro in (fast, plain):
         assert torch.equal(ro.input_ids[:, : ids.shape[1]], ids)
         assert torch.equal(ro.input_ids[:, ids.shape[1] :], ro.response_ids)
@@ -237,9 +237,8 @@ def test_ppo_losses_gradients_and_steps_match_the_plain_computation(tiny_lm_dir)
         for module in (fast, plain):
             # Old log-probs from the sampling loop for both; after the first step the ratios
             # move away from 1 and the clipped branches are exercised.
-            loss, stats = module._loss(
-                rollout, idx, scores.logprobs, old_values, advantages, returns
-            )
+            traj = rollout._replace(values=old_values, advantages=advantages, returns=returns)
+            loss, stats = module.loss(traj.select(idx))
             module.zero_grad()
             loss.backward()
             results[module] = (

@@ -6,15 +6,18 @@ import math
 
 import pytest
 import torch
+from generate_reference import sample as generate_then_score
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from rlkl_lightning import AdaptiveKLController, KLControllerCallback, KLDriftMonitor, PPOModule
 from rlkl_lightning.kl import sequence_kl
+from rlkl_lightning.logprobs import score_tokens
 from rlkl_lightning.models import load_causal_lm, load_tokenizer
 from rlkl_lightning.rewards import FunctionReward
-from rlkl_lightning.rollout import Rollout, response_mask_after_eos, sample, score_tokens
+from rlkl_lightning.rollout import response_mask_after_eos
+from rlkl_lightning.trajectory import Trajectory
 
 PROMPTS = ["the film was", "this book is", "the food", "it was really", "a story"]
 
@@ -107,7 +110,7 @@ def test_tokens_after_eos_change_nothing(tiny_lm_dir):
 
     def rollout(resp):
         am = torch.cat([torch.ones_like(prompt), mask.long()], 1)
-        return Rollout(torch.cat([prompt, resp], 1), am, resp, mask)
+        return Trajectory(torch.cat([prompt, resp], 1), am, resp, mask)
 
     other = response.clone()
     other[0, 2:] = torch.tensor([20, 21])  # different filler after the EOS of row 0
@@ -128,7 +131,7 @@ def test_batched_scores_equal_per_sample_scores(tiny_lm_dir):
     tok = load_tokenizer(str(tiny_lm_dir))
     prompts = ["the film", "this book is very", "a"]
     enc = tok(prompts, return_tensors="pt", padding=True)
-    ro = sample(
+    ro = generate_then_score(
         model,
         enc["input_ids"],
         enc["attention_mask"],
@@ -145,7 +148,7 @@ def test_batched_scores_equal_per_sample_scores(tiny_lm_dir):
             p = tok(prompt, return_tensors="pt")["input_ids"]
             n = int(ro.response_mask[i].sum())
             resp = ro.response_ids[i : i + 1, :n]
-            single = Rollout(
+            single = Trajectory(
                 torch.cat([p, resp], 1),
                 torch.ones(1, p.shape[1] + n, dtype=torch.long),
                 resp,

@@ -1,0 +1,75 @@
+"""Held-out perplexity of the policy and of the reference, as a LightningModule's validation.
+
+The reference's perplexity is computed once per run (it never changes); the policy's at every
+validation. Both are ``exp`` of the mean next-token negative log-likelihood over the held-out
+tokens (torchmetrics ``Perplexity``), logged as ``val/perplexity`` and ``val/perplexity_ref``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from torchmetrics.text import Perplexity
+
+from rlkl_lightning.arguments import context_of
+from rlkl_lightning.models import lm_forward
+
+
+class HeldoutPerplexity(LightningModule):
+    """Validation of a module with ``policy``, ``reference``, ``tokenizer``, ``samples_seen``.
+
+    The metrics ``val_perplexity`` and ``ref_perplexity`` and the attribute
+    ``reference_perplexity`` are created here; validation batches are ``{"text": list[str]}``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_perplexity = Perplexity(ignore_index=-100)
+        self.ref_perplexity = Perplexity(ignore_index=-100)
+        self.reference_perplexity: float | None = None
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Accumulate held-out perplexity of the policy (and of the reference, once)."""
+        ids, mask = self._encode_texts(list(batch["text"]))
+        # A target counts only if both it and the position predicting it are real tokens
+        # (with left padding, the pad just before BOS would otherwise "predict" BOS).
+        valid = mask[:, 1:].bool() & mask[:, :-1].bool()
+        labels = ids[:, 1:].masked_fill(~valid, -100)
+        keep = ids.shape[1]
+        logits = lm_forward(self.policy, ids, mask, keep).logits[:, :-1].float()
+        self.val_perplexity.update(logits, labels)
+        if self.reference_perplexity is None and not self.trainer.sanity_checking:
+            with torch.inference_mode():
+                ref_logits = lm_forward(self.reference, ids, mask, keep).logits[:, :-1].float()
+            self.ref_perplexity.update(ref_logits.clone(), labels)
+
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val/perplexity`` and ``val/perplexity_ref`` (the reference's is computed once)."""
+        policy_ppl = self.val_perplexity.compute()
+        self.val_perplexity.reset()
+        if self.trainer.sanity_checking:
+            return
+        if self.reference_perplexity is None:
+            self.reference_perplexity = float(self.ref_perplexity.compute())
+            self.ref_perplexity.reset()
+        self.log("val/perplexity", policy_ppl, on_epoch=True)
+        self.log("val/perplexity_ref", torch.tensor(self.reference_perplexity), on_epoch=True)
+        self.log("progress/samples_at_val", torch.tensor(float(self.samples_seen)), on_epoch=True)
+
+    def _encode_texts(self, texts: list[str]) -> tuple[Tensor, Tensor]:
+        """BOS + text + EOS per row, right-truncated to the policy's context, left padded."""
+        tok = self.tokenizer
+        wrapped = [f"{tok.bos_token or ''}{t}{tok.eos_token or ''}" for t in texts]
+        tok.truncation_side = "right"
+        enc = tok(
+            wrapped,
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=context_of(self.policy) or 1024,
+            add_special_tokens=False,
+        )
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
