@@ -315,6 +315,7 @@ def fake_trainer(others, metrics=None):
         strategy=FakeStrategy(others),
         callback_metrics=metrics or {},
         sanity_checking=False,
+        callbacks=[],
     )
 
 
