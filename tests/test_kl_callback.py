@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
-import warnings
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -13,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from test_kl_callback_base import fake_trainer
+from test_kl_callback_base import fake_trainer, fit
 from torch.utils.data import DataLoader, TensorDataset
 
 from rlkl_lightning.controllers import AdaptiveKLController, FixedKLController
@@ -61,25 +60,6 @@ class KLModule(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def fit(module, callbacks, ckpt_path=None, **kwargs):
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        callbacks=callbacks,
-        **kwargs,
-    )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint.*")
-        trainer.fit(module, ckpt_path=ckpt_path)
-    return trainer
 
 
 def batch_sizes(n_samples=BATCH * len(KLS) - 2):

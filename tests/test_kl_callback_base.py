@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from rlkl_lightning.batch_kl import MONITOR_BY_UNIT, global_mean, infer_batch_size
@@ -49,26 +50,33 @@ class LogsKL(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def fit(module, callbacks):
+def fit(module, callbacks, ckpt_path=None, logger=False, **kwargs):
+    """``trainer.fit`` on the CPU for one epoch, quiet but for the callbacks' own warnings."""
     trainer = pl.Trainer(
         accelerator="cpu",
         max_epochs=1,
-        logger=False,
+        logger=logger,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         callbacks=callbacks,
+        **kwargs,
     )
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        trainer.fit(module)
-    return [str(w.message) for w in record if w.category is RuntimeWarning]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint.*")
+        trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
 
 
 def test_a_minimal_subclass_gets_counting_skips_and_state_for_free():
     kls = [1.0, math.nan, None, 2.0, math.inf, 4.0]
     recorder = Recorder()
-    messages = fit(LogsKL(kls), [recorder])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(LogsKL(kls), [recorder])
+    messages = [str(w.message) for w in record if w.category is RuntimeWarning]
     assert recorder.kls == [(1.0, 3), (2.0, 3), (4.0, 2)]  # the last batch holds 2 samples
     assert (recorder.n_batches, recorder.n_samples, recorder.n_skipped) == (6, 14, 3)
     assert recorder.unit_checked and recorder.monitor == "objective/kl"
