@@ -166,7 +166,9 @@ class KLDriftMonitor(KLCallbackBase):
         )
 
     @override
-    def on_kl(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kl: float, n: int) -> None:
+    def on_kl(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, kl: float, n_samples: int
+    ) -> None:
         self.values.append(kl)
 
     @override

@@ -164,8 +164,10 @@ class KLControllerCallback(KLCallbackBase):
         self._write(pl_module)
 
     @override
-    def on_kl(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kl: float, n: int) -> None:
-        self.controller.update(kl, n)
+    def on_kl(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, kl: float, n_samples: int
+    ) -> None:
+        self.controller.update(kl, n_samples)
 
     @override
     def skip_effect(self) -> str:

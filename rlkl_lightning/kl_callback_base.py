@@ -89,8 +89,10 @@ class KLCallbackBase(Callback, ABC):
         self._warned_stale = False
 
     @abstractmethod
-    def on_kl(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kl: float, n: int) -> None:
-        """Use the KL of a training batch: ``kl`` is finite, over ``n > 0`` global samples."""
+    def on_kl(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, kl: float, n_samples: int
+    ) -> None:
+        """Act on the KL of a training batch: finite, over ``n_samples > 0`` global samples."""
 
     def after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Run after every counted training batch, skipped or not (e.g. to log)."""

@@ -27,8 +27,8 @@ class Recorder(KLCallbackBase):
         super().__init__(**kwargs)
         self.target, self.kls = target, []
 
-    def on_kl(self, trainer, pl_module, kl, n):
-        self.kls.append((kl, n))
+    def on_kl(self, trainer, pl_module, kl, n_samples):
+        self.kls.append((kl, n_samples))
 
 
 class LogsKL(pl.LightningModule):
