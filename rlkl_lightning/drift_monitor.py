@@ -3,7 +3,8 @@
 A policy whose KL to the reference runs far above target is drifting (reward hacking,
 degenerate text); one far below target is barely learning. The monitor keeps the mean of the
 last ``window`` batch KLs and reports each excursion out of ``[low * target, high * target]``.
-It works with any LightningModule that logs its batch KL (see :class:`KLControllerCallback`).
+It works with any LightningModule that logs its batch KL; reading, counting and skipping are
+:class:`~rlkl_lightning.kl_callback_base.KLCallbackBase`'s work.
 """
 
 from __future__ import annotations
@@ -14,17 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from rlkl_lightning.kl_callback import (
-    UNIT_NAMES,
-    BatchKLReader,
-    KLControllerCallback,
-    check_target_unit,
-    default_monitor,
-)
+from rlkl_lightning.batch_kl import UNIT_NAMES
+from rlkl_lightning.kl_callback_base import KLCallbackBase
 
 #: Values of ``kl_monitor/state``.
 LOW, IN_BAND, HIGH = -1, 0, 1
@@ -34,22 +29,23 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 
-class KLDriftMonitor(Callback):
+class KLDriftMonitor(KLCallbackBase):
     r"""Watch the moving average of the batch KL and warn once per excursion from its band.
 
     After each training batch the monitor reads the KL the module logged under ``monitor``,
-    averages it over the samples of the global batch (all ranks, as
-    :class:`KLControllerCallback` does) and appends it to a window of the last ``window``
-    batches. Once the window holds ``min_batches`` values, the window mean ``avg`` gives the
-    state: ``+1`` if ``avg > high * target``, ``-1`` if ``avg < low * target``, else ``0``.
-    Entering ``+1`` or ``-1`` warns (``RuntimeWarning``) once; the monitor warns again only after
-    the average has changed state again (e.g. back into the band and out once more).
+    averages it over the samples of the global batch (all ranks, as every
+    :class:`~rlkl_lightning.kl_callback_base.KLCallbackBase` does) and appends it to a window
+    of the last ``window`` batches. Once the window holds ``min_batches`` values, the window
+    mean ``avg`` gives the state: ``+1`` if ``avg > high * target``, ``-1`` if
+    ``avg < low * target``, else ``0``. Entering ``+1`` or ``-1`` warns (``RuntimeWarning``)
+    once; the monitor warns again only after the average has changed state again (e.g. back into
+    the band and out once more).
 
     Logged every training batch: ``kl_monitor/avg_kl`` (window mean), ``kl_monitor/target`` and,
     once ``min_batches`` values are in, ``kl_monitor/state`` and ``kl_monitor/warnings`` (the
-    number of excursions so far). Non-finite KL values are left out
-    of the window (the first one warns; all are counted in ``n_skipped``). The window, state and
-    counters are saved in checkpoints. Sanity checking is skipped.
+    number of excursions so far). Non-finite KL values are left out of the window (the first one
+    warns; all are counted in ``n_skipped``). The window, state and counters are saved in
+    checkpoints. Sanity checking is skipped.
 
     Args:
         target: Target KL, in the unit given by ``unit``; must be positive and finite.
@@ -69,13 +65,14 @@ class KLDriftMonitor(Callback):
             ``min(window, 10)``; must lie in ``[1, window]``.
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch, used to
             weight the mean over ranks. Defaults to
-            :func:`~rlkl_lightning.kl_callback.infer_batch_size`.
+            :func:`~rlkl_lightning.batch_kl.infer_batch_size`.
 
     Attributes:
         state: Current state (``-1``, ``0``, ``+1``).
         n_warnings_high: Number of excursions above the band.
         n_warnings_low: Number of excursions below the band.
         n_batches: Training batches seen.
+        n_samples: Samples of the global batches with a freshly logged KL.
         n_skipped: Batches left out of the window (non-finite KL, or KL not logged again).
         stopped_batch: Batch (1-based count) at which strict mode stopped training, else ``None``.
     """
@@ -93,7 +90,6 @@ class KLDriftMonitor(Callback):
         min_batches: int | None = None,
         batch_size_fn: Callable[[Any], int] | None = None,
     ) -> None:
-        super().__init__()
         owner = type(self).__name__
         if not _is_real(target) or not 0 < target < math.inf:
             raise ValueError(f"{owner}: target must be a positive finite number, got {target!r}")
@@ -103,9 +99,7 @@ class KLDriftMonitor(Callback):
             raise ValueError(f"{owner}: high must be > 1 (math.inf disables it), got {high!r}")
         if not _is_real(low) or not 0 <= low < 1:
             raise ValueError(f"{owner}: low must lie in [0, 1) (0 disables it), got {low!r}")
-        default = default_monitor(unit, owner)
-        if monitor is not None and (not isinstance(monitor, str) or not monitor):
-            raise ValueError(f"{owner}: monitor must be a non-empty string, got {monitor!r}")
+        super().__init__(unit=unit, monitor=monitor, batch_size_fn=batch_size_fn)
         if min_batches is None:
             min_batches = min(window, 10)
         if (
@@ -116,27 +110,18 @@ class KLDriftMonitor(Callback):
             raise ValueError(
                 f"{owner}: min_batches must be an int in [1, window={window}], got {min_batches!r}"
             )
-        if batch_size_fn is not None and not callable(batch_size_fn):
-            raise ValueError(f"{owner}: batch_size_fn must be callable, got {batch_size_fn!r}")
         self.target = float(target)
         self.window = window
         self.high = float(high)
         self.low = float(low)
-        self.unit = unit
-        self.monitor = monitor if monitor is not None else default
         self.strict = strict
         self.verbose = verbose
         self.min_batches = min_batches
-        self.batch_size_fn = batch_size_fn
         self.values: deque[float] = deque(maxlen=window)
         self.state = IN_BAND
         self.n_warnings_high = 0
         self.n_warnings_low = 0
-        self.n_batches = 0
-        self.n_skipped = 0
         self.stopped_batch: int | None = None
-        self.unit_checked = False
-        self._reader = BatchKLReader(self.monitor, batch_size_fn, owner)
 
     @property
     @override
@@ -181,32 +166,17 @@ class KLDriftMonitor(Callback):
         )
 
     @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+    def on_kl(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, kl: float, n_samples: int
     ) -> None:
-        if trainer.sanity_checking:
-            return
-        kl, n_samples = self._reader.read(trainer, batch)
-        self.n_batches += 1
-        if math.isfinite(kl) and n_samples > 0:
-            self.values.append(kl)
-            if not self.unit_checked:
-                self.unit_checked = True
-                self._check_unit(trainer)
-        else:
-            self.n_skipped += 1
-            if self.n_skipped == 1:
-                rank_zero_warn(
-                    f"{type(self).__name__}: no finite KL for batch {self.n_batches} ({kl}); it is "
-                    "left out of the window. Further ones are counted in `n_skipped` without a "
-                    "warning.",
-                    category=RuntimeWarning,
-                )
+        self.values.append(kl)
+
+    @override
+    def skip_effect(self) -> str:
+        return "it is left out of the window"
+
+    @override
+    def after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pl_module.log("kl_monitor/target", self.target, on_step=True, on_epoch=False)
         if not self.values:
             return
@@ -218,21 +188,6 @@ class KLDriftMonitor(Callback):
         pl_module.log("kl_monitor/state", float(self.state), on_step=True, on_epoch=False)
         warnings = float(self.n_warnings_high + self.n_warnings_low)
         pl_module.log("kl_monitor/warnings", warnings, on_step=True, on_epoch=False)
-
-    def _check_unit(self, trainer: pl.Trainer) -> None:
-        """Warn once if the target looks like it was written in the other unit.
-
-        See :func:`~rlkl_lightning.kl_callback.check_target_unit`. Left to a
-        :class:`KLControllerCallback` with the same target and unit, which warns already.
-        """
-        for callback in trainer.callbacks:
-            if (
-                isinstance(callback, KLControllerCallback)
-                and callback.unit == self.unit
-                and callback.target == self.target
-            ):
-                return
-        check_target_unit(trainer.callback_metrics, self.target, self.unit, type(self).__name__)
 
     def _update_state(self, trainer: pl.Trainer, avg: float) -> None:
         new = self._classify(avg)
@@ -267,10 +222,8 @@ class KLDriftMonitor(Callback):
             "state": self.state,
             "n_warnings_high": self.n_warnings_high,
             "n_warnings_low": self.n_warnings_low,
-            "n_batches": self.n_batches,
-            "n_skipped": self.n_skipped,
             "stopped_batch": self.stopped_batch,
-            "unit_checked": self.unit_checked,
+            **super().state_dict(),
         }
 
     @override
@@ -279,7 +232,5 @@ class KLDriftMonitor(Callback):
         self.state = state_dict.get("state", IN_BAND)
         self.n_warnings_high = state_dict.get("n_warnings_high", 0)
         self.n_warnings_low = state_dict.get("n_warnings_low", 0)
-        self.n_batches = state_dict.get("n_batches", 0)
-        self.n_skipped = state_dict.get("n_skipped", 0)
         self.stopped_batch = state_dict.get("stopped_batch")
-        self.unit_checked = state_dict.get("unit_checked", self.n_batches > 0)
+        super().load_state_dict(state_dict)

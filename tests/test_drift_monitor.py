@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from test_kl_callback_base import fit as fit_quietly
 from torch.utils.data import DataLoader, TensorDataset
 
 from rlkl_lightning.controllers import AdaptiveKLController
@@ -75,18 +76,9 @@ class KLModule(pl.LightningModule):
 
 
 def fit(module, callbacks, ckpt_path=None):
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        callbacks=callbacks,
-    )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        trainer.fit(module, ckpt_path=ckpt_path)
+        trainer = fit_quietly(module, callbacks, ckpt_path)
     ours = [w for w in record if "KL divergence" in str(w.message) or "KLDrift" in str(w.message)]
     assert all(w.category is RuntimeWarning for w in ours)
     return trainer, [str(w.message) for w in ours if "KL divergence" in str(w.message)], ours
@@ -279,16 +271,8 @@ def test_tensorboard_gets_a_chart_of_the_kl_with_its_band(tmp_path):
     from tensorboard.plugins.custom_scalar import layout_pb2
 
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=logger,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[KLDriftMonitor(target=1.0, window=3, unit="token")],
-    )
-    trainer.fit(KLModule([0.1] * 4, key="objective/kl_per_token"))
+    monitor = KLDriftMonitor(target=1.0, window=3, unit="token")
+    fit_quietly(KLModule([0.1] * 4, key="objective/kl_per_token"), [monitor], logger=logger)
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"))
     acc.Reload()
     (event,) = [e for e in acc.Tensors("custom_scalars__config__")]

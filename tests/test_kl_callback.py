@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
-import warnings
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -13,16 +12,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from test_kl_callback_base import fake_trainer, fit
 from torch.utils.data import DataLoader, TensorDataset
 
 from rlkl_lightning.controllers import AdaptiveKLController, FixedKLController
-from rlkl_lightning.kl import KL_UNITS
-from rlkl_lightning.kl_callback import (
-    MONITOR_BY_UNIT,
-    KLControllerCallback,
-    global_mean,
-    infer_batch_size,
-)
+from rlkl_lightning.kl_callback import KLControllerCallback
 
 BATCH = 4
 INIT, TARGET, HORIZON = 0.5, 2.0, 20.0
@@ -66,25 +60,6 @@ class KLModule(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def fit(module, callbacks, ckpt_path=None, **kwargs):
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        callbacks=callbacks,
-        **kwargs,
-    )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint.*")
-        trainer.fit(module, ckpt_path=ckpt_path)
-    return trainer
 
 
 def batch_sizes(n_samples=BATCH * len(KLS) - 2):
@@ -263,76 +238,7 @@ def test_controller_must_follow_the_protocol():
         KLControllerCallback(object())
 
 
-def test_units_match_the_estimator_module():
-    assert set(MONITOR_BY_UNIT) == set(KL_UNITS)
-
-
-# ---- samples per batch and the reduction over ranks --------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("batch", "n"),
-    [
-        (torch.zeros(5, 3), 5),
-        (torch.tensor(1.0), 1),
-        ({"prompt": ["a", "b", "c"]}, 3),
-        ({"input_ids": torch.zeros(6, 2), "mask": torch.zeros(6, 2)}, 6),
-        ([torch.zeros(7, 2), torch.zeros(7)], 7),  # default_collate of (x, y) samples
-        ((["a", "b"], torch.zeros(2)), 2),  # default_collate of (str, y) samples
-        (["a", "b", "c", "d"], 4),
-        ([{"prompt": "a"}, {"prompt": "b"}], 2),  # uncollated dict samples
-    ],
-)
-def test_infer_batch_size(batch, n):
-    assert infer_batch_size(batch) == n
-
-
-def test_infer_batch_size_rejects_what_it_cannot_count():
-    with pytest.raises(TypeError, match="batch_size_fn"):
-        infer_batch_size(3.0)
-
-
-class FakeStrategy:
-    """Sums this rank's tensor with fixed contributions of the other ranks."""
-
-    root_device = torch.device("cpu")
-
-    def __init__(self, others):
-        self.others = others
-        self.calls = []
-
-    def reduce(self, tensor, reduce_op="mean"):
-        self.calls.append(reduce_op)
-        others = torch.tensor(
-            [[kl * n if n else 0.0, n] for kl, n in self.others], dtype=tensor.dtype
-        )
-        return tensor + others.sum(0)
-
-
-def fake_trainer(others, metrics=None):
-    return SimpleNamespace(
-        world_size=1 + len(others),
-        strategy=FakeStrategy(others),
-        callback_metrics=metrics or {},
-        sanity_checking=False,
-    )
-
-
-def test_global_mean_weights_each_rank_by_its_samples():
-    trainer = fake_trainer([(5.0, 6), (1.0, 1)])
-    kl, n = global_mean(trainer, 2.0, 3)
-    assert n == 10
-    assert kl == pytest.approx((2.0 * 3 + 5.0 * 6 + 1.0 * 1) / 10, rel=1e-15)
-    assert trainer.strategy.calls == ["sum"]  # one collective, a sum of (kl * n, n)
-
-
-def test_global_mean_ignores_empty_ranks_and_propagates_nonfinite():
-    kl, n = global_mean(fake_trainer([(4.0, 2)]), math.nan, 0)
-    assert (kl, n) == (4.0, 2)
-    kl, n = global_mean(fake_trainer([(math.nan, 2)]), 1.0, 2)
-    assert math.isnan(kl) and n == 4
-    kl, n = global_mean(fake_trainer([]), 3.0, 0)
-    assert math.isnan(kl) and n == 0
+# ---- the controller on the reduction over ranks (fake ranks: test_kl_callback_base.py) --------
 
 
 def test_callback_updates_on_the_sample_weighted_mean_of_all_ranks():

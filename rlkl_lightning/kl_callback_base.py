@@ -1,0 +1,198 @@
+"""KLCallbackBase: what every KL callback of rlkl_lightning does with the batch KL.
+
+A module logs its batch KL with ``self.log("objective/kl", kl)`` in ``training_step``. After
+each training batch a KL callback reads it from ``trainer.callback_metrics``, averages it over
+the samples of the global batch (all ranks), counts batches and samples, skips a batch without
+a usable KL, checks once that its target is in the unit it names, and hands the KL to its
+subclass (:meth:`KLCallbackBase.on_kl`). :class:`~rlkl_lightning.KLControllerCallback` and
+:class:`~rlkl_lightning.KLDriftMonitor` derive from it.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from rlkl_lightning.batch_kl import (
+    batch_size_of,
+    check_name,
+    check_target_unit,
+    default_monitor,
+    global_mean,
+    read_monitored,
+)
+
+
+class KLCallbackBase(Callback, ABC):
+    """Base of the KL callbacks: read, reduce and count the batch KL; subclasses decide.
+
+    After each training batch (sanity checking is skipped) :meth:`on_train_batch_end` reads the
+    KL the module logged under ``monitor``, averages it over the samples of the global batch
+    (:func:`~rlkl_lightning.batch_kl.global_mean`) and counts the batch in ``n_batches`` and its
+    samples in ``n_samples``. A usable KL goes to :meth:`on_kl`; after the first one the
+    target's unit is checked once (:func:`~rlkl_lightning.batch_kl.check_target_unit`). A batch
+    without one (a non-finite KL, or one the module did not log again since the last batch,
+    which counts no samples) is counted in ``n_skipped``; the first such batch warns.
+    :meth:`after_batch` then runs, whatever the KL was. The counters are saved in checkpoints.
+
+    A subclass implements :meth:`on_kl`, may override :meth:`after_batch` and
+    :meth:`skip_effect`, builds its own ``state_key`` and adds its fields to
+    :meth:`state_dict` and :meth:`load_state_dict` through ``super()``.
+
+    Args:
+        unit: ``"sequence"`` (nats per sequence) or ``"token"`` (nats per token); picks the
+            default ``monitor`` and is the unit of ``target``.
+        monitor: Key the module logs the batch KL under. Defaults to ``"objective/kl"`` for
+            ``unit="sequence"`` and ``"objective/kl_per_token"`` for ``unit="token"``.
+        batch_size_fn: ``batch -> int``, the number of samples in this rank's batch. Defaults to
+            :func:`~rlkl_lightning.batch_kl.infer_batch_size` (leading size of the batch's first
+            field).
+
+    Attributes:
+        target: Target KL in ``unit`` (``None``: no target, no unit check).
+        n_batches: Training batches seen.
+        n_samples: Samples of the global batches with a freshly logged KL.
+        n_skipped: Batches without a usable KL.
+        unit_checked: Whether the target's unit was checked already.
+    """
+
+    target: float | None = None
+
+    def __init__(
+        self,
+        unit: str = "sequence",
+        monitor: str | None = None,
+        batch_size_fn: Callable[[Any], int] | None = None,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        default = default_monitor(unit, owner)
+        check_name(monitor, "monitor", owner, optional=True)
+        if batch_size_fn is not None and not callable(batch_size_fn):
+            raise ValueError(f"{owner}: batch_size_fn must be callable, got {batch_size_fn!r}")
+        self.unit = unit
+        self.monitor = monitor if monitor is not None else default
+        self.batch_size_fn = batch_size_fn
+        self.n_batches = 0
+        self.n_samples = 0
+        self.n_skipped = 0
+        self.unit_checked = False
+        self._last: Any = None
+        self._warned_stale = False
+
+    @abstractmethod
+    def on_kl(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, kl: float, n_samples: int
+    ) -> None:
+        """Act on the KL of a training batch: finite, over ``n_samples > 0`` global samples."""
+
+    def after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Run after every counted training batch, skipped or not (e.g. to log)."""
+
+    def skip_effect(self) -> str:
+        """What a skipped batch means for this callback, for the one-time warning."""
+        return "it is ignored"
+
+    def read_kl(self, trainer: pl.Trainer, batch: Any) -> tuple[float, int]:
+        """Return ``(kl, n_samples)`` of the global batch; ``n_samples == 0`` if none was fresh.
+
+        A value the module did not log again in this batch (``callback_metrics`` still holds
+        the tensor read after an earlier batch) is stale: this rank contributes no samples, and
+        the first one warns. Every rank takes part in the reduction whatever it read, so no
+        rank is left waiting.
+        """
+        owner = type(self).__name__
+        value = read_monitored(trainer, self.monitor, owner)
+        # Each self.log call stores a new tensor and callback_metrics hands out detached views
+        # of it, so a view of the storage read last time means nothing new was logged. Holding
+        # on to that view keeps its storage alive: a new tensor cannot reuse the address.
+        fresh = not (
+            isinstance(value, torch.Tensor)
+            and isinstance(self._last, torch.Tensor)
+            and value.data_ptr() == self._last.data_ptr()
+        )
+        self._last = value
+        n = batch_size_of(batch, self.batch_size_fn, owner) if fresh else 0
+        if not fresh and not self._warned_stale:
+            self._warned_stale = True
+            rank_zero_warn(
+                f"{owner}: {self.monitor!r} was not logged in this training batch; the "
+                "value in trainer.callback_metrics is from an earlier batch and is ignored. "
+                "Log the KL in every training batch.",
+                category=RuntimeWarning,
+            )
+        local = float(value.item() if isinstance(value, torch.Tensor) else value)
+        return global_mean(trainer, local, n)
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if trainer.sanity_checking:
+            return
+        kl, n_samples = self.read_kl(trainer, batch)
+        self.n_batches += 1
+        self.n_samples += n_samples
+        if math.isfinite(kl) and n_samples > 0:
+            self.on_kl(trainer, pl_module, kl, n_samples)
+            if not self.unit_checked:
+                self.unit_checked = True
+                self._check_unit(trainer)
+        else:
+            self.n_skipped += 1
+            if self.n_skipped == 1:
+                rank_zero_warn(
+                    f"{type(self).__name__}: no finite KL for batch {self.n_batches} ({kl}); "
+                    f"{self.skip_effect()}. Further skipped batches are counted in `n_skipped` "
+                    "without a warning.",
+                    category=RuntimeWarning,
+                )
+        self.after_batch(trainer, pl_module)
+
+    def _check_unit(self, trainer: pl.Trainer) -> None:
+        """Check the target's unit, unless an earlier KL callback has the same unit and target.
+
+        Of the KL callbacks in ``trainer.callbacks`` with this unit and target only the first
+        checks, so one mistaken target warns once however many callbacks share it.
+        """
+        if self.target is None:
+            return
+        for callback in trainer.callbacks:
+            if (
+                isinstance(callback, KLCallbackBase)
+                and callback.unit == self.unit
+                and callback.target == self.target
+            ):
+                if callback is not self:
+                    return
+                break
+        check_target_unit(trainer.callback_metrics, self.target, self.unit, type(self).__name__)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "n_batches": self.n_batches,
+            "n_samples": self.n_samples,
+            "n_skipped": self.n_skipped,
+            "unit_checked": self.unit_checked,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.n_batches = state_dict.get("n_batches", 0)
+        self.n_samples = state_dict.get("n_samples", 0)
+        self.n_skipped = state_dict.get("n_skipped", 0)
+        self.unit_checked = state_dict.get("unit_checked", self.n_batches > 0)
