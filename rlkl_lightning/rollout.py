@@ -158,15 +158,19 @@ def sample_and_score(
         mask = prompt_mask.long()
         positions = position_ids_from_mask(mask)
         cache = _kv_cache(policy, prompt_ids.shape[1] + max_new_tokens)
-        out = policy(
-            input_ids=prompt_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            output_hidden_states=True,
-        )
+
+        def forward(ids: Tensor, attention: Tensor, position_ids: Tensor, **extra):
+            return policy(
+                input_ids=ids,
+                attention_mask=attention,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=True,
+                **extra,
+            )
+
+        out = forward(prompt_ids, mask, positions, logits_to_keep=1)
         next_position = positions[:, -1:] + 1
         finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
         tokens: list[Tensor] = []
@@ -185,14 +189,7 @@ def sample_and_score(
             if step + 1 == max_new_tokens:
                 break  # the last token's own logits are never needed
             mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-            out = policy(
-                input_ids=token,
-                attention_mask=mask,
-                position_ids=next_position,
-                past_key_values=cache,
-                use_cache=True,
-                output_hidden_states=True,
-            )
+            out = forward(token, mask, next_position)
             next_position = next_position + 1
 
         response_ids = torch.cat(tokens, dim=1)
