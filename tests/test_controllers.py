@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 import sys
@@ -14,6 +15,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from rlkl_lightning.cli import KLSettings
 from rlkl_lightning.controllers import (
     KL_LAWS,
     AdaptiveKLController,
@@ -21,7 +23,6 @@ from rlkl_lightning.controllers import (
     FixedKLController,
     KLController,
     PIKLController,
-    make_kl_controller,
 )
 
 NAN, INF = float("nan"), float("inf")
@@ -344,48 +345,35 @@ def test_bounds_are_validated(law):
 
 
 # --------------------------------------------------------------------------------------------
-# factory
+# the CLI's kl group picks the law
 
 
-def test_factory_builds_each_law():
-    fixed = make_kl_controller(0.2)
-    assert type(fixed) is FixedKLController and fixed.value == 0.2
-    assert type(make_kl_controller(0.2, law="fixed")) is FixedKLController
-    bounded = make_kl_controller(0.2, max_kl_coef=0.3)
-    assert isinstance(bounded, FixedKLController) and bounded.max_kl_coef == 0.3
+def test_kl_settings_build_each_law_from_its_options():
+    def built(**options):
+        return KLSettings(**options).kl_controller(0.2)
 
-    adaptive = make_kl_controller(0.2, target=6.0)
-    assert type(adaptive) is AdaptiveKLController
-    assert (adaptive.target, adaptive.horizon) == (6.0, 10_000)
-    assert make_kl_controller(0.2, 6.0, 500).horizon == 500
-
-    expo = make_kl_controller(0.2, 6.0, law="exponential", k=0.1, max_kl_coef=None)
-    assert type(expo) is ExponentialKLController
-    assert (expo.k, expo.min_kl_coef, expo.max_kl_coef) == (0.1, 1e-4, None)
-
-    pi = make_kl_controller(0.2, 6.0, law="pi", kp=0.1, ki=0.01, error_clip=0.5)
-    assert type(pi) is PIKLController and (pi.kp, pi.ki, pi.error_clip) == (0.1, 0.01, 0.5)
+    assert [built(controller=law).law for law in KL_LAWS] == list(KL_LAWS)
     assert KL_LAWS == ("fixed", "adaptive", "exponential", "pi")
+    fixed = built(controller="fixed", max_kl_coef=0.3)
+    assert type(fixed) is FixedKLController and (fixed.value, fixed.max_kl_coef) == (0.2, 0.3)
+
+    adaptive = built(target=3.0, horizon=500.0, min_kl_coef=0.1)
+    assert type(adaptive) is AdaptiveKLController
+    assert (adaptive.target, adaptive.horizon, adaptive.min_kl_coef) == (3.0, 500.0, 0.1)
+
+    expo = built(controller="exponential", k=0.3)
+    assert type(expo) is ExponentialKLController and expo.k == 0.3
+    # Unset bounds are the law's own defaults, not "no bound".
+    assert (expo.min_kl_coef, expo.max_kl_coef) == (
+        _default(ExponentialKLController, "min_kl_coef"),
+        _default(ExponentialKLController, "max_kl_coef"),
+    )
+    pi = built(controller="pi", kp=0.1, ki=0.01)
+    assert type(pi) is PIKLController and (pi.kp, pi.ki, pi.target) == (0.1, 0.01, 6.0)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        (dict(target=6.0, law="linear"), r"`law` must be one of \('fixed', 'adaptive'"),
-        (dict(law="pi", kp=0.1, ki=0.1), "law='pi' needs a `target`"),
-        (dict(target=6.0, law="fixed"), "`target` has no meaning for law='fixed'"),
-        (dict(target=6.0, law="exponential", k=1.0, horizon=10), "`horizon` applies only"),
-        (dict(horizon=10), "`horizon` applies only"),
-        (dict(target=6.0, law="exponential", k=1.0, kp=1.0), r"unknown option\(s\) \['kp'\]"),
-        (dict(target=6.0, law="pi", kp=0.1), r"law='pi' needs option\(s\) \['ki'\]"),
-        (dict(target=6.0, law="exponential"), r"needs option\(s\) \['k'\]"),
-        (dict(target=-1.0), "AdaptiveKLController: `target`"),
-        (dict(target=6.0, horizon=0), "AdaptiveKLController: `horizon`"),
-    ],
-)
-def test_factory_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        make_kl_controller(0.1, **kwargs)
+def _default(cls, name):
+    return inspect.signature(cls).parameters[name].default
 
 
 # --------------------------------------------------------------------------------------------
