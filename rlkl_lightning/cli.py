@@ -7,9 +7,12 @@ callbacks the CLI adds to the trainer. The initial beta is the model's ``init_kl
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
@@ -28,9 +31,16 @@ from rlkl_lightning.kl_callback import UNIT_NAMES, KLControllerCallback
 from rlkl_lightning.resumable import check_checkpoint
 
 
+def default_of(function: Callable, name: str) -> Any:
+    """The default of parameter ``name`` of ``function``: a default is written once, there."""
+    return inspect.signature(function).parameters[name].default
+
+
 @dataclass
 class KLSettings:
     """KL control of a PPO run.
+
+    An option that feeds a class takes its default from that class's signature.
 
     Args:
         controller: the control law: ``fixed``, ``adaptive`` (Ziegler et al. 2019),
@@ -52,18 +62,18 @@ class KLSettings:
     """
 
     controller: str = "adaptive"
-    target: float = 6.0
-    unit: str = "sequence"
-    horizon: float = 10000.0
-    k: float = 0.1
-    kp: float = 0.5
-    ki: float = 0.05
+    target: float = 6.0  # no class default: Ziegler et al. 2019's target, nats per sequence
+    unit: str = default_of(KLControllerCallback, "unit")
+    horizon: float = default_of(AdaptiveKLController, "horizon")
+    k: float = default_of(ExponentialKLController, "k")
+    kp: float = default_of(PIKLController, "kp")
+    ki: float = default_of(PIKLController, "ki")
     min_kl_coef: float | None = None
     max_kl_coef: float | None = None
-    window: int = 20
-    high: float = 2.0
-    low: float = 0.5
-    strict: bool = False
+    window: int = default_of(KLDriftMonitor, "window")
+    high: float = default_of(KLDriftMonitor, "high")
+    low: float = default_of(KLDriftMonitor, "low")
+    strict: bool = default_of(KLDriftMonitor, "strict")
 
     def __post_init__(self) -> None:
         if self.controller not in KL_LAWS:

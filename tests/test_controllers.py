@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import json
 import math
@@ -24,6 +25,8 @@ from rlkl_lightning.controllers import (
     KLController,
     PIKLController,
 )
+from rlkl_lightning.drift_monitor import KLDriftMonitor
+from rlkl_lightning.kl_callback import KLControllerCallback
 
 NAN, INF = float("nan"), float("inf")
 
@@ -374,6 +377,34 @@ def test_kl_settings_build_each_law_from_its_options():
 
 def _default(cls, name):
     return inspect.signature(cls).parameters[name].default
+
+
+# Each option of the kl group that has a default in a signature, and the parameters it feeds.
+FEEDS = {
+    "unit": [(KLControllerCallback, "unit"), (KLDriftMonitor, "unit")],
+    "horizon": [(AdaptiveKLController, "horizon")],
+    "k": [(ExponentialKLController, "k")],
+    "kp": [(PIKLController, "kp")],
+    "ki": [(PIKLController, "ki")],
+    "window": [(KLDriftMonitor, "window")],
+    "high": [(KLDriftMonitor, "high")],
+    "low": [(KLDriftMonitor, "low")],
+    "strict": [(KLDriftMonitor, "strict")],
+}
+
+
+def test_every_kl_settings_default_is_the_default_of_the_signature_it_feeds():
+    settings_ = KLSettings()
+    for option, parameters in FEEDS.items():
+        for cls, name in parameters:
+            assert getattr(settings_, option) == _default(cls, name), (option, cls, name)
+    # The rest have no class default to follow: the law picks the class, the classes require a
+    # target, and unset bounds defer to the law (see the test above).
+    others = {"controller", "target", "min_kl_coef", "max_kl_coef"}
+    assert {f.name for f in dataclasses.fields(KLSettings)} == set(FEEDS) | others
+    assert _default(AdaptiveKLController, "target") is inspect.Parameter.empty
+    assert _default(KLDriftMonitor, "target") is inspect.Parameter.empty
+    assert (settings_.min_kl_coef, settings_.max_kl_coef) == (None, None)
 
 
 # --------------------------------------------------------------------------------------------
