@@ -13,7 +13,6 @@ _LAZY = {
     "FixedKLController": "rlkl_lightning.controllers",
     "KLController": "rlkl_lightning.controllers",
     "PIKLController": "rlkl_lightning.controllers",
-    "make_kl_controller": "rlkl_lightning.controllers",
     "KLControllerCallback": "rlkl_lightning.kl_callback",
     "KLDriftMonitor": "rlkl_lightning.drift_monitor",
     "PPOModule": "rlkl_lightning.module",

@@ -7,23 +7,40 @@ callbacks the CLI adds to the trainer. The initial beta is the model's ``init_kl
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from rlkl_lightning.controllers import KL_LAWS, make_kl_controller
+from rlkl_lightning.controllers import (
+    KL_LAWS,
+    AdaptiveKLController,
+    ExponentialKLController,
+    FixedKLController,
+    KLController,
+    PIKLController,
+)
 from rlkl_lightning.drift_monitor import KLDriftMonitor
 from rlkl_lightning.kl_callback import UNIT_NAMES, KLControllerCallback
 from rlkl_lightning.resumable import check_checkpoint
 
 
+def default_of(function: Callable, name: str) -> Any:
+    """The default of parameter ``name`` of ``function``: a default is written once, there."""
+    return inspect.signature(function).parameters[name].default
+
+
 @dataclass
 class KLSettings:
     """KL control of a PPO run.
+
+    An option that feeds a class takes its default from that class's signature.
 
     Args:
         controller: the control law: ``fixed``, ``adaptive`` (Ziegler et al. 2019),
@@ -45,18 +62,18 @@ class KLSettings:
     """
 
     controller: str = "adaptive"
-    target: float = 6.0
-    unit: str = "sequence"
-    horizon: float = 10000.0
-    k: float = 0.1
-    kp: float = 0.5
-    ki: float = 0.05
+    target: float = 6.0  # no class default: Ziegler et al. 2019's target, nats per sequence
+    unit: str = default_of(KLControllerCallback, "unit")
+    horizon: float = default_of(AdaptiveKLController, "horizon")
+    k: float = default_of(ExponentialKLController, "k")
+    kp: float = default_of(PIKLController, "kp")
+    ki: float = default_of(PIKLController, "ki")
     min_kl_coef: float | None = None
     max_kl_coef: float | None = None
-    window: int = 20
-    high: float = 2.0
-    low: float = 0.5
-    strict: bool = False
+    window: int = default_of(KLDriftMonitor, "window")
+    high: float = default_of(KLDriftMonitor, "high")
+    low: float = default_of(KLDriftMonitor, "low")
+    strict: bool = default_of(KLDriftMonitor, "strict")
 
     def __post_init__(self) -> None:
         if self.controller not in KL_LAWS:
@@ -68,24 +85,27 @@ class KLSettings:
         ):
             raise ValueError(f"`kl.target` must be a finite number > 0, got {self.target!r}")
 
+    def kl_controller(self, init_kl_coef: float) -> KLController:
+        """The controller of law ``controller``, starting at beta = ``init_kl_coef``."""
+        bounds = {
+            name: bound
+            for name in ("min_kl_coef", "max_kl_coef")
+            if (bound := getattr(self, name)) is not None  # None: the law's default
+        }
+        match self.controller:
+            case "fixed":
+                return FixedKLController(init_kl_coef, **bounds)
+            case "adaptive":
+                return AdaptiveKLController(init_kl_coef, self.target, self.horizon, **bounds)
+            case "exponential":
+                return ExponentialKLController(init_kl_coef, self.target, self.k, **bounds)
+            case "pi":
+                return PIKLController(init_kl_coef, self.target, self.kp, self.ki, **bounds)
+        raise AssertionError(f"no controller for law {self.controller!r}")  # see __post_init__
+
     def callbacks(self, init_kl_coef: float) -> list[Callback]:
         """The controller callback and the drift monitor for a module starting at this beta."""
-        law_kwargs: dict = {}
-        if self.min_kl_coef is not None:
-            law_kwargs["min_kl_coef"] = self.min_kl_coef
-        if self.max_kl_coef is not None:
-            law_kwargs["max_kl_coef"] = self.max_kl_coef
-        if self.controller == "exponential":
-            law_kwargs["k"] = self.k
-        elif self.controller == "pi":
-            law_kwargs.update(kp=self.kp, ki=self.ki)
-        controller = make_kl_controller(
-            init_kl_coef,
-            target=None if self.controller == "fixed" else self.target,
-            horizon=self.horizon if self.controller == "adaptive" else None,
-            law=self.controller,
-            **law_kwargs,
-        )
+        controller = KLControllerCallback(self.kl_controller(init_kl_coef), unit=self.unit)
         monitor = KLDriftMonitor(
             self.target,
             window=self.window,
@@ -94,7 +114,7 @@ class KLSettings:
             unit=self.unit,
             strict=self.strict,
         )
-        return [KLControllerCallback(controller, unit=self.unit), monitor]
+        return [controller, monitor]
 
 
 class RLKLCLI(LightningCLI):

@@ -14,9 +14,10 @@ Every controller follows the :class:`KLController` protocol and these common rul
   with ``n_steps == 0`` observed nothing and leaves every law's state unchanged.
 * A non-finite ``current_kl`` (nan or inf) leaves the state unchanged and emits one
   ``RuntimeWarning`` per controller instance.
-* ``state_dict()`` holds the law name and all dynamic state (beta, PI integral);
-  ``load_state_dict`` checks the law and reads optional fields with defaults, so states written
-  by older versions still load. Parameters (target, gains, ...) come from the constructor.
+* ``state_dict()`` holds the law name, beta (``value``) and the law's declared
+  ``state_fields`` (the PI integral); ``load_state_dict`` checks the law and gives a field
+  missing from an older state its start value, so states written by older versions still load.
+  Parameters (target, gains, ...) come from the constructor.
 
 Invalid parameters raise :class:`ValueError` at construction, naming the option and its
 allowed range.
@@ -24,12 +25,11 @@ allowed range.
 
 from __future__ import annotations
 
-import inspect
 import math
 import operator
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 __all__ = [
@@ -39,14 +39,9 @@ __all__ = [
     "FixedKLController",
     "KLController",
     "PIKLController",
-    "make_kl_controller",
 ]
 
 KL_LAWS = ("fixed", "adaptive", "exponential", "pi")
-
-# Without explicit bounds, beta stays inside the positive normal float range.
-_BETA_FLOOR = sys.float_info.min
-_BETA_CEIL = sys.float_info.max
 
 
 @runtime_checkable
@@ -56,42 +51,52 @@ class KLController(Protocol):
     @property
     def value(self) -> float:
         """The current beta (finite, > 0); read-only, changed only through :meth:`update`."""
-        ...
 
     def update(self, current_kl: float, n_steps: int) -> float:
         """Update beta from the KL of a batch of ``n_steps`` samples; return the new beta."""
-        ...
 
     def state_dict(self) -> dict[str, Any]:
         """Return the dynamic state (law name, beta, ...)."""
-        ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the state written by :meth:`state_dict`."""
-        ...
+
+
+def _as_float(value: Any) -> float | None:
+    """``value`` as a float, or None if it is not a real number (bools and strings are not)."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # e.g. a tensor of several elements
+        return None
 
 
 def _finite(
-    owner: str, name: str, value: Any, *, low: float, strict: bool, unit: str = ""
+    owner: str, name: str, value: Any, low: float | None = 0.0, strict: bool = True, unit: str = ""
 ) -> float:
     """Return ``value`` as a float after checking it is a finite real number above ``low``."""
-    relation = ">" if strict else ">="
-    what = f"a finite number {relation} {low:g}" + (f" ({unit})" if unit else "")
-    if isinstance(value, (bool, str, bytes)) or value is None:
-        raise ValueError(f"{owner}: `{name}` must be {what}, got {value!r}")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{owner}: `{name}` must be {what}, got {value!r}") from None
-    if not math.isfinite(number) or (number <= low if strict else number < low):
-        raise ValueError(f"{owner}: `{name}` must be {what}, got {value!r}")
+    relation = "" if low is None else f" {'>' if strict else '>='} {low:g}"
+    number = _as_float(value)
+    if (
+        number is None
+        or not math.isfinite(number)
+        or (low is not None and (number <= low if strict else number < low))
+    ):
+        unit = f" ({unit})" if unit else ""
+        raise ValueError(
+            f"{owner}: `{name}` must be a finite number{relation}{unit}, got {value!r}"
+        )
     return number
 
 
 class _BaseKLController:
-    """Shared machinery: bounds, validation of ``update`` inputs, the non-finite warning."""
+    """Shared machinery: bounds, validation of ``update`` inputs and states, the warning."""
 
     law: ClassVar[str]
+    #: Dynamic state besides beta: each field's name and its start value as a function of
+    #: beta, used at construction and for a state (from an older version) without the field.
+    state_fields: ClassVar[dict[str, Callable[[float], float]]] = {}
 
     def __init__(
         self,
@@ -102,28 +107,20 @@ class _BaseKLController:
         init_name: str = "init_kl_coef",
     ) -> None:
         owner = type(self).__name__
-        self.min_kl_coef = (
-            None
-            if min_kl_coef is None
-            else _finite(owner, "min_kl_coef", min_kl_coef, low=0.0, strict=True)
+        lo, hi = (
+            None if bound is None else _finite(owner, name, bound)
+            for name, bound in (("min_kl_coef", min_kl_coef), ("max_kl_coef", max_kl_coef))
         )
-        self.max_kl_coef = (
-            None
-            if max_kl_coef is None
-            else _finite(owner, "max_kl_coef", max_kl_coef, low=0.0, strict=True)
-        )
-        if (
-            self.min_kl_coef is not None
-            and self.max_kl_coef is not None
-            and self.min_kl_coef > self.max_kl_coef
-        ):
+        if lo is not None and hi is not None and lo > hi:
             raise ValueError(
                 f"{owner}: `min_kl_coef` must be <= `max_kl_coef`, "
-                f"got min_kl_coef={self.min_kl_coef!r} > max_kl_coef={self.max_kl_coef!r}"
+                f"got min_kl_coef={lo!r} > max_kl_coef={hi!r}"
             )
-        self._lo = _BETA_FLOOR if self.min_kl_coef is None else self.min_kl_coef
-        self._hi = _BETA_CEIL if self.max_kl_coef is None else self.max_kl_coef
-        beta = _finite(owner, init_name, init_kl_coef, low=0.0, strict=True)
+        self.min_kl_coef, self.max_kl_coef = lo, hi
+        # Without explicit bounds, beta stays inside the positive normal float range.
+        self._lo = sys.float_info.min if lo is None else lo
+        self._hi = sys.float_info.max if hi is None else hi
+        beta = _finite(owner, init_name, init_kl_coef)
         if not self._lo <= beta <= self._hi:
             raise ValueError(
                 f"{owner}: `{init_name}` must lie in [`min_kl_coef`, `max_kl_coef`] = "
@@ -131,8 +128,8 @@ class _BaseKLController:
             )
         self._beta = beta
         self._warned_nonfinite = False
-
-    # -- the protocol -------------------------------------------------------------------------
+        for name, start in self.state_fields.items():
+            setattr(self, name, start(beta))
 
     @property
     def value(self) -> float:
@@ -140,111 +137,89 @@ class _BaseKLController:
         return self._beta
 
     def update(self, current_kl: float, n_steps: int) -> float:
-        """Update beta from the KL of a batch.
+        """Update beta from the KL of a batch and return the new beta.
 
         Args:
             current_kl: The batch KL in the run's unit (nats per sequence or per token),
-                already averaged over the batch and reduced across ranks. A float or a
-                one-element tensor.
+                averaged over the batch and reduced across ranks; a float or 1-element tensor.
             n_steps: Number of samples (episodes) behind ``current_kl``, summed over all ranks.
-
-        Returns:
-            The new beta.
 
         Raises:
             ValueError: If ``n_steps`` is not an ``int >= 0`` or ``current_kl`` is not a number.
         """
-        owner = type(self).__name__
-        n = self._check_n_steps(n_steps)
-        if isinstance(current_kl, (bool, str, bytes)):
-            raise ValueError(f"{owner}.update: `current_kl` must be a number, got {current_kl!r}")
+        owner = f"{type(self).__name__}.update"
         try:
-            kl = float(current_kl)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(
-                f"{owner}.update: `current_kl` must be a number, got {current_kl!r}"
-            ) from None
+            n = -1 if isinstance(n_steps, bool) else operator.index(n_steps)
+        except TypeError:
+            n = -1
+        if n < 0:
+            raise ValueError(f"{owner}: `n_steps` must be an int >= 0 (samples), got {n_steps!r}")
+        kl = _as_float(current_kl)
+        if kl is None:
+            raise ValueError(f"{owner}: `current_kl` must be a number, got {current_kl!r}")
         if not math.isfinite(kl):
             if not self._warned_nonfinite:
                 self._warned_nonfinite = True
                 warnings.warn(
-                    f"{owner}.update: non-finite KL ({kl}); beta stays at {self._beta:.6g}. "
+                    f"{owner}: non-finite KL ({kl}); beta stays at {self._beta:.6g}. "
                     "Further non-finite KL values are ignored without a warning.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
             return self._beta
-        if n == 0:
-            return self._beta
-        self._beta = self._clamp(self._step(kl, n))
+        if n > 0:
+            self._beta = self._clamp(self._step(kl, n))
         return self._beta
 
     def state_dict(self) -> dict[str, Any]:
-        """Return ``{"law": ..., "value": beta}`` plus any law-specific state."""
-        return {"law": self.law, "value": self._beta, **self._extra_state()}
+        """Return ``{"law": ..., "value": beta}`` plus the law's ``state_fields``."""
+        return {"law": self.law, "value": self._beta, **self._state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state written by :meth:`state_dict` of the same law.
 
+        A missing (or None) state field gets its start value from the loaded beta; a beta
+        outside this controller's bounds is clamped with a warning.
+
         Raises:
             ValueError: If ``state`` is not a mapping, belongs to another law, or holds an
-                invalid beta.
+                invalid beta or state field. A failed load changes nothing.
         """
-        owner = type(self).__name__
+        owner = f"{type(self).__name__}.load_state_dict"
         if not isinstance(state, Mapping):
+            raise ValueError(f"{owner}: expected a dict, got {type(state).__name__}")
+        if state.get("law") != self.law:
             raise ValueError(
-                f"{owner}.load_state_dict: expected a dict, got {type(state).__name__}"
-            )
-        law = state.get("law")
-        if law != self.law:
-            raise ValueError(
-                f"{owner}.load_state_dict: the state is for law {law!r}, "
+                f"{owner}: the state is for law {state.get('law')!r}, "
                 f"this controller's law is {self.law!r}"
             )
         if "value" not in state:
-            raise ValueError(f"{owner}.load_state_dict: the state has no `value` (beta)")
-        beta = _finite(f"{owner}.load_state_dict", "value", state["value"], low=0.0, strict=True)
-        extra = self._parse_extra_state(state, beta)
+            raise ValueError(f"{owner}: the state has no `value` (beta)")
+        beta = _finite(owner, "value", state["value"])
+        fields = {
+            name: start(beta)
+            if state.get(name) is None
+            else _finite(owner, name, state[name], None)
+            for name, start in self.state_fields.items()
+        }
         clamped = self._clamp(beta)
         if clamped != beta:
             warnings.warn(
-                f"{owner}.load_state_dict: the saved beta {beta:.6g} lies outside the bounds "
+                f"{owner}: the saved beta {beta:.6g} lies outside the bounds "
                 f"[{self.min_kl_coef}, {self.max_kl_coef}]; it is clamped to {clamped:.6g}.",
                 RuntimeWarning,
                 stacklevel=2,
             )
         self._beta = clamped
-        self._apply_extra_state(extra)
-
-    # -- hooks for the laws -------------------------------------------------------------------
+        for name, value in fields.items():
+            setattr(self, name, value)
 
     def _step(self, kl: float, n_steps: int) -> float:
         """Return the unclamped new beta for a finite KL and ``n_steps > 0``."""
         raise NotImplementedError
 
-    def _extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def _parse_extra_state(self, state: Mapping[str, Any], beta: float) -> dict[str, Any]:
-        return {}
-
-    def _apply_extra_state(self, extra: dict[str, Any]) -> None:
-        return None
-
-    # -- helpers ------------------------------------------------------------------------------
-
-    def _check_n_steps(self, n_steps: Any) -> int:
-        owner = type(self).__name__
-        message = f"{owner}.update: `n_steps` must be an int >= 0 (samples), got {n_steps!r}"
-        if isinstance(n_steps, bool):
-            raise ValueError(message)
-        try:
-            n = operator.index(n_steps)
-        except TypeError:
-            raise ValueError(message) from None
-        if n < 0:
-            raise ValueError(message)
-        return n
+    def _state(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.state_fields}
 
     def _clamp(self, beta: float) -> float:
         return min(max(beta, self._lo), self._hi)
@@ -257,18 +232,11 @@ class _BaseKLController:
             return self._lo
         return self._clamp(math.exp(log_beta))
 
-    def _repr_fields(self) -> dict[str, Any]:
-        return {}
-
     def __repr__(self) -> str:
-        fields = {
-            "value": self._beta,
-            **self._repr_fields(),
-            "min_kl_coef": self.min_kl_coef,
-            "max_kl_coef": self.max_kl_coef,
-        }
-        inner = ", ".join(f"{key}={val!r}" for key, val in fields.items())
-        return f"{type(self).__name__}({inner})"
+        params = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        bounds = {k: params.pop(k) for k in ("min_kl_coef", "max_kl_coef")}
+        fields = {"value": self._beta, **params, **self._state(), **bounds}
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
 
 
 class FixedKLController(_BaseKLController):
@@ -303,8 +271,9 @@ class AdaptiveKLController(_BaseKLController):
 
     so beta moves by at most 20% per ``horizon`` samples. ``horizon`` is in samples and must
     scale with the length of training: a run of 200 batches of 64 samples sees 12,800 samples,
-    and a horizon of 10,000 barely moves beta there. The factor stays positive only while
-    ``n_steps < 5 * horizon``; a larger batch raises :class:`ValueError` (increase ``horizon``).
+    and Ziegler et al.'s horizon (the default) barely moves beta there. The factor stays
+    positive only while ``n_steps < 5 * horizon``; a larger batch raises :class:`ValueError`
+    (increase ``horizon``).
 
     Args:
         init_kl_coef: Initial beta, a finite number > 0.
@@ -323,14 +292,14 @@ class AdaptiveKLController(_BaseKLController):
         self,
         init_kl_coef: float,
         target: float,
-        horizon: float = 10000,
+        horizon: float = 10_000.0,
         min_kl_coef: float | None = None,
         max_kl_coef: float | None = None,
     ) -> None:
         super().__init__(init_kl_coef, min_kl_coef, max_kl_coef)
         owner = type(self).__name__
-        self.target = _finite(owner, "target", target, low=0.0, strict=True, unit="nats")
-        self.horizon = _finite(owner, "horizon", horizon, low=0.0, strict=True, unit="samples")
+        self.target = _finite(owner, "target", target, unit="nats")
+        self.horizon = _finite(owner, "horizon", horizon, unit="samples")
 
     def _step(self, kl: float, n_steps: int) -> float:
         if n_steps * self.error_clip >= self.horizon:
@@ -343,9 +312,6 @@ class AdaptiveKLController(_BaseKLController):
         # beta_{t+1} = beta_t * (1 + K_beta * e_t) with K_beta = n_steps / horizon.
         error = min(max(kl / self.target - 1.0, -self.error_clip), self.error_clip)
         return self._beta * (1.0 + error * n_steps / self.horizon)
-
-    def _repr_fields(self) -> dict[str, Any]:
-        return {"target": self.target, "horizon": self.horizon}
 
 
 class ExponentialKLController(_BaseKLController):
@@ -375,21 +341,18 @@ class ExponentialKLController(_BaseKLController):
         self,
         init_kl_coef: float,
         target: float,
-        k: float,
+        k: float = 0.1,
         min_kl_coef: float | None = 1e-4,
         max_kl_coef: float | None = 10.0,
     ) -> None:
         super().__init__(init_kl_coef, min_kl_coef, max_kl_coef)
         owner = type(self).__name__
-        self.target = _finite(owner, "target", target, low=0.0, strict=True, unit="nats")
-        self.k = _finite(owner, "k", k, low=0.0, strict=True, unit="1/nats")
+        self.target = _finite(owner, "target", target, unit="nats")
+        self.k = _finite(owner, "k", k, unit="1/nats")
 
     def _step(self, kl: float, n_steps: int) -> float:
         # k * (kl - target) may overflow to +-inf for huge KL; _log_to_beta saturates it.
         return self._log_to_beta(math.log(self._beta) + self.k * (kl - self.target))
-
-    def _repr_fields(self) -> dict[str, Any]:
-        return {"target": self.target, "k": self.k}
 
 
 class PIKLController(_BaseKLController):
@@ -402,11 +365,12 @@ class PIKLController(_BaseKLController):
         z     <- clip(z + ki * e, L, U)                       # integral term (anti-windup)
         beta  <- exp(clip(z + kp * e, L, U))
 
-    ``z`` starts at ``log(init_kl_coef)``, so at zero error beta stays where it is. Because
-    the integral term can never leave ``[L, U]``, it does not wind up while beta sits at a
-    bound: after any saturation, the first update whose error has the opposite sign moves beta
-    strictly off the bound (``z`` moves back by ``ki * |e|`` and ``kp * e`` points inward).
-    Gains are per update (once per training batch), not per sample.
+    ``z`` (:attr:`integral`, saved in the state) starts at ``log(init_kl_coef)``, so at zero
+    error beta stays where it is; a saved state without it starts it at ``log`` of the saved
+    beta. Because the integral term can never leave ``[L, U]``, it does not wind up while beta
+    sits at a bound: after any saturation, the first update whose error has the opposite sign
+    moves beta strictly off the bound (``z`` moves back by ``ki * |e|`` and ``kp * e`` points
+    inward). Gains are per update (once per training batch), not per sample.
 
     Args:
         init_kl_coef: Initial beta, a finite number > 0 inside the bounds.
@@ -420,144 +384,38 @@ class PIKLController(_BaseKLController):
     """
 
     law = "pi"
+    state_fields = {"integral": math.log}
 
     def __init__(
         self,
         init_kl_coef: float,
         target: float,
-        kp: float,
-        ki: float,
+        kp: float = 0.5,
+        ki: float = 0.05,
         error_clip: float = 1.0,
         min_kl_coef: float | None = None,
         max_kl_coef: float | None = None,
     ) -> None:
         super().__init__(init_kl_coef, min_kl_coef, max_kl_coef)
         owner = type(self).__name__
-        self.target = _finite(owner, "target", target, low=0.0, strict=True, unit="nats")
-        self.kp = _finite(owner, "kp", kp, low=0.0, strict=False)
-        self.ki = _finite(owner, "ki", ki, low=0.0, strict=False)
+        self.target = _finite(owner, "target", target, unit="nats")
+        self.kp = _finite(owner, "kp", kp, strict=False)
+        self.ki = _finite(owner, "ki", ki, strict=False)
         if self.kp == 0.0 and self.ki == 0.0:
             raise ValueError(f"{owner}: at least one of `kp`, `ki` must be > 0, got kp=0, ki=0")
-        self.error_clip = _finite(owner, "error_clip", error_clip, low=0.0, strict=True)
-        self.integral = math.log(self._beta)
+        self.error_clip = _finite(owner, "error_clip", error_clip)
+
+    @property
+    def integral(self) -> float:
+        """The integral term ``z`` on log-beta, always inside ``[L, U]``."""
+        return self._integral
+
+    @integral.setter
+    def integral(self, z: float) -> None:
+        # Anti-windup: the integral term is clamped to the actuator range [log lo, log hi].
+        self._integral = min(max(z, math.log(self._lo)), math.log(self._hi))
 
     def _step(self, kl: float, n_steps: int) -> float:
         error = min(max((kl - self.target) / self.target, -self.error_clip), self.error_clip)
-        log_lo, log_hi = math.log(self._lo), math.log(self._hi)
-        # Anti-windup: the integral term is clamped to the actuator range [log lo, log hi].
-        self.integral = min(max(self.integral + self.ki * error, log_lo), log_hi)
+        self.integral = self.integral + self.ki * error
         return self._log_to_beta(self.integral + self.kp * error)
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {"integral": self.integral}
-
-    def _parse_extra_state(self, state: Mapping[str, Any], beta: float) -> dict[str, Any]:
-        owner = f"{type(self).__name__}.load_state_dict"
-        integral = state.get("integral")
-        if integral is None:  # states without an integral: start it at the current beta
-            return {"integral": math.log(beta)}
-        if isinstance(integral, (bool, str, bytes)):
-            raise ValueError(f"{owner}: `integral` must be a finite number, got {integral!r}")
-        try:
-            value = float(integral)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"{owner}: `integral` must be a finite number, got {integral!r}"
-            ) from None
-        if not math.isfinite(value):
-            raise ValueError(f"{owner}: `integral` must be a finite number, got {integral!r}")
-        return {"integral": value}
-
-    def _apply_extra_state(self, extra: dict[str, Any]) -> None:
-        self.integral = min(max(extra["integral"], math.log(self._lo)), math.log(self._hi))
-
-    def _repr_fields(self) -> dict[str, Any]:
-        return {
-            "target": self.target,
-            "kp": self.kp,
-            "ki": self.ki,
-            "error_clip": self.error_clip,
-            "integral": self.integral,
-        }
-
-
-_LAW_CLASSES: dict[str, type[_BaseKLController]] = {
-    "fixed": FixedKLController,
-    "adaptive": AdaptiveKLController,
-    "exponential": ExponentialKLController,
-    "pi": PIKLController,
-}
-
-
-def make_kl_controller(
-    init_kl_coef: float,
-    target: float | None = None,
-    horizon: float | None = None,
-    law: str = "adaptive",
-    **law_kwargs: Any,
-) -> KLController:
-    """Build a KL controller from flat, config-friendly options.
-
-    Without ``target`` the controller is fixed at ``init_kl_coef`` (``law`` must then be
-    ``"adaptive"``, the default, or ``"fixed"``). With ``target`` it follows ``law``.
-
-    Args:
-        init_kl_coef: Initial (or fixed) beta, finite and > 0.
-        target: Target KL in the unit the run names (nats per sequence by default), or
-            ``None`` for a fixed beta.
-        horizon: Horizon in samples, only for ``law="adaptive"``; ``None`` keeps the default
-            of :class:`AdaptiveKLController`.
-        law: One of ``"fixed"``, ``"adaptive"``, ``"exponential"``, ``"pi"``.
-        **law_kwargs: Further arguments of the chosen class (``k`` for ``"exponential"``;
-            ``kp``, ``ki``, ``error_clip`` for ``"pi"``; ``min_kl_coef``, ``max_kl_coef`` for
-            every law).
-
-    Returns:
-        The controller.
-
-    Raises:
-        ValueError: For an unknown law, an option the law does not take, or invalid values.
-    """
-    if law not in _LAW_CLASSES:
-        raise ValueError(f"make_kl_controller: `law` must be one of {KL_LAWS}, got {law!r}")
-    if target is None:
-        if law not in ("adaptive", "fixed"):
-            raise ValueError(
-                f"make_kl_controller: law={law!r} needs a `target` (a finite number > 0); "
-                "leave `target` unset only for a fixed beta"
-            )
-        law = "fixed"
-    elif law == "fixed":
-        raise ValueError(
-            "make_kl_controller: `target` has no meaning for law='fixed'; "
-            f"set `target` to None or choose a law from {KL_LAWS[1:]}"
-        )
-    if horizon is not None and law != "adaptive":
-        raise ValueError(
-            f"make_kl_controller: `horizon` applies only to law='adaptive' (got law={law!r}"
-            + (", no target)" if target is None else ")")
-        )
-    cls = _LAW_CLASSES[law]
-    signature = inspect.signature(cls)
-    allowed = [
-        p for p in signature.parameters if p not in ("kl_coef", "init_kl_coef", "target", "horizon")
-    ]
-    unknown = sorted(set(law_kwargs) - set(allowed))
-    if unknown:
-        raise ValueError(
-            f"make_kl_controller: unknown option(s) {unknown} for law={law!r}; allowed: {allowed}"
-        )
-    required = [
-        name for name in allowed if signature.parameters[name].default is inspect.Parameter.empty
-    ]
-    missing = [name for name in required if name not in law_kwargs]
-    if missing:
-        raise ValueError(f"make_kl_controller: law={law!r} needs option(s) {missing}")
-    if law == "fixed":
-        # Named as the caller named it (FixedKLController itself calls it `kl_coef`).
-        _finite("make_kl_controller", "init_kl_coef", init_kl_coef, low=0.0, strict=True)
-        return cls(init_kl_coef, **law_kwargs)
-    kwargs = dict(law_kwargs)
-    if horizon is not None:
-        kwargs["horizon"] = horizon
-    return cls(init_kl_coef, target, **kwargs)

@@ -20,7 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlkl_lightning.advantages import gae, shape_rewards
-from rlkl_lightning.controllers import make_kl_controller
+from rlkl_lightning.controllers import (
+    AdaptiveKLController,
+    ExponentialKLController,
+    FixedKLController,
+    PIKLController,
+)
 from rlkl_lightning.kl import exact_kl, per_token_kl, sequence_kl, token_mean_kl
 from rlkl_lightning.masked import masked_whiten
 
@@ -167,25 +172,29 @@ def test_whitening_is_finite_and_ignores_padding(data, shift_mean):
 # ---- controller parameters ----------------------------------------------------------------------
 
 BAD = st.sampled_from([0.0, -1.0, -1e-9, math.nan, math.inf, -math.inf])
-# (law, option) pairs where the option belongs to the law.
-LAW_OPTIONS = [
-    (law, option)
-    for law, options in {
-        "fixed": ["init_kl_coef", "min_kl_coef", "max_kl_coef"],
-        "adaptive": ["init_kl_coef", "target", "horizon", "min_kl_coef"],
-        "exponential": ["init_kl_coef", "target", "k", "max_kl_coef"],
-        "pi": ["init_kl_coef", "target", "error_clip", "min_kl_coef"],
-    }.items()
-    for option in options
-]
+# Each law with valid arguments, and the options that must be finite and > 0.
+LAWS = {
+    FixedKLController: ({"kl_coef": 0.1}, ["kl_coef", "min_kl_coef", "max_kl_coef"]),
+    AdaptiveKLController: (
+        {"init_kl_coef": 0.1, "target": 6.0},
+        ["init_kl_coef", "target", "horizon", "min_kl_coef"],
+    ),
+    ExponentialKLController: (
+        {"init_kl_coef": 0.1, "target": 6.0},
+        ["init_kl_coef", "target", "k", "max_kl_coef"],
+    ),
+    PIKLController: (
+        {"init_kl_coef": 0.1, "target": 6.0},
+        ["init_kl_coef", "target", "error_clip", "min_kl_coef"],
+    ),
+}
+LAW_OPTIONS = [(cls, option) for cls, (_, options) in LAWS.items() for option in options]
 
 
 @FUZZ
 @given(law_option=st.sampled_from(LAW_OPTIONS), bad=BAD)
 def test_invalid_controller_parameters_always_name_the_option(law_option, bad):
-    law, option = law_option
-    kwargs = {"init_kl_coef": 0.1, "target": None if law == "fixed" else 6.0, "law": law}
-    kwargs.update({"exponential": {"k": 0.1}, "pi": {"kp": 0.5, "ki": 0.05}}.get(law, {}))
-    kwargs[option] = bad
-    with pytest.raises(ValueError, match=rf"`{option}` must be a finite number"):
-        make_kl_controller(**kwargs)
+    cls, option = law_option
+    kwargs = {**LAWS[cls][0], option: bad}
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: `{option}` must be a finite number"):
+        cls(**kwargs)
