@@ -6,7 +6,7 @@ arguments so LightningCLI can build them from YAML::
 
     python train.py fit --config configs/sft.yaml
 
-``build_world`` (``rlkl_lightning.world.build``) uses the same two classes to make the
+``build_world`` (:mod:`rlkl_lightning.world.build`) uses the same two classes to make the
 default world's reference model; their defaults are ``WorldConfig``'s.
 """
 
@@ -21,7 +21,9 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
-from rlkl_lightning.world.build import WorldConfig
+from rlkl_lightning.texts import load_texts
+from rlkl_lightning.world.cache import build_corpus
+from rlkl_lightning.world.config import WorldConfig
 
 IGNORE_INDEX = -100
 
@@ -31,8 +33,6 @@ def resolve_tokenizer(tokenizer: str, world: WorldConfig | None = None):
     from transformers import AutoTokenizer
 
     if tokenizer == "default":
-        from rlkl_lightning.world.build import build_corpus
-
         tokenizer = str(build_corpus(world).tokenizer_dir)
     return AutoTokenizer.from_pretrained(tokenizer)
 
@@ -168,8 +168,6 @@ class SFTDataModule(LightningDataModule):
         """Read and tokenize the texts."""
         if self.train_data is not None:
             return
-        from rlkl_lightning.data import load_texts
-
         hp = self.hparams
         tokenizer = resolve_tokenizer(hp.tokenizer, self.world)
         if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
@@ -180,8 +178,6 @@ class SFTDataModule(LightningDataModule):
         self.collate = LMCollator(pad)
         sources = {"train_files": hp.train_files, "val_files": hp.val_files}
         if None in sources.values():
-            from rlkl_lightning.world.build import build_corpus
-
             corpus = build_corpus(self.world)
             sources["train_files"] = sources["train_files"] or str(corpus.splits["train"])
             sources["val_files"] = sources["val_files"] or str(corpus.splits["validation"])
