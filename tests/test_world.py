@@ -270,7 +270,7 @@ def test_encode_texts_frames_with_bos_and_eos_and_collate_pads_right(tokenizer):
     short, long_ = sorted(range(2), key=lambda i: len(seqs[i]))
     n = len(seqs[short])
     assert batch["attention_mask"][short].tolist() == [1] * n + [0] * (len(seqs[long_]) - n)
-    assert (batch["labels"][short, n:] == -100).all()
+    assert (batch["input_ids"][short, n:] == tokenizer.pad_token_id).all()
     assert batch["input_ids"][short, :n].tolist() == seqs[short]
 
 
