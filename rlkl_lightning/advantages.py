@@ -14,19 +14,9 @@ import math
 import torch
 from torch import Tensor
 
+from rlkl_lightning.masked import valid_mask, zero_padding
+
 __all__ = ["gae", "shape_rewards"]
-
-
-def _zero_padding(x: Tensor, valid: Tensor) -> Tensor:
-    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def _check_2d(name: str, x: Tensor, mask: Tensor) -> None:
-    if x.dim() != 2 or x.shape != mask.shape:
-        raise ValueError(
-            f"{name} must be [B, T] with the shape of mask, got {name} {tuple(x.shape)} "
-            f"and mask {tuple(mask.shape)}"
-        )
 
 
 def _check_unit_interval(name: str, value: float) -> None:
@@ -61,17 +51,16 @@ def shape_rewards(scores: Tensor, kl: Tensor, kl_coef: float, mask: Tensor) -> T
     kl_coef = float(kl_coef)
     if not (math.isfinite(kl_coef) and kl_coef >= 0):
         raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
-    _check_2d("kl", kl, mask)
+    valid = valid_mask(kl, mask, "shape_rewards", name="kl", batch_by_time=True)
     if scores.shape != (kl.shape[0],):
         raise ValueError(f"scores must be [B] = [{kl.shape[0]}], got {tuple(scores.shape)}")
-    valid = mask.to(device=kl.device, dtype=torch.bool)
     dtype = torch.promote_types(torch.promote_types(kl.dtype, scores.dtype), torch.float32)
     empty = ~valid.any(dim=1)
     if bool(empty.any()):
         rows = empty.nonzero().flatten().tolist()
         raise ValueError(f"shape_rewards: rows {rows} have no valid token to put the score on")
 
-    rewards = _zero_padding(-kl_coef * kl.to(dtype), valid)
+    rewards = zero_padding(-kl_coef * kl.to(dtype), valid)
     # Index of the last valid token of each row (robust to any mask, not only prefixes).
     positions = torch.arange(kl.shape[1], device=kl.device).expand_as(valid)
     last = torch.where(valid, positions, -1).amax(dim=1)
@@ -113,23 +102,23 @@ def gae(
     """
     _check_unit_interval("gamma", gamma)
     _check_unit_interval("lam", lam)
-    _check_2d("rewards", rewards, mask)
-    _check_2d("values", values, mask)
-    valid = mask.to(device=rewards.device, dtype=torch.bool)
+    valid = valid_mask(
+        rewards, mask, "gae", name="rewards", others=[("values", values)], batch_by_time=True
+    )
     if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
         raise ValueError("gae: each mask row must be a prefix of ones followed by padding")
 
     dtype = torch.promote_types(torch.promote_types(rewards.dtype, values.dtype), torch.float32)
-    r = _zero_padding(rewards.to(dtype), valid)
-    v = _zero_padding(values.to(device=rewards.device, dtype=dtype), valid)
+    r = zero_padding(rewards.to(dtype), valid)
+    v = zero_padding(values.to(device=rewards.device, dtype=dtype), valid)
     advantages = torch.zeros_like(r)
     next_value = torch.zeros_like(r[:, 0])
     next_advantage = torch.zeros_like(r[:, 0])
     for t in reversed(range(r.shape[1])):
         # Padding has v = 0 and A = 0, so past the last valid token nothing is carried.
         delta = r[:, t] + gamma * next_value - v[:, t]
-        next_advantage = _zero_padding(delta + gamma * lam * next_advantage, valid[:, t])
+        next_advantage = zero_padding(delta + gamma * lam * next_advantage, valid[:, t])
         advantages[:, t] = next_advantage
         next_value = v[:, t]
-    returns = _zero_padding(advantages + v, valid)
+    returns = zero_padding(advantages + v, valid)
     return advantages, returns

@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlkl_lightning.masked import valid_mask, zero_padding
+
 __all__ = [
     "KL_ESTIMATORS",
     "KL_UNITS",
@@ -131,28 +133,8 @@ def exact_kl(logits: Tensor, ref_logits: Tensor) -> Tensor:
     logp = torch.log_softmax(logits.to(dtype), dim=-1)
     logq = torch.log_softmax(ref_logits.to(dtype), dim=-1)
     p = logp.exp()
-    terms = torch.where(p > 0, p * (logp - logq), torch.zeros((), dtype=dtype))
+    terms = zero_padding(p * (logp - logq), p > 0)
     return torch.clamp_min(terms.sum(dim=-1), 0.0)
-
-
-def _valid_mask(per_token: Tensor, mask: Tensor | None, caller: str) -> Tensor | None:
-    """Check a ``[B, T]`` mask (bool, or 0/1 numbers) and return it as bool."""
-    if per_token.ndim != 2:
-        raise ValueError(
-            f"{caller}: `per_token` must have shape [B, T], got {tuple(per_token.shape)}"
-        )
-    if mask is None:
-        return None
-    if mask.shape != per_token.shape:
-        raise ValueError(
-            f"{caller}: `mask` must have the shape of `per_token` {tuple(per_token.shape)}, "
-            f"got {tuple(mask.shape)}"
-        )
-    if mask.dtype == torch.bool:
-        return mask
-    if bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError(f"{caller}: `mask` must be bool or hold only 0 and 1")
-    return mask != 0
 
 
 def sequence_kl(per_token: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -168,10 +150,12 @@ def sequence_kl(per_token: Tensor, mask: Tensor | None = None) -> Tensor:
     Returns:
         ``[B]`` KL in nats per sequence (0 for a row without valid tokens).
     """
-    valid = _valid_mask(per_token, mask, "sequence_kl")
+    valid = valid_mask(
+        per_token, mask, "sequence_kl", name="per_token", batch_by_time=True, zero_one=True
+    )
     if valid is None:
         return per_token.sum(dim=-1)
-    return torch.where(valid, per_token, torch.zeros((), dtype=per_token.dtype)).sum(dim=-1)
+    return zero_padding(per_token, valid).sum(dim=-1)
 
 
 def token_mean_kl(per_token: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -188,8 +172,9 @@ def token_mean_kl(per_token: Tensor, mask: Tensor | None = None) -> Tensor:
     Returns:
         Scalar KL in nats per token; nan when there is no valid token.
     """
-    valid = _valid_mask(per_token, mask, "token_mean_kl")
+    valid = valid_mask(
+        per_token, mask, "token_mean_kl", name="per_token", batch_by_time=True, zero_one=True
+    )
     if valid is None:
         return per_token.sum() / per_token.numel()
-    total = torch.where(valid, per_token, torch.zeros((), dtype=per_token.dtype)).sum()
-    return total / valid.sum()
+    return zero_padding(per_token, valid).sum() / valid.sum()

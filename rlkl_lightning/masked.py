@@ -12,21 +12,20 @@ advantage whitening with a per-rank batch of 8 behaves like whitening one batch 
 ``8 * world_size``. The other reductions are local to the calling process.
 """
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["masked_mean", "masked_sum", "masked_var", "masked_whiten"]
-
-
-def _check(x: Tensor, mask: Tensor) -> Tensor:
-    """Validates shapes and returns ``mask`` as a boolean tensor on ``x``'s device."""
-    if x.shape != mask.shape:
-        raise ValueError(
-            f"mask must have the same shape as x, got x {tuple(x.shape)} "
-            f"and mask {tuple(mask.shape)}"
-        )
-    return mask.to(device=x.device, dtype=torch.bool)
+__all__ = [
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "valid_mask",
+    "zero_padding",
+]
 
 
 def _stat_dtype(x: Tensor) -> torch.dtype:
@@ -34,9 +33,67 @@ def _stat_dtype(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _zero_padding(x: Tensor, valid: Tensor) -> Tensor:
-    """``x`` with padded entries replaced by 0 (values and gradients stay finite)."""
+def zero_padding(x: Tensor, valid: Tensor) -> Tensor:
+    """``x`` with the entries where ``valid`` is False replaced by 0.
+
+    They are selected away with :func:`torch.where`, not multiplied by zero, so a ``nan`` or
+    ``inf`` there reaches neither the values nor the gradients.
+
+    Args:
+        x: Values, any shape.
+        valid: Boolean tensor broadcastable to ``x``; True keeps an entry.
+    """
     return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def valid_mask(
+    x: Tensor,
+    mask: Tensor | None,
+    caller: str,
+    *,
+    name: str = "x",
+    others: Sequence[tuple[str, Tensor]] = (),
+    batch_by_time: bool = False,
+    zero_one: bool = False,
+) -> Tensor | None:
+    """Check the shapes of a masked computation; return ``mask`` as bool on ``x``'s device.
+
+    The one checker of every masked computation (this module, :mod:`rlkl_lightning.kl`,
+    :mod:`rlkl_lightning.advantages`, :mod:`rlkl_lightning.ppo_loss`); its errors name the
+    calling function and the argument.
+
+    Args:
+        x: The values the mask selects from.
+        mask: Same shape as ``x``; nonzero (or True) marks a valid entry. ``None`` (every
+            entry valid) is returned as ``None`` after the checks of ``x`` and ``others``.
+        caller: Name of the public function, for the error messages.
+        name: Name of ``x``'s argument, for the error messages.
+        others: ``(name, tensor)`` pairs that must have the shape of ``x``.
+        batch_by_time: ``x`` must be ``[B, T]``.
+        zero_one: A numeric ``mask`` may hold only 0 and 1.
+
+    Raises:
+        ValueError: If a shape differs, ``x`` is not ``[B, T]`` when ``batch_by_time`` is set,
+            or ``mask`` holds a value other than 0 and 1 when ``zero_one`` is set.
+    """
+    if batch_by_time and x.ndim != 2:
+        raise ValueError(f"{caller}: `{name}` must have shape [B, T], got {tuple(x.shape)}")
+    for other, tensor in others:
+        if tensor.shape != x.shape:
+            raise ValueError(
+                f"{caller}: `{other}` must have the same shape as `{name}`, got `{name}` "
+                f"{tuple(x.shape)} and `{other}` {tuple(tensor.shape)}"
+            )
+    if mask is None:
+        return None
+    if mask.shape != x.shape:
+        raise ValueError(
+            f"{caller}: `mask` must have the same shape as `{name}`, got `{name}` "
+            f"{tuple(x.shape)} and `mask` {tuple(mask.shape)}"
+        )
+    if zero_one and mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"{caller}: `mask` must be bool or hold only 0 and 1")
+    return mask.to(device=x.device, dtype=torch.bool)
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -55,8 +112,8 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     Raises:
         ValueError: If ``mask`` and ``x`` differ in shape.
     """
-    valid = _check(x, mask)
-    selected = _zero_padding(x, valid)
+    valid = valid_mask(x, mask, "masked_sum")
+    selected = zero_padding(x, valid)
     return selected.sum() if dim is None else selected.sum(dim=dim)
 
 
@@ -77,7 +134,7 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
         ValueError: If the shapes differ, or if a mean would be taken over zero valid
             entries (the whole mask when ``dim`` is ``None``, any slice otherwise).
     """
-    valid = _check(x, mask)
+    valid = valid_mask(x, mask, "masked_mean")
     count = valid.sum() if dim is None else valid.sum(dim=dim)
     if bool((count == 0).any()):
         where = "" if dim is None else f" along dim={dim} (at least one slice is empty)"
@@ -103,10 +160,10 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
         ValueError: If the shapes differ, the mask has no valid entry, or
             ``unbiased`` is set and there is only one.
     """
-    valid = _check(x, mask)
+    valid = valid_mask(x, mask, "masked_var")
     n = int(valid.sum())
     _require_count(n, unbiased, "masked_var")
-    x = _zero_padding(x, valid)
+    x = zero_padding(x, valid)
     mean = masked_sum(x, valid) / n
     sq_dev = masked_sum((x - mean) ** 2, valid)
     return sq_dev / (n - 1 if unbiased else n)
@@ -170,9 +227,9 @@ def masked_whiten(
     """
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    valid = _check(x, mask)
+    valid = valid_mask(x, mask, "masked_whiten")
     reduce = _use_distributed(distributed)
-    xs = _zero_padding(x.to(_stat_dtype(x)), valid)
+    xs = zero_padding(x.to(_stat_dtype(x)), valid)
 
     # Pass 1: count and sum -> global mean.
     count_sum = torch.stack([valid.sum().to(xs.dtype), masked_sum(xs, valid)])
@@ -192,4 +249,4 @@ def masked_whiten(
     whitened = (xs - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return _zero_padding(whitened.to(x.dtype), valid)
+    return zero_padding(whitened.to(x.dtype), valid)

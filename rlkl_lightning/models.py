@@ -49,19 +49,16 @@ def resolve_model_path(name_or_path: str, option: str = "policy") -> str:
 def load_tokenizer(name_or_path: str, option: str = "tokenizer"):
     """Load a tokenizer for generation: left padding, and a pad token (warns when one is added).
 
+    Loaded with :func:`rlkl_lightning.world.tokenizer.pretrained_tokenizer`, the loader the
+    SFT uses too.
+
     Args:
         name_or_path: ``"default"``, a local directory or a hub name.
         option: Name of the option that gave ``name_or_path``, for messages.
     """
-    from transformers import AutoTokenizer
+    from rlkl_lightning.world.tokenizer import pretrained_tokenizer
 
-    path = resolve_model_path(name_or_path, option)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as err:
-        raise ValueError(
-            f"`{option}`: could not load a tokenizer from {name_or_path!r}: {err}"
-        ) from err
+    tokenizer = pretrained_tokenizer(resolve_model_path(name_or_path, option), option)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rlkl_lightning.masked import masked_mean
+from rlkl_lightning.masked import masked_mean, valid_mask, zero_padding
 
 __all__ = ["PolicyStats", "entropy_from_logits", "policy_loss", "value_loss"]
 
@@ -30,22 +30,6 @@ class PolicyStats(NamedTuple):
 
     clipfrac: Tensor
     approx_kl: Tensor
-
-
-def _valid(x: Tensor, mask: Tensor, *others: tuple[str, Tensor]) -> Tensor:
-    for name, other in others:
-        if other.shape != x.shape:
-            raise ValueError(
-                f"{name} must have the shape {tuple(x.shape)} of the first argument, "
-                f"got {tuple(other.shape)}"
-            )
-    if mask.shape != x.shape:
-        raise ValueError(f"mask must have the shape {tuple(x.shape)}, got {tuple(mask.shape)}")
-    return mask.to(device=x.device, dtype=torch.bool)
-
-
-def _zero_padding(x: Tensor, valid: Tensor) -> Tensor:
-    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _check_cliprange(name: str, value: float) -> None:
@@ -82,10 +66,11 @@ def policy_loss(
         ValueError: On shape mismatches, ``cliprange <= 0``, or no valid token.
     """
     _check_cliprange("cliprange", cliprange)
-    valid = _valid(logprobs, mask, ("old_logprobs", old_logprobs), ("advantages", advantages))
+    others = [("old_logprobs", old_logprobs), ("advantages", advantages)]
+    valid = valid_mask(logprobs, mask, "policy_loss", name="logprobs", others=others)
     # Zero padding before exp(): garbage there can neither overflow nor send nan grads.
-    log_ratio = _zero_padding(logprobs - old_logprobs.detach(), valid)
-    adv = _zero_padding(advantages.detach(), valid)
+    log_ratio = zero_padding(logprobs - old_logprobs.detach(), valid)
+    adv = zero_padding(advantages.detach(), valid)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
@@ -131,10 +116,11 @@ def value_loss(
         ValueError: On shape mismatches, ``cliprange_value <= 0``, or no valid token.
     """
     _check_cliprange("cliprange_value", cliprange_value)
-    valid = _valid(values, mask, ("old_values", old_values), ("returns", returns))
-    v = _zero_padding(values, valid)
-    v_old = _zero_padding(old_values.detach(), valid)
-    target = _zero_padding(returns.detach(), valid)
+    others = [("old_values", old_values), ("returns", returns)]
+    valid = valid_mask(values, mask, "value_loss", name="values", others=others)
+    v = zero_padding(values, valid)
+    v_old = zero_padding(old_values.detach(), valid)
+    target = zero_padding(returns.detach(), valid)
     delta = v - v_old
     # Inside the range use v itself, not v_old + delta, which can differ by a rounding.
     v_clipped = torch.where(
@@ -166,5 +152,5 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     probs = torch.softmax(z, dim=-1)
     # -inf logits have probability 0; replace them so 0 * -inf cannot make a nan.
-    finite_z = torch.where(torch.isneginf(z), torch.zeros((), dtype=z.dtype, device=z.device), z)
+    finite_z = zero_padding(z, ~torch.isneginf(z))
     return torch.logsumexp(z, dim=-1) - (probs * finite_z).sum(dim=-1)

@@ -141,5 +141,5 @@ def test_shape_rewards_errors():
         shape_rewards(torch.zeros(2), kl, float("nan"), torch.ones(2, 3))
     with pytest.raises(ValueError, match="scores"):
         shape_rewards(torch.zeros(3), kl, 0.1, torch.ones(2, 3))
-    with pytest.raises(ValueError, match="kl must be"):
+    with pytest.raises(ValueError, match="`mask` must have the same shape as `kl`"):
         shape_rewards(torch.zeros(2), kl, 0.1, torch.ones(2, 4))

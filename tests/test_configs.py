@@ -6,7 +6,11 @@ parsed here and run end to end (``--quick``) in test_compare.py.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -41,6 +45,47 @@ def test_every_config_opens_with_what_it_runs_and_the_command(config):
     assert "here" in head, "and how long it took here (or why it did not run here)"
 
 
+def _defaults(target) -> dict[str, Any]:
+    parameters = inspect.signature(target).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+
+def _restated(args: dict, defaults: dict[str, Any], where: str) -> list[str]:
+    """``where + name: value`` for every argument equal to its default (into nested classes)."""
+    found = []
+    for name, value in args.items():
+        if isinstance(value, dict) and "class_path" in value:
+            module, _, cls = value["class_path"].rpartition(".")
+            target = getattr(importlib.import_module(module), cls)
+            found += _restated(value.get("init_args") or {}, _defaults(target), f"{where}{name}.")
+        elif name in defaults and value == defaults[name]:
+            found.append(f"{where}{name}: {value!r}")
+    return found
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_configs_write_no_default_again(config):
+    from lightning.pytorch import Trainer
+
+    data = yaml.safe_load(config.read_text())
+    if config.name == "compare.yaml":
+        from rlkl_lightning.compare import StudyConfig
+
+        fields = dataclasses.fields(StudyConfig)
+        defaults = {
+            f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            for f in fields
+        }
+        found = _restated(data, defaults, "")
+    else:
+        sections = {key: data[key] for key in ("model", "data") if key in data}
+        found = _restated(sections, {}, "") + _restated(
+            data["trainer"], _defaults(Trainer), "trainer"
+        )
+        # The `kl` group (KLSettings in cli.py) stays explicit while its defaults are reworked.
+    assert not found, f"{config.name} repeats the defaults {found}"
+
+
 @pytest.mark.parametrize("name", ["ppo_adaptive.yaml", "ppo_fixed.yaml"])
 def test_ppo_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -61,10 +106,10 @@ def test_ppo_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeypatch)
     assert monitor.target == config["kl"]["target"]  # given once, shared
     if config["kl"]["controller"] == "fixed":
         assert type(controller.controller).__name__ == "FixedKLController"
-        assert module.kl_coef == config["model"]["init_args"]["init_kl_coef"]
+        assert module.kl_coef == module.hparams.init_kl_coef
     else:
         assert controller.controller.target == monitor.target
-        assert module.kl_coef != config["model"]["init_args"]["init_kl_coef"]
+        assert module.kl_coef != module.hparams.init_kl_coef
     tags = scalar_tags(tmp_path / "runs")
     for tag in ("objective/kl", "objective/kl_coef", "objective/score", "kl_monitor/target"):
         assert tag in tags

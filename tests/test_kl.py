@@ -318,7 +318,7 @@ def test_reduction_errors():
     for fn in (sequence_kl, token_mean_kl):
         with pytest.raises(ValueError, match=r"`per_token` must have shape \[B, T\]"):
             fn(torch.zeros(3))
-        with pytest.raises(ValueError, match="`mask` must have the shape"):
+        with pytest.raises(ValueError, match="`mask` must have the same shape as `per_token`"):
             fn(values, torch.ones(2, 4))
         with pytest.raises(ValueError, match="only 0 and 1"):
             fn(values, torch.full((2, 3), 0.5))

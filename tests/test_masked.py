@@ -5,7 +5,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlkl_lightning.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlkl_lightning.masked import (
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    valid_mask,
+    zero_padding,
+)
 
 GARBAGE = 1e6
 
@@ -94,6 +101,31 @@ def test_float_mask_and_half_precision_input():
     assert out.dtype == torch.bfloat16
     ref = masked_whiten(x.to(torch.bfloat16).float(), mask)
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_zero_padding_keeps_nan_out_of_values_and_gradients():
+    x = torch.tensor([1.0, float("nan"), float("inf"), -2.0], requires_grad=True)
+    valid = torch.tensor([True, False, False, True])
+    out = zero_padding(x, valid)
+    assert out.tolist() == [1.0, 0.0, 0.0, -2.0]
+    (out * torch.tensor([3.0, float("nan"), 5.0, 7.0])).sum().backward()
+    assert x.grad.tolist() == [3.0, 0.0, 0.0, 7.0]
+
+
+def test_valid_mask_checks_shapes_and_names_the_caller_and_arguments():
+    x = torch.zeros(2, 3)
+    assert valid_mask(x, torch.tensor([[1, 0, 1], [0, 0, 1]]), "f").dtype == torch.bool
+    assert valid_mask(x, None, "f", batch_by_time=True) is None
+    with pytest.raises(ValueError, match=r"^f: `kl` must have shape \[B, T\], got \(3,\)$"):
+        valid_mask(torch.zeros(3), None, "f", name="kl", batch_by_time=True)
+    with pytest.raises(ValueError, match=r"^f: `b` must have the same shape as `a`, got `a` "):
+        valid_mask(x, torch.ones(2, 3), "f", name="a", others=[("b", torch.zeros(3, 2))])
+    with pytest.raises(ValueError, match=r"^f: `mask` must have the same shape as `a`, got "):
+        valid_mask(x, torch.ones(3, 2), "f", name="a")
+    halves = torch.full((2, 3), 0.5)
+    assert valid_mask(x, halves, "f").all()  # nonzero is valid ...
+    with pytest.raises(ValueError, match="^f: `mask` must be bool or hold only 0 and 1$"):
+        valid_mask(x, halves, "f", zero_one=True)  # ... unless only 0 and 1 are allowed
 
 
 def test_errors():

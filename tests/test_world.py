@@ -23,6 +23,7 @@ from rlkl_lightning.world import (
     default_model_dir,
 )
 from rlkl_lightning.world import build as build_module
+from rlkl_lightning.world import cache as cache_module
 from rlkl_lightning.world import lexicon as lx
 from rlkl_lightning.world.corpus import (
     Review,
@@ -269,7 +270,7 @@ def test_encode_texts_frames_with_bos_and_eos_and_collate_pads_right(tokenizer):
     short, long_ = sorted(range(2), key=lambda i: len(seqs[i]))
     n = len(seqs[short])
     assert batch["attention_mask"][short].tolist() == [1] * n + [0] * (len(seqs[long_]) - n)
-    assert (batch["labels"][short, n:] == -100).all()
+    assert (batch["input_ids"][short, n:] == tokenizer.pad_token_id).all()
     assert batch["input_ids"][short, :n].tolist() == seqs[short]
 
 
@@ -392,7 +393,7 @@ def test_second_build_is_a_cache_hit(world, tiny_config, cache, monkeypatch):
         raise AssertionError("rebuilt a cached world")
 
     monkeypatch.setattr(build_module, "_train_and_evaluate", fail)
-    monkeypatch.setattr(build_module, "_make_corpus", fail)
+    monkeypatch.setattr(cache_module, "_make_corpus", fail)
     start = time.perf_counter()
     again = build_world(tiny_config, cache_dir=cache, progress=False)
     assert time.perf_counter() - start < 1.0
@@ -401,9 +402,9 @@ def test_second_build_is_a_cache_hit(world, tiny_config, cache, monkeypatch):
 
 def test_changed_config_rebuilds_only_what_changed(world, tiny_config, cache, monkeypatch):
     corpus_calls = []
-    make_corpus = build_module._make_corpus
+    make_corpus = cache_module._make_corpus
     monkeypatch.setattr(
-        build_module, "_make_corpus", lambda *a: corpus_calls.append(1) or make_corpus(*a)
+        cache_module, "_make_corpus", lambda *a: corpus_calls.append(1) or make_corpus(*a)
     )
     changed = build_world(
         WorldConfig.tiny(sft_steps=4), cache_dir=cache, progress=False, num_threads=1

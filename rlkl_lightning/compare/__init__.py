@@ -25,16 +25,20 @@ class StudyConfig:
 
     Args:
         runs: Controller name -> the ``train.py`` config of its run (paths relative to the
-            working directory). The report compares ``adaptive`` with ``fixed`` when both exist.
+            working directory). The report compares ``adaptive`` with ``fixed`` when both exist;
+            the default pair is fair: the fixed beta is the adaptive controller's initial one.
         seeds: Seeds per controller: ``0 .. seeds-1``, the same for every controller (the seed
             of ``seed_everything`` and of the prompt order).
         batches: PPO batches per run (each run's ``trainer.max_steps`` is set to
-            ``batches * ppo_epochs * num_minibatches``).
+            ``batches * ppo_epochs * num_minibatches``). The default is 4,800 samples per run
+            at the default configs' 32 prompts per batch: the length that the adaptive
+            config's ``horizon`` is scaled to.
         val_every: Training batches between held-out perplexity evaluations.
         sweep_kl_coefs: Extra fixed-beta runs (on the ``fixed`` config) for a score-vs-KL
             frontier; empty: none.
         sweep_seeds: Seeds of each sweep run (the first ones of ``seeds``).
-        workers: Runs in parallel, each its own process.
+        workers: Runs in parallel, each its own process (two runs of one thread each finish
+            sooner than one run on two threads).
         threads: torch threads per run.
         out: Output directory (event files under ``runs/``, derived configs, logs, report).
         overrides: Nested settings merged into every run's config, e.g.

@@ -11,16 +11,9 @@ perplexity; VADER scores the sentiment of responses.
 from importlib import import_module
 from typing import Any
 
-from rlkl_lightning.world.build import (
-    CACHE_ENV,
-    Corpus,
-    World,
-    WorldConfig,
-    build_corpus,
-    build_world,
-    default_cache_dir,
-    default_model_dir,
-)
+from rlkl_lightning.world.build import World, build_world, default_model_dir
+from rlkl_lightning.world.cache import CACHE_ENV, Corpus, build_corpus, default_cache_dir
+from rlkl_lightning.world.config import WorldConfig
 
 _LAZY = {
     "Review": "rlkl_lightning.world.corpus",

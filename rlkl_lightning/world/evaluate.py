@@ -2,7 +2,8 @@
 
 Both score the same tokens: every text is encoded as ``bos + text + eos`` and each
 token after ``bos`` is predicted (so the model is also scored on ending the text).
-Perplexity is ``exp`` of the mean negative log-likelihood per scored token.
+Perplexity is ``exp`` of the mean negative log-likelihood per scored token
+(:mod:`rlkl_lightning.perplexity`, which the SFT validation uses too).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from rlkl_lightning.world.sft import LMCollator, encode_texts, next_token_nll
+from rlkl_lightning.perplexity import NextTokenNLL
+from rlkl_lightning.world.sft import LMCollator, encode_texts
 
 
 @torch.no_grad()
@@ -39,13 +41,12 @@ def perplexity(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    total, count = 0.0, 0
+    nll = NextTokenNLL().to(device)
     for start in range(0, len(sequences), batch_size):
         batch = {k: v.to(device) for k, v in collate(sequences[start : start + batch_size]).items()}
-        nll, n = next_token_nll(model, batch)
-        total, count = total + float(nll), count + int(n)
+        nll.update(model(**batch).logits, batch["input_ids"], batch["attention_mask"])
     model.train(was_training)
-    return math.exp(total / count)
+    return math.exp(float(nll.compute()))
 
 
 def unigram_perplexity(

@@ -6,7 +6,7 @@ arguments so LightningCLI can build them from YAML::
 
     python train.py fit --config configs/sft.yaml
 
-``build_world`` (``rlkl_lightning.world.build``) uses the same two classes to make the
+``build_world`` (:mod:`rlkl_lightning.world.build`) uses the same two classes to make the
 default world's reference model; their defaults are ``WorldConfig``'s.
 """
 
@@ -19,22 +19,23 @@ from pathlib import Path
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader
-from torchmetrics import MeanMetric
 
-from rlkl_lightning.world.build import WorldConfig
-
-IGNORE_INDEX = -100
+from rlkl_lightning.perplexity import NextTokenNLL, next_token_nll
+from rlkl_lightning.texts import load_texts
+from rlkl_lightning.world.cache import build_corpus
+from rlkl_lightning.world.config import WorldConfig
+from rlkl_lightning.world.tokenizer import pretrained_tokenizer
 
 
 def resolve_tokenizer(tokenizer: str, world: WorldConfig | None = None):
-    """Load a tokenizer by path or hub name; ``"default"``: the default world's tokenizer."""
-    from transformers import AutoTokenizer
+    """Load a tokenizer by path or hub name; ``"default"``: the default world's tokenizer.
 
+    It is loaded as saved (:func:`~rlkl_lightning.world.tokenizer.pretrained_tokenizer`):
+    the SFT pads on the right by itself, and a tokenizer without a pad token pads with eos.
+    """
     if tokenizer == "default":
-        from rlkl_lightning.world.build import build_corpus
-
         tokenizer = str(build_corpus(world).tokenizer_dir)
-    return AutoTokenizer.from_pretrained(tokenizer)
+    return pretrained_tokenizer(tokenizer)
 
 
 def encode_texts(tokenizer, texts: Sequence[str], max_length: int) -> list[list[int]]:
@@ -58,10 +59,7 @@ def encode_texts(tokenizer, texts: Sequence[str], max_length: int) -> list[list[
 
 
 class LMCollator:
-    """Right-pads token id lists into ``input_ids``, ``attention_mask`` and ``labels``.
-
-    Labels are the input ids with padding set to -100 (ignored by the loss); the model
-    shifts nothing itself here, see :func:`next_token_nll`.
+    """Right-pads token id lists into ``input_ids`` and ``attention_mask``.
 
     Args:
         pad_token_id: Id used for padding positions of ``input_ids``.
@@ -78,25 +76,7 @@ class LMCollator:
         for row, seq in enumerate(sequences):
             input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
             mask[row, : len(seq)] = 1
-        labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
-        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
-
-
-def next_token_nll(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed negative log-likelihood (nats) of every labelled token after the first.
-
-    Returns:
-        ``(nll_sum, n_tokens)``: the loss per token is their ratio.
-    """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"][:, 1:]
-    nll = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-    return nll, (labels != IGNORE_INDEX).sum()
+        return {"input_ids": input_ids, "attention_mask": mask}
 
 
 def length_grouped_batches(
@@ -168,8 +148,6 @@ class SFTDataModule(LightningDataModule):
         """Read and tokenize the texts."""
         if self.train_data is not None:
             return
-        from rlkl_lightning.data import load_texts
-
         hp = self.hparams
         tokenizer = resolve_tokenizer(hp.tokenizer, self.world)
         if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
@@ -180,8 +158,6 @@ class SFTDataModule(LightningDataModule):
         self.collate = LMCollator(pad)
         sources = {"train_files": hp.train_files, "val_files": hp.val_files}
         if None in sources.values():
-            from rlkl_lightning.world.build import build_corpus
-
             corpus = build_corpus(self.world)
             sources["train_files"] = sources["train_files"] or str(corpus.splits["train"])
             sources["val_files"] = sources["val_files"] or str(corpus.splits["validation"])
@@ -302,7 +278,7 @@ class SFTModule(LightningModule):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.model = GPT2LMHeadModel(config)
-        self.val_nll = MeanMetric()
+        self.val_nll = NextTokenNLL()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         """Logits of the causal LM."""
@@ -310,15 +286,16 @@ class SFTModule(LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Mean next-token loss of the batch (nats per token)."""
-        nll, n_tokens = next_token_nll(self.model, batch)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        nll, n_tokens = next_token_nll(self(ids, mask), ids, mask)
         loss = nll / n_tokens.clamp(min=1)
         self.log("train/loss", loss, prog_bar=True, batch_size=int(n_tokens))
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        """Accumulate the token-weighted validation loss."""
-        nll, n_tokens = next_token_nll(self.model, batch)
-        self.val_nll.update(nll / n_tokens.clamp(min=1), weight=n_tokens)
+        """Accumulate the validation loss over all tokens."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        self.val_nll.update(self(ids, mask), ids, mask)
 
     def on_validation_epoch_end(self) -> None:
         """Log ``val/loss`` and ``val/perplexity`` over the whole validation set."""

@@ -9,6 +9,11 @@ tokenizer with three special tokens:
 - ``<|eos|>``, which ends every training text (the model learns to stop);
 - ``<|pad|>``, with ``padding_side="left"`` saved in the tokenizer config, which is
   what batched generation needs (the SFT collate pads on the right by itself).
+
+:func:`pretrained_tokenizer` loads this or any saved or hub tokenizer as it was saved; the
+SFT (:func:`rlkl_lightning.world.sft.resolve_tokenizer`) and PPO
+(:func:`rlkl_lightning.models.load_tokenizer`, which then sets it up for generation) both
+load through it.
 """
 
 from __future__ import annotations
@@ -58,3 +63,23 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, max_length: in
         padding_side="left",
         model_max_length=max_length,
     )
+
+
+def pretrained_tokenizer(name_or_path: str, option: str = "tokenizer"):
+    """A tokenizer from a directory or the hub, as saved (``AutoTokenizer.from_pretrained``).
+
+    Args:
+        name_or_path: Local directory (``save_pretrained``) or hub name.
+        option: Name of the option that gave ``name_or_path``, for the error message.
+
+    Raises:
+        ValueError: If no tokenizer can be loaded from ``name_or_path``.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"`{option}`: could not load a tokenizer from {name_or_path!r}: {err}"
+        ) from err
