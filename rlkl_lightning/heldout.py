@@ -2,7 +2,8 @@
 
 The reference's perplexity is computed once per run (it never changes); the policy's at every
 validation. Both are ``exp`` of the mean next-token negative log-likelihood over the held-out
-tokens (torchmetrics ``Perplexity``), logged as ``val/perplexity`` and ``val/perplexity_ref``.
+tokens (:mod:`rlkl_lightning.perplexity`, the same metric the default world's SFT reports),
+logged as ``val/perplexity`` and ``val/perplexity_ref``.
 """
 
 from __future__ import annotations
@@ -12,49 +13,44 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
-from torchmetrics.text import Perplexity
 
 from rlkl_lightning.arguments import context_of
 from rlkl_lightning.models import lm_forward
+from rlkl_lightning.perplexity import NextTokenNLL
 
 
 class HeldoutPerplexity(LightningModule):
     """Validation of a module with ``policy``, ``reference``, ``tokenizer``, ``samples_seen``.
 
-    The metrics ``val_perplexity`` and ``ref_perplexity`` and the attribute
+    The metrics ``val_nll`` and ``ref_nll`` and the attribute
     ``reference_perplexity`` are created here; validation batches are ``{"text": list[str]}``.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.val_perplexity = Perplexity(ignore_index=-100)
-        self.ref_perplexity = Perplexity(ignore_index=-100)
+        self.val_nll = NextTokenNLL()
+        self.ref_nll = NextTokenNLL()
         self.reference_perplexity: float | None = None
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Accumulate held-out perplexity of the policy (and of the reference, once)."""
         ids, mask = self._encode_texts(list(batch["text"]))
-        # A target counts only if both it and the position predicting it are real tokens
-        # (with left padding, the pad just before BOS would otherwise "predict" BOS).
-        valid = mask[:, 1:].bool() & mask[:, :-1].bool()
-        labels = ids[:, 1:].masked_fill(~valid, -100)
         keep = ids.shape[1]
-        logits = lm_forward(self.policy, ids, mask, keep).logits[:, :-1].float()
-        self.val_perplexity.update(logits, labels)
+        self.val_nll.update(lm_forward(self.policy, ids, mask, keep).logits, ids, mask)
         if self.reference_perplexity is None and not self.trainer.sanity_checking:
             with torch.inference_mode():
-                ref_logits = lm_forward(self.reference, ids, mask, keep).logits[:, :-1].float()
-            self.ref_perplexity.update(ref_logits.clone(), labels)
+                ref_logits = lm_forward(self.reference, ids, mask, keep).logits
+            self.ref_nll.update(ref_logits.clone(), ids, mask)
 
     def on_validation_epoch_end(self) -> None:
         """Log ``val/perplexity`` and ``val/perplexity_ref`` (the reference's is computed once)."""
-        policy_ppl = self.val_perplexity.compute()
-        self.val_perplexity.reset()
+        policy_ppl = self.val_nll.compute().exp()
+        self.val_nll.reset()
         if self.trainer.sanity_checking:
             return
         if self.reference_perplexity is None:
-            self.reference_perplexity = float(self.ref_perplexity.compute())
-            self.ref_perplexity.reset()
+            self.reference_perplexity = float(self.ref_nll.compute().exp())
+            self.ref_nll.reset()
         self.log("val/perplexity", policy_ppl, on_epoch=True)
         self.log("val/perplexity_ref", torch.tensor(self.reference_perplexity), on_epoch=True)
         self.log("progress/samples_at_val", torch.tensor(float(self.samples_seen)), on_epoch=True)
