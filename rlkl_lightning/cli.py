@@ -7,17 +7,15 @@ callbacks the CLI adds to the trainer. The initial beta is the model's ``init_kl
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from rlkl_lightning.arguments import default_of
 from rlkl_lightning.controllers import (
     KL_LAWS,
     AdaptiveKLController,
@@ -29,11 +27,6 @@ from rlkl_lightning.controllers import (
 from rlkl_lightning.drift_monitor import KLDriftMonitor
 from rlkl_lightning.kl_callback import UNIT_NAMES, KLControllerCallback
 from rlkl_lightning.resumable import check_checkpoint
-
-
-def default_of(function: Callable, name: str) -> Any:
-    """The default of parameter ``name`` of ``function``: a default is written once, there."""
-    return inspect.signature(function).parameters[name].default
 
 
 @dataclass

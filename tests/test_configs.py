@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from rlkl_lightning.arguments import defaults_of
 from rlkl_lightning.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +47,9 @@ def test_every_config_opens_with_what_it_runs_and_the_command(config):
 
 
 def _defaults(target) -> dict[str, Any]:
-    parameters = inspect.signature(target).parameters.values()
-    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    # Through **kwargs into the parents' signatures: PPOModule's defaults include RLPipeline's.
+    found = defaults_of(target)
+    return {name: d for name, d in found.items() if d is not inspect.Parameter.empty}
 
 
 def _restated(args: dict, defaults: dict[str, Any], where: str) -> list[str]:

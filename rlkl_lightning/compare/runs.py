@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from lightning.pytorch import Callback
 
+from rlkl_lightning.arguments import default_of
+
 if TYPE_CHECKING:
     from rlkl_lightning.compare import StudyConfig
 
@@ -110,12 +112,13 @@ def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
     if not path:
         raise ValueError(f"compare: the config has no `{group}.class_path`")
     module, _, cls = path.rpartition(".")
-    parameter = inspect.signature(getattr(importlib.import_module(module), cls)).parameters.get(
-        name
-    )
-    if parameter is None or parameter.default is inspect.Parameter.empty:
+    try:
+        default = default_of(getattr(importlib.import_module(module), cls), name)
+    except KeyError:
+        default = inspect.Parameter.empty
+    if default is inspect.Parameter.empty:
         raise ValueError(f"compare: `{group}.init_args.{name}` is needed and has no default")
-    return parameter.default
+    return default
 
 
 def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
