@@ -18,8 +18,9 @@ LR_SCHEDULES = ("constant", "linear")
 def defaults_of(function: Callable) -> dict[str, Any]:
     """Every parameter of a function or class, with its default: each is written once.
 
-    A parameter without a default maps to ``inspect.Parameter.empty``. For a class whose ``__init__`` forwards ``**kwargs`` to its parent (``PPOModule`` to
-    ``RLPipeline``), the parents' parameters are included, searched in method resolution order.
+    A parameter without a default maps to ``inspect.Parameter.empty``. For a class whose
+    ``__init__`` forwards ``**kwargs`` to its parent (``PPOModule`` to ``RLPipeline``), the
+    parents' parameters are included, searched in method resolution order.
     """
     found: dict[str, Any] = {}
     owners = inspect.getmro(function) if inspect.isclass(function) else (function,)
