@@ -1,8 +1,9 @@
 """Record every logged training number of the two PPO configs, or compare them with a record.
 
 A refactor must not change behaviour. This script runs ``configs/ppo_adaptive.yaml`` and
-``configs/ppo_fixed.yaml`` at seed 0 for 20 batches (validation every 10), reads every scalar
-back from the TensorBoard event files and writes them, as exact float32 hex, to a JSON file.
+``configs/ppo_fixed.yaml`` at seed 0 for 20 batches (``--batches``; validation every 10), reads
+every scalar back from the TensorBoard event files and writes them, as exact float32 hex, to a
+JSON file.
 Timings (``perf/*``) are left out. Run it before a change with ``--record`` and after it with
 ``--compare``; any value that differs by a single bit is listed and the exit code is 1.
 
@@ -34,7 +35,9 @@ def _hex(value: float) -> str:
     return struct.pack(">f", value).hex()
 
 
-def record(threads: int, extra: list[str]) -> dict[str, dict[str, dict[str, str]]]:
+def record(
+    threads: int, extra: list[str], batches: int = BATCHES
+) -> dict[str, dict[str, dict[str, str]]]:
     """Run every config (in parallel, ``threads`` torch threads each) and read its scalars."""
     sys.path.insert(0, str(ROOT))
     from rlkl_lightning.compare.events import read_scalars
@@ -53,7 +56,7 @@ def record(threads: int, extra: list[str]) -> dict[str, dict[str, dict[str, str]
             "--seed_everything",
             "0",
             "--trainer.max_steps",
-            str(BATCHES * OPTIMIZER_STEPS_PER_BATCH),
+            str(batches * OPTIMIZER_STEPS_PER_BATCH),
             "--trainer.val_check_interval",
             "10",
             "--trainer.enable_checkpointing",
@@ -109,9 +112,10 @@ def main() -> None:
     what.add_argument("--record", type=Path, help="write the numbers to this JSON file")
     what.add_argument("--compare", type=Path, help="compare the numbers with this JSON file")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--batches", type=int, default=BATCHES, help="training batches per run")
     parser.add_argument("extra", nargs="*", help="further train.py arguments for every run")
     args = parser.parse_args()
-    numbers = record(args.threads, args.extra)
+    numbers = record(args.threads, args.extra, args.batches)
     n_values = sum(len(s) for run in numbers.values() for s in run.values())
     if args.record:
         args.record.write_text(json.dumps(numbers, indent=1))
