@@ -120,12 +120,15 @@ class PromptDataModule(LightningDataModule):
             from rlkl_lightning.world import build_world
 
             world = build_world(self.world, progress=False)
+        # An over-long prompt keeps its end (the pipeline cuts prompts on the left), or its
+        # start when only its first words are used.
+        keep = "start" if hp.prompt_words else "end"
         if hp.prompts == "default":
             prompts = load_texts(
-                str(world.prompts_file), hp.prompt_column, column_option="prompt_column"
+                str(world.prompts_file), hp.prompt_column, column_option="prompt_column", keep=keep
             )
         else:
-            prompts = load_texts(hp.prompts, hp.prompt_column, split=hp.prompt_split)
+            prompts = load_texts(hp.prompts, hp.prompt_column, split=hp.prompt_split, keep=keep)
         prompts = self._subset(prompts, hp.num_prompts, hp.prompt_words, salt=0)
         self.prompt_dataset = _as_dataset("prompt", prompts)
         if hp.heldout is None:

@@ -288,7 +288,7 @@ def test_prompts_longer_than_max_prompt_tokens_are_cut_on_the_left_and_warn(tiny
 def test_unreadable_data_file_names_the_option(tmp_path):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"text": "fine"}\n{not json\n')
-    with pytest.raises(ValueError, match=r"could not read `prompts` .*prompts.jsonl"):
+    with pytest.raises(ValueError, match=r"`prompts` file '.*prompts.jsonl' line 2 is not JSON"):
         PromptDataModule(prompts=str(bad), heldout=None).setup("fit")
 
 
