@@ -3,6 +3,10 @@
 Beside Lightning's ``model``, ``data`` and ``trainer`` groups the CLI has a ``kl`` group: the
 KL target is given there once and shared by the controller and the drift monitor, whose
 callbacks the CLI adds to the trainer. The initial beta is the model's ``init_kl_coef``.
+
+Checkpoints are not trusted (README, "Security"): every subcommand restores with
+``weights_only=True``, ``--ckpt_path`` is checked before anything loads it, and no setting is
+taken from a checkpoint.
 """
 
 from __future__ import annotations
@@ -143,6 +147,9 @@ class RLKLCLI(LightningCLI):
         alone builds the model. The subcommand's ``weights_only`` is set to True (Lightning
         restores with it; ``false`` is refused), and a ``--ckpt_path`` file is checked before
         anything loads it (``last`` in :meth:`before_fit`, once resolved).
+
+        Overrides LightningCLI's (private) step that runs right after the arguments are parsed;
+        ``tests/test_untrusted_files.py`` fails if Lightning stops calling it.
         """
         subcommand = self.config.get("subcommand")
         if not subcommand:
