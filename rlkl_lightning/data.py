@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
-from rlkl_lightning.resumable import EpochShuffleSampler, RankShardSampler, ResumableDataLoader
+from rlkl_lightning.resumable import (
+    EpochShuffleSampler,
+    RankShardSampler,
+    ResumableDataLoader,
+    plain,
+)
 from rlkl_lightning.texts import first_words, load_texts
 from rlkl_lightning.world.config import WorldConfig
 
@@ -96,6 +101,7 @@ class PromptDataModule(LightningDataModule):
             if not column:
                 raise ValueError(f"PromptDataModule: `{name}` must be a non-empty column name")
         self.save_hyperparameters(ignore=["world"])
+        self.hparams.update(plain(dict(self.hparams)))  # paths as str: see resumable.plain
         self.world = world
         self.prompt_dataset: datasets.Dataset | None = None
         self.heldout_dataset: datasets.Dataset | None = None

@@ -251,6 +251,7 @@ def test_checkpoints_of_modules_given_paths_and_numpy_numbers_load_weights_only(
         **ppo_args(Path(tiny_lm_dir), reward=FunctionReward(reward), lr=np.float64(1e-3))
     )
     data = PromptDataModule(prompts=prompts, heldout=None, batch_size=BATCH)
+    assert data.hparams.prompts == str(prompts)  # plain already: any module's checkpoint loads
     trainer(tmp_path / "ppo").fit(module, data)
     checkpoint = torch.load(tmp_path / "ppo" / "last.ckpt", weights_only=True)
     assert checkpoint["hyper_parameters"]["policy"] == str(tiny_lm_dir)

@@ -139,6 +139,7 @@ class SFTDataModule(LightningDataModule):
         if batch_size < 1:
             raise ValueError(f"SFTDataModule: `batch_size` must be >= 1, got {batch_size}")
         self.save_hyperparameters(ignore=["world"])
+        self.hparams.update(plain(dict(self.hparams)))  # paths as str: see resumable.plain
         self.world = world
         self.train_data: list[list[int]] | None = None
         self.train_batches: list[list[list[int]]] | None = None
