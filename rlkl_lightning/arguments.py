@@ -75,6 +75,7 @@ def _none_or_positive(x: Any) -> bool:
 
 #: The rules of :class:`~rlkl_lightning.pipeline.RLPipeline`'s arguments.
 PIPELINE_RULES = [
+    ("trust_remote_code", lambda x: isinstance(x, bool), "True or False"),
     ("kl_estimator", lambda x: x in KL_ESTIMATORS, f"one of {KL_ESTIMATORS}"),
     ("lr_schedule", lambda x: x in LR_SCHEDULES, f"one of {LR_SCHEDULES}"),
     ("init_kl_coef", _finite_above(0, strict=False), "a finite number >= 0"),

@@ -3,6 +3,10 @@
 Beside Lightning's ``model``, ``data`` and ``trainer`` groups the CLI has a ``kl`` group: the
 KL target is given there once and shared by the controller and the drift monitor, whose
 callbacks the CLI adds to the trainer. The initial beta is the model's ``init_kl_coef``.
+
+Checkpoints are not trusted (README, "Security"): every subcommand restores with
+``weights_only=True``, ``--ckpt_path`` is checked before anything loads it, and no setting is
+taken from a checkpoint.
 """
 
 from __future__ import annotations
@@ -135,13 +139,39 @@ class RLKLCLI(LightningCLI):
             trainer.callbacks[:0] = kl.callbacks(float(init_kl_coef))
         return trainer
 
-    def before_fit(self) -> None:
-        """Check ``--ckpt_path`` (a file, or ``last`` once resolved) before anything loads it."""
-        path = self._get(self.config_init, "ckpt_path")
-        if path == "last":
-            path = _last_checkpoint(self.trainer)
-        if path is not None and path not in ("best", "hpc", "registry"):
+    def _parse_ckpt_path(self) -> None:
+        """Open checkpoints with ``weights_only=True``, check ``--ckpt_path``, take no settings.
+
+        LightningCLI would read a checkpoint's hyperparameters into the model's config, its
+        ``class_path`` included; a checkpoint is not trusted (README, "Security"), so the config
+        alone builds the model. The subcommand's ``weights_only`` is set to True (Lightning
+        restores with it; ``false`` is refused), and a ``--ckpt_path`` file is checked before
+        anything loads it (``last`` in :meth:`before_fit`, once resolved).
+
+        Overrides LightningCLI's (private) step that runs right after the arguments are parsed;
+        ``tests/test_untrusted_files.py`` fails if Lightning stops calling it.
+        """
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        config = self.config[subcommand]
+        if config.get("weights_only") is False:
+            raise ValueError(
+                "`weights_only` must be true or unset: checkpoints are opened without running "
+                "code from them (README, 'Security')"
+            )
+        config["weights_only"] = True
+        path = config.get("ckpt_path")
+        named = str(path).partition(":")[0] in ("last", "best", "hpc", "registry")
+        if path is not None and not named:
             check_checkpoint(path)
+
+    def before_fit(self) -> None:
+        """Check ``--ckpt_path last`` once resolved, before anything loads it."""
+        if self._get(self.config_init, "ckpt_path") == "last":
+            path = _last_checkpoint(self.trainer)
+            if path is not None:
+                check_checkpoint(path)
 
 
 def _last_checkpoint(trainer: Trainer) -> str | None:

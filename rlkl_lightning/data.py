@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
-from rlkl_lightning.resumable import EpochShuffleSampler, RankShardSampler, ResumableDataLoader
+from rlkl_lightning.resumable import (
+    EpochShuffleSampler,
+    RankShardSampler,
+    ResumableDataLoader,
+    plain,
+)
 from rlkl_lightning.texts import first_words, load_texts
 from rlkl_lightning.world.config import WorldConfig
 
@@ -96,6 +101,7 @@ class PromptDataModule(LightningDataModule):
             if not column:
                 raise ValueError(f"PromptDataModule: `{name}` must be a non-empty column name")
         self.save_hyperparameters(ignore=["world"])
+        self.hparams.update(plain(dict(self.hparams)))  # paths as str: see resumable.plain
         self.world = world
         self.prompt_dataset: datasets.Dataset | None = None
         self.heldout_dataset: datasets.Dataset | None = None
@@ -120,12 +126,15 @@ class PromptDataModule(LightningDataModule):
             from rlkl_lightning.world import build_world
 
             world = build_world(self.world, progress=False)
+        # An over-long prompt keeps its end (the pipeline cuts prompts on the left), or its
+        # start when only its first words are used.
+        keep = "start" if hp.prompt_words else "end"
         if hp.prompts == "default":
             prompts = load_texts(
-                str(world.prompts_file), hp.prompt_column, column_option="prompt_column"
+                str(world.prompts_file), hp.prompt_column, column_option="prompt_column", keep=keep
             )
         else:
-            prompts = load_texts(hp.prompts, hp.prompt_column, split=hp.prompt_split)
+            prompts = load_texts(hp.prompts, hp.prompt_column, split=hp.prompt_split, keep=keep)
         prompts = self._subset(prompts, hp.num_prompts, hp.prompt_words, salt=0)
         self.prompt_dataset = _as_dataset("prompt", prompts)
         if hp.heldout is None:

@@ -46,7 +46,7 @@ def resolve_model_path(name_or_path: str, option: str = "policy") -> str:
     return expanded
 
 
-def load_tokenizer(name_or_path: str, option: str = "tokenizer"):
+def load_tokenizer(name_or_path: str, option: str = "tokenizer", trust_remote_code: bool = False):
     """Load a tokenizer for generation: left padding, and a pad token (warns when one is added).
 
     Loaded with :func:`rlkl_lightning.world.tokenizer.pretrained_tokenizer`, the loader the
@@ -55,10 +55,12 @@ def load_tokenizer(name_or_path: str, option: str = "tokenizer"):
     Args:
         name_or_path: ``"default"``, a local directory or a hub name.
         option: Name of the option that gave ``name_or_path``, for messages.
+        trust_remote_code: Run tokenizer code shipped with the model (off: refused).
     """
     from rlkl_lightning.world.tokenizer import pretrained_tokenizer
 
-    tokenizer = pretrained_tokenizer(resolve_model_path(name_or_path, option), option)
+    path = resolve_model_path(name_or_path, option)
+    tokenizer = pretrained_tokenizer(path, option, trust_remote_code)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(
@@ -76,23 +78,35 @@ def load_tokenizer(name_or_path: str, option: str = "tokenizer"):
 
 
 def load_causal_lm(
-    name_or_path: str, dtype: torch.dtype | None = None, option: str = "policy"
+    name_or_path: str,
+    dtype: torch.dtype | None = None,
+    option: str = "policy",
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """Load a causal LM with dropout switched off (PPO ratios must be 1 before the first update).
+
+    A model directory is not trusted (README, "Security"): code shipped with the model runs
+    only with ``trust_remote_code``, weights come from ``*.safetensors`` where the directory has
+    them, and a pickled ``*.bin`` is opened with ``weights_only=True`` (no code runs).
 
     Args:
         name_or_path: ``"default"``, a local directory or a hub name.
         dtype: Weight dtype (None: as saved).
         option: Name of the option that gave ``name_or_path``, for error messages.
+        trust_remote_code: Run modelling code shipped with the model (off: such models are
+            refused with an error; never a prompt).
     """
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path, option)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError, TypeError) as err:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, weights_only=True
+        )
+    except Exception as err:  # OSError, ValueError, UnpicklingError, SafetensorError, ...
         raise ValueError(
-            f"`{option}`: could not load a causal LM from {name_or_path!r}: {err}"
+            f"`{option}`: could not load a causal LM from {name_or_path!r}: "
+            f"{type(err).__name__}: {err}"
         ) from err
     disable_dropout(model)
     fuse_tanh_gelu(model)

@@ -26,6 +26,7 @@ from rlkl_lightning.masked import masked_mean, masked_whiten
 from rlkl_lightning.models import ValueHead, hidden_size_of, load_causal_lm, trunk_forward
 from rlkl_lightning.pipeline import RLPipeline
 from rlkl_lightning.ppo_loss import entropy_from_logits, policy_loss, value_loss
+from rlkl_lightning.resumable import plain
 from rlkl_lightning.trajectory import Trajectory
 
 
@@ -63,12 +64,14 @@ class PPOModule(RLPipeline):
         own = {k: v for k, v in locals().items() if k not in ("self", "__class__", "kwargs")}
         check_all(self.owner, own, PPO_RULES)  # before the models load, like the shared ones
         super().__init__(**kwargs)
-        self.hparams.update(own)
+        self.hparams.update(plain(own))
         if value_model is None:
             self.value_trunk = None
             self.value_head = ValueHead(hidden_size_of(self.policy))
         else:
-            self.value_trunk = load_causal_lm(value_model, option="value_model")
+            self.value_trunk = load_causal_lm(
+                value_model, option="value_model", trust_remote_code=self.hparams.trust_remote_code
+            )
             self.value_head = ValueHead(hidden_size_of(self.value_trunk))
 
     def values(self, traj: Trajectory, policy_hidden: Tensor) -> Tensor:

@@ -43,7 +43,7 @@ from rlkl_lightning.models import (
     load_tokenizer,
 )
 from rlkl_lightning.ppo_loss import entropy_from_logits
-from rlkl_lightning.resumable import ResumableModule
+from rlkl_lightning.resumable import ResumableModule, plain
 from rlkl_lightning.rewards import (
     RewardModel,
     RewardShapeError,
@@ -68,6 +68,9 @@ class RLPipeline(ResumableModule, HeldoutPerplexity):
         reference: reference model name or directory; defaults to a frozen copy of the policy.
         reward: the reward model, called as ``reward(prompts, responses) -> [B]`` scores;
             defaults to the VADER sentiment of the response.
+        trust_remote_code: run code shipped with the policy, reference, value model or
+            tokenizer (their own modelling files); off, such a model is refused with an error.
+            Set it only for model directories and hub repositories you trust.
         init_kl_coef: beta before any controller update (a ``KLControllerCallback`` overwrites
             ``kl_coef`` at fit start with its controller's value).
         kl_estimator: per-token KL in the reward and in ``objective/kl``: ``k1``, ``k2``,
@@ -107,6 +110,7 @@ class RLPipeline(ResumableModule, HeldoutPerplexity):
         tokenizer: str | None = None,
         reference: str | None = None,
         reward: RewardModel | None = None,
+        trust_remote_code: bool = False,
         init_kl_coef: float = 0.1,
         kl_estimator: str = "k1",
         max_prompt_tokens: int = 64,
@@ -134,14 +138,20 @@ class RLPipeline(ResumableModule, HeldoutPerplexity):
         check_pipeline_args(self.owner, args)
         self.save_hyperparameters(ignore=["reward"])
         # LightningCLI saves a subclass's own arguments as the hyperparameters; the settings
-        # read from `hparams` must be the ones this module was built with.
-        self.hparams.update({k: v for k, v in args.items() if k != "reward"})
+        # read from `hparams` must be the ones this module was built with. Plain values (a
+        # numpy lr would reach the optimizer's state): checkpoints load with weights_only=True.
+        self.hparams.update(plain({k: v for k, v in args.items() if k != "reward"}))
         self.automatic_optimization = False
 
-        self.tokenizer = load_tokenizer(tokenizer or policy, "tokenizer" if tokenizer else "policy")
-        self.policy = load_causal_lm(policy, option="policy")
+        trust = {"trust_remote_code": trust_remote_code}
+        self.tokenizer = load_tokenizer(
+            tokenizer or policy, "tokenizer" if tokenizer else "policy", **trust
+        )
+        self.policy = load_causal_lm(policy, option="policy", **trust)
         self.reference = freeze(
-            load_causal_lm(reference, option="reference") if reference else frozen_copy(self.policy)
+            load_causal_lm(reference, option="reference", **trust)
+            if reference
+            else frozen_copy(self.policy)
         )
         vocab = [getattr(m.config, "vocab_size", None) for m in (self.reference, self.policy)]
         if vocab[0] != vocab[1]:

@@ -21,12 +21,22 @@ would have drawn:
 Lightning tries to restore it (``RLKLCLI`` calls it for ``--ckpt_path``), and
 :func:`check_checkpoint_weights` a checkpoint of another model. :func:`rng_states` and
 :func:`restore_rng_states` carry every rank's random stream across a resume.
+
+Checkpoints are not trusted (README, "Security"): they are opened with
+``torch.load(weights_only=True)``, which builds tensors and plain Python values and refuses any
+other object instead of running the code its pickle names. Everything these modules store loads
+that way: RNG states are tensors, counters and controller states plain numbers, and
+:func:`plain` turns the hyperparameters into plain values when a checkpoint is saved.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 import os
+import pickle
+import re
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,18 +172,21 @@ class ResumableDataLoader(DataLoader):
 def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> None:
     """Raise a clear error if ``path`` is not a readable Lightning checkpoint.
 
-    The file is opened the way Lightning will open it (``torch.load`` on the CPU, memory-mapped
-    when it is a zip archive, so large checkpoints are not read twice) and must hold a dict
-    with ``state_dict`` and ``pytorch-lightning_version``. Whether its weights fit the model is
-    checked later, when the model restores them (``PPOModule.on_load_checkpoint``).
+    The file is opened the way ``RLKLCLI`` has Lightning open it (``torch.load`` on the CPU with
+    ``weights_only=True``, memory-mapped when it is a zip archive, so large checkpoints are not
+    read twice): a pickled object that is not a tensor or a plain value is refused, never
+    built. It must hold a dict with ``state_dict`` and ``pytorch-lightning_version``. Whether
+    its weights fit the model is checked later, when the model restores them
+    (``PPOModule.on_load_checkpoint``).
 
     Args:
         path: The checkpoint file.
         option: Name of the option that gave ``path``, for the message.
 
     Raises:
-        ValueError: If the file is missing, empty, truncated, not a torch file or not a
-            Lightning checkpoint; the message lists the other checkpoints in its directory.
+        ValueError: If the file is missing, empty, truncated, not a torch file, holds objects
+            that ``weights_only=True`` refuses, or is not a Lightning checkpoint; the message
+            lists the other checkpoints in its directory.
     """
     file = Path(path).expanduser()
 
@@ -196,17 +209,72 @@ def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> None
         raise fail("is empty (the run may have been killed while writing it)")
     try:
         checkpoint = torch.load(
-            file, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(file)
+            file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file)
         )
     except Exception as err:  # torch raises many types for a damaged file
+        text = str(err)
+        unsafe = re.search(r"GLOBAL ([\w.]+)", text)
+        if isinstance(err, pickle.UnpicklingError) and unsafe:
+            raise fail(
+                f"holds a pickled object ({unsafe.group(1)}) that only running code could "
+                "rebuild: checkpoints are opened with torch.load(weights_only=True), which "
+                "loads tensors and plain values and never runs code from the file (README, "
+                "'Security')"
+            ) from err
+        reason = re.search(r"WeightsUnpickler error:\s*(\S.*)", text)  # not torch's advice
         raise fail(
-            f"cannot be read: it is truncated or corrupt ({type(err).__name__}: {err})"
+            "cannot be read: it is truncated or corrupt "
+            f"({type(err).__name__}: {reason.group(1) if reason else text})"
         ) from err
     if not isinstance(checkpoint, dict):
         raise fail(f"holds a {type(checkpoint).__name__}, not a Lightning checkpoint (a dict)")
     missing = [k for k in ("state_dict", "pytorch-lightning_version") if k not in checkpoint]
     if missing:
         raise fail(f"is not a Lightning checkpoint (no {missing})")
+
+
+def plain(value: Any) -> Any:
+    """``value`` as types ``torch.load(weights_only=True)`` opens: for hyperparameters.
+
+    ``save_hyperparameters`` keeps the arguments as given; a ``pathlib.Path``, a numpy number,
+    an enum or a dataclass (a ``WorldConfig``) would make the checkpoint unloadable with
+    ``weights_only=True``. Paths become strings, numpy numbers and arrays Python numbers and
+    lists, enums their value, dataclasses and mappings dicts, sets lists; tensors, dtypes and
+    devices stay; any other object becomes its ``repr`` (hyperparameters in a checkpoint are a
+    record: ``RLKLCLI`` builds nothing from them on resume).
+    """
+    if value is None or type(value) in (bool, int, float, complex, str, bytes):
+        return value
+    if isinstance(value, Tensor | torch.dtype | torch.device):
+        return value
+    if isinstance(value, enum.Enum):
+        return plain(value.value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return plain(value.tolist())
+    for kind in (bool, int, float, str):  # subclasses, e.g. numpy.float64 is a float
+        if isinstance(value, kind):
+            return kind(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain(dataclasses.asdict(value))
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):  # a NamedTuple
+        return plain(value._asdict())
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, set | frozenset):
+        value = sorted(value, key=repr)
+    if isinstance(value, list | tuple):
+        items = [plain(v) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    return repr(value)
+
+
+def plain_hyperparameters(checkpoint: dict[str, Any]) -> None:
+    """Make the module's and the datamodule's hyperparameters in ``checkpoint`` :func:`plain`."""
+    for key in ("hyper_parameters", "datamodule_hyper_parameters"):
+        if key in checkpoint:
+            checkpoint[key] = plain(checkpoint[key])
 
 
 def rng_states(trainer: Trainer | None, device: torch.device) -> dict[str, list[Tensor]]:
@@ -323,7 +391,8 @@ class ResumableModule(LightningModule):
             setattr(self, name, 0)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Store counters, beta and RNG states; drop the frozen reference."""
+        """Store counters, beta and RNG states; drop the frozen reference; plain hparams."""
+        plain_hyperparameters(checkpoint)
         checkpoint["state_dict"] = {
             k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("reference.")
         }

@@ -182,6 +182,8 @@ class SequenceClassifierReward:
         max_length: Maximum tokens per text (``>= 1``).
         text: What is classified: ``"response"`` alone, or ``"prompt+response"``
             concatenated (the response continues the prompt).
+        trust_remote_code: Run code shipped with the classifier or its tokenizer; off, such a
+            model is refused with an error. Set it only for models you trust.
     """
 
     def __init__(
@@ -193,6 +195,7 @@ class SequenceClassifierReward:
         batch_size: int = 32,
         max_length: int = 512,
         text: Literal["response", "prompt+response"] = "response",
+        trust_remote_code: bool = False,
     ) -> None:
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
@@ -202,6 +205,8 @@ class SequenceClassifierReward:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
+        if not isinstance(trust_remote_code, bool):
+            raise ValueError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.name = str(model)
@@ -210,7 +215,8 @@ class SequenceClassifierReward:
         self.max_length = max_length
         self.text = text
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or model))
+        trust = {"trust_remote_code": trust_remote_code}
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or model), **trust)
         if self.tokenizer.pad_token is None:
             if self.tokenizer.eos_token is None:
                 raise ValueError(
@@ -223,7 +229,15 @@ class SequenceClassifierReward:
 
         from rlkl_lightning.models import fuse_tanh_gelu
 
-        self.model = AutoModelForSequenceClassification.from_pretrained(str(model))
+        try:
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                str(model), weights_only=True, **trust
+            )
+        except Exception as err:  # OSError, ValueError, UnpicklingError, SafetensorError, ...
+            raise ValueError(
+                f"SequenceClassifierReward: could not load a sequence classifier from "
+                f"`model` {self.name!r}: {type(err).__name__}: {err}"
+            ) from err
         fuse_tanh_gelu(self.model)  # same activation in one kernel (models.fuse_tanh_gelu)
         self.model.eval()
         self.model.requires_grad_(False)

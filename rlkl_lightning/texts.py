@@ -6,14 +6,36 @@ a local dataset directory, or any other string: a dataset on the Hugging Face hu
 (``"imdb"``), loaded with ``datasets.load_dataset(name, split=...)``. Both the PPO prompts
 (:mod:`rlkl_lightning.data`) and the SFT texts (:mod:`rlkl_lightning.world.sft`) come
 through :func:`load_texts`.
+
+Local files are not trusted (README, "Security") and are checked before ``datasets`` parses
+them, so a bad file gives an error that names the option and the file instead of failing
+deep inside a parser:
+
+* text files (every type but ``.parquet``) must be UTF-8 without NUL bytes: the check streams
+  the file (1 MiB at a time) and names the line of the first bad byte;
+* JSON files must hold JSON objects (one per line, or in one list), parsed with Python's
+  ``json`` first: pyarrow's JSON reader, which ``datasets`` uses, crashes the process on a
+  ``null`` row;
+* a directory must hold data files of one supported type (hidden files and ``*.md`` aside);
+* a parser's error (a CSV row with too many fields, a JSON line that is not an object, values
+  of changing types) is reported with the file and the parser's reason.
+
+What is read is bounded: empty texts are dropped (counted in a warning), and a text longer
+than :data:`MAX_TEXT_CHARS` characters is cut to that many (its start, or its end for
+prompts, which are cut on the left to ``max_prompt_tokens`` later), so no tokenizer ever sees
+a 50 MB line. ``datasets`` parses local files into a temporary cache that is deleted once the
+texts are read, so nothing from them stays on disk.
 """
 
 from __future__ import annotations
 
+import codecs
 import contextlib
+import json
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import datasets
@@ -28,6 +50,15 @@ FILE_BUILDERS = {
     ".parquet": "parquet",
 }
 
+#: Longest text kept, in characters; longer ones are cut when read (see :func:`load_texts`).
+#: About 25,000 English tokens: far above any prompt, and above the context of the models
+#: this library trains on a CPU.
+MAX_TEXT_CHARS = 100_000
+
+_SCAN_BYTES = 1 << 20  # read size of the UTF-8 / NUL check
+_NEWLINE = b"\n"
+_MAX_REASON = 300  # characters of a parser's message quoted in an error
+
 
 def load_texts(
     source: str | Sequence[str],
@@ -37,6 +68,8 @@ def load_texts(
     owner: str = "PromptDataModule",
     source_option: str = "prompts",
     column_option: str = "prompt_column",
+    keep: Literal["start", "end"] = "start",
+    max_chars: int = MAX_TEXT_CHARS,
 ) -> list[str]:
     """Read one text column from local files, a local dataset directory or the hub.
 
@@ -47,38 +80,63 @@ def load_texts(
         owner: Class name used in error messages.
         source_option: Option name of ``source`` used in error messages.
         column_option: Option name of ``column`` used in error messages.
+        keep: Which end of a text longer than ``max_chars`` is kept: ``"start"`` (texts that
+            are cut on the right later, e.g. to a model's context) or ``"end"`` (prompts,
+            cut on the left).
+        max_chars: Longest text kept, in characters (warned once per source when texts are
+            cut).
 
     Returns:
         The non-empty texts, stripped of surrounding whitespace, in file order.
 
     Raises:
-        ValueError: A file is missing or has an unsupported suffix, the column is
-            missing or not text, or nothing is left.
+        ValueError: A file is missing, has an unsupported suffix, is not UTF-8 text or holds
+            NUL bytes, cannot be parsed; a directory mixes file types; the column is missing
+            or not text, or nothing is left. The message names the option and the file.
     """
-    dataset, where = _load_dataset(source, split, owner, source_option)
-    if column not in dataset.column_names:
-        raise ValueError(
-            f"{owner}: `{column_option}` {column!r} not found in {where}; "
-            f"available columns: {dataset.column_names}"
-        )
-    texts = []
-    for value in dataset[column]:
-        if value is None:
-            continue
-        if not isinstance(value, str):
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    with tempfile.TemporaryDirectory(prefix="rlkl-texts-", ignore_cleanup_errors=True) as cache:
+        dataset, where = _load_dataset(source, split, owner, source_option, cache)
+        if column not in dataset.column_names:
+            raise ValueError(
+                f"{owner}: `{column_option}` {column!r} not found in {where}; "
+                f"available columns: {dataset.column_names}"
+            )
+        values = list(dataset[column])  # read before the temporary cache goes
+    texts, dropped, cut = [], 0, 0
+    for value in values:
+        if value is not None and not isinstance(value, str):
             raise ValueError(
                 f"{owner}: `{column_option}` {column!r} in {where} holds "
                 f"{type(value).__name__} values, not text"
             )
-        if value.strip():
-            texts.append(value.strip())
+        text = value.strip() if value is not None else ""
+        if not text:
+            dropped += 1
+            continue
+        if len(text) > max_chars:
+            cut += 1
+            text = text[:max_chars] if keep == "start" else text[-max_chars:]
+        texts.append(text)
     if not texts:
         raise ValueError(f"{owner}: no non-empty texts in column {column!r} of {where}")
+    if dropped:
+        rank_zero_warn(
+            f"{owner}: dropped {dropped:,} empty texts of {where} ({len(texts):,} kept)",
+            category=RuntimeWarning,
+        )
+    if cut:
+        rank_zero_warn(
+            f"{owner}: {cut:,} texts of {where} are longer than {max_chars:,} characters; "
+            f"each keeps its {'first' if keep == 'start' else 'last'} {max_chars:,}",
+            category=RuntimeWarning,
+        )
     return texts
 
 
 def _load_dataset(
-    source: str | Sequence[str], split: str, owner: str, option: str
+    source: str | Sequence[str], split: str, owner: str, option: str, cache: str
 ) -> tuple[datasets.Dataset, str]:
     import datasets
 
@@ -91,7 +149,7 @@ def _load_dataset(
         if not local:  # a hub dataset name, e.g. "imdb"
             name = str(files[0])
             try:
-                return datasets.load_dataset(name, split=split), f"hub dataset {name!r}"
+                return datasets.load_dataset(name, split=split), f"`{option}` hub dataset {name!r}"
             except Exception as error:  # offline, unknown name, unknown split, ...
                 raise ValueError(
                     f"{owner}: `{option}` {name!r} is not a local file or directory, and "
@@ -101,12 +159,14 @@ def _load_dataset(
             if not path.exists():
                 raise ValueError(f"{owner}: `{option}` file not found: {str(path)!r}")
         if len(paths) == 1 and paths[0].is_dir():
+            where = f"`{option}` directory {str(paths[0])!r}"
+            data_files = _check_directory(paths[0], owner, option)
             try:
-                return datasets.load_dataset(str(paths[0]), split=split), f"{paths[0]}"
+                return datasets.load_dataset(str(paths[0]), split=split, cache_dir=cache), where
             except Exception as error:
                 raise ValueError(
-                    f"{owner}: `{option}` directory {str(paths[0])!r} could not be loaded "
-                    f"as a dataset (split {split!r}): {error}"
+                    f"{owner}: {where} could not be loaded as a dataset (split {split!r}, "
+                    f"{len(data_files)} data files): {_reason(error)}"
                 ) from error
         suffixes = {p.suffix.lower() for p in paths}
         unknown = sorted(suffixes - FILE_BUILDERS.keys())
@@ -120,28 +180,181 @@ def _load_dataset(
             raise ValueError(
                 f"{owner}: `{option}` mixes file types {sorted(suffixes)}; use one type"
             )
+        for path in paths:
+            _check_text_file(path, owner, option)
         builder = builders.pop()
         kwargs = {"sep": "\t"} if suffixes == {".tsv"} else {}
-        where = f"{option} file {paths[0].name}" if len(paths) == 1 else f"{option} files"
+        names = ", ".join(p.name for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+        where = f"`{option}` file{'s' if len(paths) > 1 else ''} {names}"
         try:
             data = datasets.load_dataset(
-                builder, data_files=[str(p) for p in paths], split="train", **kwargs
+                builder,
+                data_files=[str(p) for p in paths],
+                split="train",
+                cache_dir=cache,
+                **kwargs,
             )
         except Exception as error:
-            raise ValueError(f"{owner}: could not read `{option}` {files}: {error}") from error
+            message = f"{owner}: could not read `{option}` {names}: {_reason(error)}"
+            raise ValueError(message) from error
         return data, where
+
+
+def _check_text_file(path: Path, owner: str, option: str) -> None:
+    """Raise unless a text file (not ``.parquet``) is UTF-8 without NUL bytes; streamed.
+
+    A JSON file must also hold JSON objects only (:func:`_check_json_file`).
+    """
+    builder = FILE_BUILDERS.get(path.suffix.lower())
+    if builder == "parquet":
+        return
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, offset = 1, 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_SCAN_BYTES):
+            pending = len(decoder.getstate()[0])  # bytes of a character split by the last read
+            nul = chunk.find(b"\0")
+            try:
+                decoder.decode(chunk)
+                bad = None
+            except UnicodeDecodeError as err:
+                bad = max(err.start - pending, 0)
+            if nul >= 0 and (bad is None or nul <= bad):
+                raise ValueError(
+                    f"{owner}: `{option}` file {str(path)!r} holds a NUL byte (line "
+                    f"{line + chunk.count(_NEWLINE, 0, nul)}): a binary file, or text in UTF-16? "
+                    "allowed: UTF-8 text"
+                )
+            if bad is not None:
+                raise ValueError(
+                    f"{owner}: `{option}` file {str(path)!r} is not UTF-8 text: byte "
+                    f"{chunk[bad]:#04x} at line {line + chunk.count(_NEWLINE, 0, bad)} (byte "
+                    f"{offset + bad}); allowed: UTF-8 text (convert it, e.g. with "
+                    "`iconv -f latin1 -t utf-8`)"
+                )
+            line += chunk.count(_NEWLINE)
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{owner}: `{option}` file {str(path)!r} is not UTF-8 text: it ends inside a "
+            f"character (byte {offset - 1}); allowed: UTF-8 text"
+        ) from err
+    if builder == "json":
+        _check_json_file(path, owner, option)
+
+
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+
+
+def _check_json_file(path: Path, owner: str, option: str) -> None:
+    """Raise unless a JSON file is JSON lines of objects, or a list of objects (or of strings).
+
+    ``datasets`` hands JSON lines to pyarrow's JSON reader, which crashes the whole process
+    (a segmentation fault, no exception) on a row that is ``null`` at the start of a block, as
+    in a file holding just ``null``; a row of objects only is what it is made for. Each row is
+    parsed here with Python's ``json`` first.
+    """
+
+    def fail(problem: str) -> ValueError:
+        return ValueError(
+            f"{owner}: `{option}` file {str(path)!r} {problem}; allowed: JSON objects, one per "
+            "line (JSON lines) or in one JSON list"
+        )
+
+    def kind(value: object) -> str:
+        return _JSON_TYPES.get(type(value), "number")
+
+    with open(path, encoding="utf-8-sig") as handle:  # -sig: a leading BOM, as datasets
+        first = ""
+        while not first and (chunk := handle.read(_SCAN_BYTES)):
+            first = chunk.lstrip()[:1]
+        handle.seek(0)
+        if first == "[":  # one JSON list, which datasets reads whole
+            try:
+                rows = json.load(handle)
+            except json.JSONDecodeError as err:
+                raise fail(f"is not JSON ({err.msg}, line {err.lineno})") from err
+            kinds = {kind(row) for row in rows}
+            if kinds - {"object"} and kinds != {"string"}:
+                raise fail(f"holds a list of {', '.join(sorted(kinds))} items, not only objects")
+            return
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                if number == 1 and path.suffix.lower() == ".json" and _one_object(path):
+                    return  # one JSON object over several lines
+                raise fail(f"line {number} is not JSON ({err.msg})") from err
+            if not isinstance(row, dict):
+                raise fail(f"line {number} holds a JSON {kind(row)}, not an object")
+
+
+def _one_object(path: Path) -> bool:
+    """Whether a file is one JSON object (over several lines)."""
+    with open(path, encoding="utf-8-sig") as handle:
+        try:
+            return isinstance(json.load(handle), dict)
+        except json.JSONDecodeError:
+            return False
+
+
+def _check_directory(directory: Path, owner: str, option: str) -> list[Path]:
+    """The data files of a directory: one supported type, each checked; else a clear error.
+
+    Hidden files and folders and ``*.md`` files (a dataset card) are not data. ``datasets``
+    would read only the most common type of a mixed directory and skip the rest silently.
+    """
+    files = sorted(
+        p
+        for p in directory.rglob("*")
+        if p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+        and p.suffix.lower() != ".md"
+    )
+    where = f"{owner}: `{option}` directory {str(directory)!r}"
+    unknown = sorted({p.suffix.lower() or p.name for p in files} - FILE_BUILDERS.keys())
+    if unknown:
+        example = next(p for p in files if (p.suffix.lower() or p.name) in unknown)
+        raise ValueError(
+            f"{where} holds files of unsupported type(s) {unknown} (e.g. "
+            f"{str(example.relative_to(directory))!r}); allowed: {sorted(FILE_BUILDERS)}"
+        )
+    suffixes = sorted({p.suffix.lower() for p in files})
+    if len({FILE_BUILDERS[s] for s in suffixes}) > 1:
+        raise ValueError(f"{where} mixes file types {suffixes}; use one type")
+    if not files:
+        raise ValueError(f"{where} holds no data files; allowed: {sorted(FILE_BUILDERS)}")
+    for path in files:
+        _check_text_file(path, owner, option)
+    return files
+
+
+def _reason(error: BaseException) -> str:
+    """The innermost cause of a ``datasets`` error (the parser's own), type and message, short."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = " ".join(str(error).split())
+    if len(text) > _MAX_REASON:
+        text = text[:_MAX_REASON] + " ..."
+    return f"{type(error).__name__}: {text}"
 
 
 @contextlib.contextmanager
 def _quiet_datasets() -> Iterator[None]:
-    """Hide datasets' per-file progress bars while reading small local files."""
+    """Hide datasets' progress bars and its log of a file that failed (the error says it)."""
     from datasets.utils import logging as ds_logging
 
-    was_enabled = ds_logging.is_progress_bar_enabled()
+    was_enabled, verbosity = ds_logging.is_progress_bar_enabled(), ds_logging.get_verbosity()
     ds_logging.disable_progress_bar()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)
     try:
         yield
     finally:
+        ds_logging.set_verbosity(verbosity)
         if was_enabled:
             ds_logging.enable_progress_bar()
 

@@ -288,7 +288,7 @@ def test_prompts_longer_than_max_prompt_tokens_are_cut_on_the_left_and_warn(tiny
 def test_unreadable_data_file_names_the_option(tmp_path):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"text": "fine"}\n{not json\n')
-    with pytest.raises(ValueError, match=r"could not read `prompts` .*prompts.jsonl"):
+    with pytest.raises(ValueError, match=r"`prompts` file '.*prompts.jsonl' line 2 is not JSON"):
         PromptDataModule(prompts=str(bad), heldout=None).setup("fit")
 
 
@@ -548,7 +548,7 @@ def test_checkpoint_of_another_controller_law_is_rejected(tiny_lm_dir, trained_c
 def test_resume_with_another_number_of_processes_warns_about_rollout_rng(
     tiny_lm_dir, trained_checkpoint, tmp_path
 ):
-    ckpt = torch.load(trained_checkpoint, weights_only=False)
+    ckpt = torch.load(trained_checkpoint, weights_only=True)
     ckpt["rlkl_rng"]["cpu"] = ckpt["rlkl_rng"]["cpu"] * 2  # as written by 2 processes
     torch.save(ckpt, tmp_path / "two.ckpt")
     module = PPOModule(**ppo_args(tiny_lm_dir))

@@ -136,10 +136,10 @@ def test_missing_column_names_the_option_and_lists_columns(tmp_path):
     with pytest.raises(ValueError) as info:
         _setup(prompts=str(path), prompt_column="txt", heldout=None)
     assert str(info.value) == (
-        "PromptDataModule: `prompt_column` 'txt' not found in prompts file prompts.csv; "
+        "PromptDataModule: `prompt_column` 'txt' not found in `prompts` file prompts.csv; "
         "available columns: ['text', 'label']"
     )
-    with pytest.raises(ValueError, match="`heldout_column` 'body' not found in heldout file"):
+    with pytest.raises(ValueError, match="`heldout_column` 'body' not found in `heldout` file"):
         _setup(prompts=str(path), heldout=str(path), heldout_column="body")
 
 

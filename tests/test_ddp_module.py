@@ -232,7 +232,7 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_p
     assert moved > 1e-3  # the weights did change: the comparison above is not vacuous
 
     # ---- the DDP checkpoint: one RNG state per rank, and the controller state
-    ckpt = torch.load(tmp_path / "ddp" / "ckpt" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(tmp_path / "ddp" / "ckpt" / "last.ckpt", weights_only=True)
     rng = ckpt["rlkl_rng"]["cpu"]
     assert len(rng) == 2
     assert not torch.equal(rng[0], rng[1])  # each rank has its own random stream

@@ -190,7 +190,7 @@ def test_resume_inside_an_excursion_does_not_warn_again(tmp_path):
     fit(full, [full_mon, full_rec, saver])
     assert full_rec.at == [(5, "high"), (12, "low"), (18, "high")]
     ckpt = tmp_path / "epoch=0-step=7.ckpt"  # after batch 6, inside the first high excursion
-    saved = torch.load(ckpt, weights_only=False)["callbacks"][full_mon.state_key]
+    saved = torch.load(ckpt, weights_only=True)["callbacks"][full_mon.state_key]
     assert saved["state"] == 1 and saved["n_warnings_high"] == 1
     assert saved["values"] == [f32(4)] * 3
 

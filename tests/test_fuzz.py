@@ -3,7 +3,8 @@
 Finite inputs give finite outputs, padded positions never matter (whatever they hold, nan and
 inf included) and are 0 in every output, and the results keep their defining identities. The
 controller laws have their own properties in ``test_controllers.py`` (beta finite, > 0 and
-inside its bounds for any KL, finite or not); here invalid law parameters are fuzzed.
+inside its bounds for any KL, finite or not); here invalid law parameters are fuzzed, and the
+text loader is fed arbitrary bytes.
 
 Input ranges: log-probabilities in [-80, 0] for float32, so that ``exp(-l)`` in ``k3`` is
 representable (a sampled token with probability below e^-80 does not occur); logits,
@@ -12,7 +13,11 @@ rewards, values and scores up to 1e4 in magnitude.
 
 from __future__ import annotations
 
+import json
 import math
+import tempfile
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +33,7 @@ from rlkl_lightning.controllers import (
 )
 from rlkl_lightning.kl import exact_kl, per_token_kl, sequence_kl, token_mean_kl
 from rlkl_lightning.masked import masked_whiten
+from rlkl_lightning.texts import load_texts
 
 FUZZ = settings(max_examples=100, deadline=None)
 GARBAGE = [math.nan, math.inf, -math.inf, 1e30, -7.0]
@@ -198,3 +204,57 @@ def test_invalid_controller_parameters_always_name_the_option(law_option, bad):
     kwargs = {**LAWS[cls][0], option: bad}
     with pytest.raises(ValueError, match=rf"{cls.__name__}: `{option}` must be a finite number"):
         cls(**kwargs)
+
+
+# ---- the text loader -----------------------------------------------------------------------------
+
+FILE_FUZZ = settings(max_examples=40, deadline=None)  # each example is a datasets load
+
+
+def _lines(draw_text):
+    return st.lists(draw_text, max_size=6).map(lambda lines: "\n".join(lines).encode())
+
+
+UTF8 = st.characters(codec="utf-8")  # what a text file can hold (no lone surrogates)
+CSV_CELL = st.text(alphabet=st.sampled_from('ab ,"\n\r\t;') | UTF8, max_size=8)
+JSON_VALUE = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(UTF8, max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=5,
+)
+CONTENT = {
+    ".txt": st.binary(max_size=200) | _lines(st.text(UTF8, max_size=20)),
+    ".csv": st.binary(max_size=200)
+    | _lines(st.lists(CSV_CELL, max_size=4).map(",".join)).map(lambda b: b"text,label\n" + b),
+    ".jsonl": st.binary(max_size=200)
+    | _lines(
+        st.one_of(
+            st.fixed_dictionaries({"text": JSON_VALUE}).map(json.dumps),
+            JSON_VALUE.map(json.dumps),
+            st.text(UTF8, max_size=10),
+        )
+    ),
+}
+
+
+@FILE_FUZZ
+@given(data=st.data(), suffix=st.sampled_from(sorted(CONTENT)))
+def test_text_loader_takes_any_bytes(data, suffix):
+    """Any file gives non-empty, stripped texts without NUL, or an error naming option and file.
+
+    Never a crash: a file holding ``null`` once took the process down inside pyarrow.
+    """
+    content = data.draw(CONTENT[suffix], label="content")
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dropped empty texts
+        path = Path(tmp) / f"fuzz{suffix}"
+        path.write_bytes(content)
+        try:
+            texts = load_texts(str(path), "text", max_chars=50)
+        except ValueError as error:
+            assert "`prompts`" in str(error) or "`prompt_column`" in str(error), error
+            assert f"fuzz{suffix}" in str(error), error
+            return
+    assert texts and all(isinstance(t, str) for t in texts)
+    assert all(t == t.strip() and 0 < len(t) <= 50 and "\x00" not in t for t in texts)
+    assert all(t.encode("utf-8") for t in texts)  # valid Unicode: tokenizers take it

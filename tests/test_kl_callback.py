@@ -168,7 +168,7 @@ def test_resume_mid_epoch_continues_the_same_beta_trajectory(tmp_path, late_rest
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)
     fit(full_module, [full_cb, saver], strategy=strategy())
     ckpt = tmp_path / "epoch=0-step=5.ckpt"
-    state = torch.load(ckpt, weights_only=False)["callbacks"][full_cb.state_key]
+    state = torch.load(ckpt, weights_only=True)["callbacks"][full_cb.state_key]
     assert (state["n_batches"], state["n_samples"]) == (5, 5 * BATCH)
 
     module, callback = KLModule(KLS, n_samples=n_samples), KLControllerCallback(adaptive())

@@ -142,7 +142,7 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_run(
     with pytest.raises(SimulatedCrash):
         run(tiny_lm_dir, prompts_file, tmp_path / "cut", extra=[Crash(at=4)])
     last = tmp_path / "cut" / "last.ckpt"
-    saved = torch.load(last, weights_only=False)
+    saved = torch.load(last, weights_only=True)
     assert saved["rlkl_counters"]["batches_seen"] == 4
     assert saved["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 1
 
@@ -159,8 +159,8 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_run(
         {k: v for k, v in resumed.state_dict().items()},
         {k: v for k, v in full.state_dict().items()},
     )
-    full_opt = torch.load(tmp_path / "full" / "last.ckpt", weights_only=False)
-    res_opt = torch.load(tmp_path / "cut" / "last.ckpt", weights_only=False)
+    full_opt = torch.load(tmp_path / "full" / "last.ckpt", weights_only=True)
+    res_opt = torch.load(tmp_path / "cut" / "last.ckpt", weights_only=True)
     for a, b in zip(
         full_opt["optimizer_states"][0]["state"].values(),
         res_opt["optimizer_states"][0]["state"].values(),
@@ -173,7 +173,7 @@ def test_checkpoint_contents_and_no_reference_copy(tiny_lm_dir, prompts_file, tm
     """Everything a resume needs is in the checkpoint; the frozen reference is not."""
     with pytest.raises(SimulatedCrash):
         run(tiny_lm_dir, prompts_file, tmp_path, extra=[Crash(at=1)])
-    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)
     weights = ckpt["state_dict"]
     assert not [k for k in weights if k.startswith("reference.")]
     assert any(k.startswith("policy.") for k in weights)
@@ -282,8 +282,8 @@ def test_cli_fit_ckpt_path_last_continues_exactly(tiny_lm_dir, prompts_file, tmp
         ["fit", "--config", cut, f"--trainer.max_steps={2 * n * STEPS_PER_BATCH}"]
         + ["--ckpt_path", "last"]
     )
-    a = torch.load(tmp_path / "full" / "ckpt" / "last.ckpt", weights_only=False)
-    b = torch.load(tmp_path / "cut" / "ckpt" / "last.ckpt", weights_only=False)
+    a = torch.load(tmp_path / "full" / "ckpt" / "last.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "ckpt" / "last.ckpt", weights_only=True)
     assert a["rlkl_counters"] == b["rlkl_counters"]
     assert a["rlkl_counters"]["batches_seen"] == 2 * n
     kl_states = [k for k in a["callbacks"] if k.startswith(("KLController", "KLDrift"))]

@@ -21,6 +21,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader
 
 from rlkl_lightning.perplexity import NextTokenNLL, next_token_nll
+from rlkl_lightning.resumable import plain, plain_hyperparameters
 from rlkl_lightning.texts import load_texts
 from rlkl_lightning.world.cache import build_corpus
 from rlkl_lightning.world.config import WorldConfig
@@ -138,6 +139,7 @@ class SFTDataModule(LightningDataModule):
         if batch_size < 1:
             raise ValueError(f"SFTDataModule: `batch_size` must be >= 1, got {batch_size}")
         self.save_hyperparameters(ignore=["world"])
+        self.hparams.update(plain(dict(self.hparams)))  # paths as str: see resumable.plain
         self.world = world
         self.train_data: list[list[int]] | None = None
         self.train_batches: list[list[list[int]]] | None = None
@@ -260,6 +262,7 @@ class SFTModule(LightningModule):
                 f"{min_lr_ratio}"
             )
         self.save_hyperparameters(ignore=["world"])
+        self.hparams.update(plain(dict(self.hparams)))  # e.g. a numpy lr: see resumable.plain
         self.tokenizer = resolve_tokenizer(tokenizer, world)
         tok = self.tokenizer
         config = GPT2Config(
@@ -303,6 +306,10 @@ class SFTModule(LightningModule):
         self.val_nll.reset()
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/perplexity", loss.exp())
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Store the hyperparameters as plain values (checkpoints load with weights_only=True)."""
+        plain_hyperparameters(checkpoint)
 
     def on_train_end(self) -> None:
         """Export to ``export_dir`` (global rank 0) if set."""

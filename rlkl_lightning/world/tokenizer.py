@@ -65,12 +65,16 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, max_length: in
     )
 
 
-def pretrained_tokenizer(name_or_path: str, option: str = "tokenizer"):
+def pretrained_tokenizer(
+    name_or_path: str, option: str = "tokenizer", trust_remote_code: bool = False
+):
     """A tokenizer from a directory or the hub, as saved (``AutoTokenizer.from_pretrained``).
 
     Args:
         name_or_path: Local directory (``save_pretrained``) or hub name.
         option: Name of the option that gave ``name_or_path``, for the error message.
+        trust_remote_code: Run tokenizer code shipped with it (off: such a tokenizer is
+            refused with an error, never a prompt).
 
     Raises:
         ValueError: If no tokenizer can be loaded from ``name_or_path``.
@@ -78,7 +82,7 @@ def pretrained_tokenizer(name_or_path: str, option: str = "tokenizer"):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name_or_path)
+        return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as err:
         raise ValueError(
             f"`{option}`: could not load a tokenizer from {name_or_path!r}: {err}"
