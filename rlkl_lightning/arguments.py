@@ -10,6 +10,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from rlkl_lightning.kl import KL_ESTIMATORS
+from rlkl_lightning.kl_loss import KL_LOSS_ESTIMATORS, KL_PLACEMENTS
 
 LR_SCHEDULES = ("constant", "linear")
 
@@ -41,6 +42,13 @@ def _none_or_positive(x: Any) -> bool:
 #: The rules of :class:`~rlkl_lightning.pipeline.RLPipeline`'s arguments.
 PIPELINE_RULES = [
     ("kl_estimator", lambda x: x in KL_ESTIMATORS, f"one of {KL_ESTIMATORS}"),
+    ("kl_placement", lambda x: x in KL_PLACEMENTS, f"one of {KL_PLACEMENTS}"),
+    ("kl_loss_estimator", lambda x: x in KL_LOSS_ESTIMATORS, f"one of {KL_LOSS_ESTIMATORS}"),
+    (
+        "kl_loss_weight_clip",
+        lambda x: x is None or _finite_above(1, strict=False)(x),
+        "None or a finite number >= 1",
+    ),
     ("lr_schedule", lambda x: x in LR_SCHEDULES, f"one of {LR_SCHEDULES}"),
     ("init_kl_coef", _finite_above(0, strict=False), "a finite number >= 0"),
     *[
