@@ -9,6 +9,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from rlkl_lightning.advantages import GROUP_ADVANTAGES
 from rlkl_lightning.kl import KL_ESTIMATORS
 from rlkl_lightning.kl_loss import KL_LOSS_ESTIMATORS, KL_PLACEMENTS
 
@@ -81,6 +82,12 @@ PPO_RULES = [
     ("ent_coef", _finite_above(0, strict=False), "a finite number >= 0"),
     ("gamma", lambda x: 0 <= x <= 1, "in [0, 1]"),
     ("lam", lambda x: 0 <= x <= 1, "in [0, 1]"),
+]
+
+#: The rules of :class:`~rlkl_lightning.rloo.RLOOModule`'s own arguments.
+RLOO_RULES = [
+    ("responses_per_prompt", _int_at_least(2), "an integer >= 2"),
+    ("advantage", lambda x: x in GROUP_ADVANTAGES, f"one of {GROUP_ADVANTAGES}"),
 ]
 
 
