@@ -101,7 +101,11 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
-    """A class's init argument in a config: its value there, else the class default."""
+    """A class's init argument in a config: its value there, else the class default.
+
+    A class that forwards ``**kwargs`` to its base (``PPOModule``, ``RLOOModule`` to
+    ``RLPipeline``) takes the default of the first class in its MRO that names the argument.
+    """
     section = config.get(group) or {}
     args = section.get("init_args") or {}
     if name in args:
@@ -110,12 +114,13 @@ def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
     if not path:
         raise ValueError(f"compare: the config has no `{group}.class_path`")
     module, _, cls = path.rpartition(".")
-    parameter = inspect.signature(getattr(importlib.import_module(module), cls)).parameters.get(
-        name
-    )
-    if parameter is None or parameter.default is inspect.Parameter.empty:
-        raise ValueError(f"compare: `{group}.init_args.{name}` is needed and has no default")
-    return parameter.default
+    for klass in getattr(importlib.import_module(module), cls).__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        parameter = inspect.signature(klass.__init__).parameters.get(name)
+        if parameter is not None and parameter.default is not inspect.Parameter.empty:
+            return parameter.default
+    raise ValueError(f"compare: `{group}.init_args.{name}` is needed and has no default")
 
 
 def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
