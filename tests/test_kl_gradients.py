@@ -272,7 +272,8 @@ def test_gradients_through_a_tiny_gpt2():
 
     The targets come from the model's plain forward (``model(ids).logits``); the placements
     use ``score_tokens`` (the fused log-prob head the update uses), ``shape_rewards``, ``gae``,
-    ``policy_loss`` and ``kl_loss``. Float32 log-probs: matches to 1e-5 relative.
+    ``policy_loss`` and ``kl_loss``. Float32 log-probs: the matches hold to 5e-6 relative
+    (measured: 3e-7 to 7e-7).
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -331,12 +332,12 @@ def test_gradients_through_a_tiny_gpt2():
 
         return per_row
 
-    assert relative_error(expected(k1_reward), g_seq) < 1e-5
+    assert relative_error(expected(k1_reward), g_seq) < 5e-6
     k2 = expected(loss_of("k2"))
-    assert relative_error(k2, g_tok) < 1e-5
+    assert relative_error(k2, g_tok) < 5e-6
     assert relative_error(k2, g_seq) > MISS
     k3 = expected(loss_of("k3"))
-    assert relative_error(k3, g_fwd) < 1e-5
+    assert relative_error(k3, g_fwd) < 5e-6
     assert relative_error(k3, g_seq) > MISS
     k1 = expected(loss_of("k1"))
-    assert float(k1.norm()) < 1e-5 * float(g_seq.norm())
+    assert float(k1.norm()) < 5e-6 * float(g_seq.norm())
