@@ -28,7 +28,7 @@ Liu et al. 2025, arXiv 2510.01555; each line is proven by exact enumeration in
 
 After the first optimizer step of a batch the samples come from ``pi_old``, not ``pi``: the
 loss weights each token by ``w_t = pi(y_t|s_t) / pi_old(y_t|s_t)``, detached and capped at
-``weight_clip`` (Liu et al. 2025, Sec. on off-policy correction). It corrects the token's
+``weight_clip`` (Liu et al. 2025 on off-policy use). It corrects the token's
 distribution given its prefix, not the prefix's (as PPO's own ratio does); a cap that binds
 trades a bias for bounded variance. With ``old_logprobs == logprobs`` (on-policy), ``w = 1``
 exactly.
@@ -67,8 +67,8 @@ def kl_loss(
     old_logprobs: Tensor,
     ref_logprobs: Tensor,
     mask: Tensor,
-    estimator: str = "k2",
-    weight_clip: float | None = 2.0,
+    estimator: str,
+    weight_clip: float | None,
 ) -> Tensor:
     """The KL term of the loss: ``masked_mean(w_t * k(l_t))``, differentiated through ``logprobs``.
 

@@ -328,7 +328,8 @@ def test_gradients_through_a_tiny_gpt2():
     def loss_of(estimator):
         def per_row(logprobs, old, kl, y):
             row = slice(y, y + 1)
-            return T * kl_loss(logprobs[row], old[row], ref[row], torch.ones(1, T), estimator)
+            mask = torch.ones(1, T)
+            return T * kl_loss(logprobs[row], old[row], ref[row], mask, estimator, None)
 
         return per_row
 

@@ -84,8 +84,8 @@ def test_padding_never_reaches_the_value_or_the_gradient():
 def test_bad_arguments_name_the_option_and_the_allowed_values():
     new, old, ref, mask = _batch()
     with pytest.raises(ValueError, match=r"`estimator` must be one of \('k1', 'k2', 'k3'\)"):
-        kl_loss(new, old, ref, mask, "exact")
+        kl_loss(new, old, ref, mask, "exact", None)
     with pytest.raises(ValueError, match="`weight_clip` must be None or a number >= 1"):
         kl_loss(new, old, ref, mask, "k2", 0.5)
     with pytest.raises(ValueError, match="`ref_logprobs` must have the shape"):
-        kl_loss(new, old, ref[:, :2], mask, "k2")
+        kl_loss(new, old, ref[:, :2], mask, "k2", None)
