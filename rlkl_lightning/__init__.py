@@ -1,7 +1,7 @@
-"""rlkl_lightning: PPO fine-tuning of causal language models with KL control.
+"""rlkl_lightning: RL fine-tuning of causal language models with KL control.
 
 The KL-control core (estimators, controllers, callbacks) imports only torch and
-Lightning; ``PPOModule`` and the default world load transformers lazily.
+Lightning; ``PPOModule``, ``RLOOModule`` and the default world load transformers lazily.
 """
 
 from importlib import import_module
@@ -16,6 +16,7 @@ _LAZY = {
     "KLControllerCallback": "rlkl_lightning.kl_callback",
     "KLDriftMonitor": "rlkl_lightning.drift_monitor",
     "PPOModule": "rlkl_lightning.module",
+    "RLOOModule": "rlkl_lightning.rloo",
     "RLPipeline": "rlkl_lightning.pipeline",
     "Trajectory": "rlkl_lightning.trajectory",
 }

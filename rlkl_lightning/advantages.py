@@ -1,12 +1,13 @@
-"""Per-token rewards with a KL penalty, and generalized advantage estimation.
+"""Per-token rewards with a KL penalty, GAE, and critic-free group advantages.
 
 A batch holds ``B`` responses right-padded to ``T`` tokens. ``mask[b, t]`` is true for
 the response tokens of row ``b``: a contiguous prefix of ones (the response, up to and
 including EOS), then padding. Each response is one episode whose actions are its
 tokens; the episode ends after the last valid token.
 
-Both functions are pure tensor math: padded positions never influence a result and are
-0 in every output, whatever the inputs hold there (even ``nan``).
+:func:`shape_rewards` and :func:`gae` are pure tensor math: padded positions never influence
+a result and are 0 in every output, whatever the inputs hold there (even ``nan``).
+:func:`group_advantages` works on one return per response (no padding).
 """
 
 import math
@@ -16,7 +17,9 @@ from torch import Tensor
 
 from rlkl_lightning.masked import valid_mask, zero_padding
 
-__all__ = ["gae", "shape_rewards"]
+__all__ = ["GROUP_ADVANTAGES", "gae", "group_advantages", "shape_rewards"]
+
+GROUP_ADVANTAGES = ("rloo", "grpo")
 
 
 def _check_unit_interval(name: str, value: float) -> None:
@@ -122,3 +125,55 @@ def gae(
         next_value = v[:, t]
     returns = zero_padding(advantages + v, valid)
     return advantages, returns
+
+
+@torch.no_grad()
+def group_advantages(
+    returns: Tensor, group_size: int, method: str = "rloo", eps: float = 1e-4
+) -> Tensor:
+    """Advantages of ``k`` responses per prompt from their returns, with no value function.
+
+    ``returns`` holds ``n`` groups of ``k = group_size`` consecutive responses to one prompt.
+    Within a group, with ``mean`` its mean and ``std`` its sample standard deviation::
+
+        rloo:  A_i = r_i - 1/(k-1) sum_{j != i} r_j  =  k/(k-1) (r_i - mean)
+        grpo:  A_i = (r_i - mean) / (std + eps)
+
+    ``rloo`` is the leave-one-out baseline of Ahmadian et al. 2024 (arXiv 2402.14740, after
+    Kool et al. 2019): the baseline of response ``i`` does not depend on ``i``'s own sample, so
+    ``E[A_i grad log pi(y_i)] = grad E[r]`` (unbiased). ``grpo`` is GRPO's group normalisation
+    (Shao et al. 2024, arXiv 2402.03300, outcome supervision): the mean includes ``r_i`` and the
+    division by ``std`` rescales each group, so it is not unbiased.
+
+    Args:
+        returns: ``[n * k]`` one return per response, the ``k`` of a prompt in a row.
+        group_size: ``k >= 2``.
+        method: ``"rloo"`` or ``"grpo"``.
+        eps: Added to the standard deviation (``grpo``), so that a group of equal returns
+            gets advantages 0.
+
+    Returns:
+        ``[n * k]`` advantages (each group's sum is 0), dtype of ``returns`` (float32 at least).
+
+    Raises:
+        ValueError: For an unknown method, ``k < 2``, or a length that is not a multiple of ``k``.
+    """
+    if method not in GROUP_ADVANTAGES:
+        raise ValueError(
+            f"group_advantages: `method` must be one of {GROUP_ADVANTAGES}, got {method!r}"
+        )
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+        raise ValueError(
+            f"group_advantages: `group_size` must be an integer >= 2, got {group_size!r}"
+        )
+    if returns.dim() != 1 or returns.shape[0] % group_size:
+        raise ValueError(
+            f"group_advantages: `returns` must be [n * {group_size}], got {tuple(returns.shape)}"
+        )
+    r = returns.to(torch.promote_types(returns.dtype, torch.float32)).view(-1, group_size)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if method == "rloo":
+        advantages = centred * (group_size / (group_size - 1))
+    else:
+        advantages = centred / (r.std(dim=1, keepdim=True) + eps)
+    return advantages.flatten()

@@ -10,7 +10,9 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from rlkl_lightning.advantages import GROUP_ADVANTAGES
 from rlkl_lightning.kl import KL_ESTIMATORS
+from rlkl_lightning.kl_loss import KL_LOSS_ESTIMATORS, KL_PLACEMENTS
 
 LR_SCHEDULES = ("constant", "linear")
 
@@ -77,6 +79,13 @@ def _none_or_positive(x: Any) -> bool:
 PIPELINE_RULES = [
     ("trust_remote_code", lambda x: isinstance(x, bool), "True or False"),
     ("kl_estimator", lambda x: x in KL_ESTIMATORS, f"one of {KL_ESTIMATORS}"),
+    ("kl_placement", lambda x: x in KL_PLACEMENTS, f"one of {KL_PLACEMENTS}"),
+    ("kl_loss_estimator", lambda x: x in KL_LOSS_ESTIMATORS, f"one of {KL_LOSS_ESTIMATORS}"),
+    (
+        "kl_loss_weight_clip",
+        lambda x: x is None or _finite_above(1, strict=False)(x),
+        "None or a finite number >= 1",
+    ),
     ("lr_schedule", lambda x: x in LR_SCHEDULES, f"one of {LR_SCHEDULES}"),
     ("init_kl_coef", _finite_above(0, strict=False), "a finite number >= 0"),
     *[
@@ -109,6 +118,12 @@ PPO_RULES = [
     ("ent_coef", _finite_above(0, strict=False), "a finite number >= 0"),
     ("gamma", lambda x: 0 <= x <= 1, "in [0, 1]"),
     ("lam", lambda x: 0 <= x <= 1, "in [0, 1]"),
+]
+
+#: The rules of :class:`~rlkl_lightning.rloo.RLOOModule`'s own arguments.
+RLOO_RULES = [
+    ("responses_per_prompt", _int_at_least(2), "an integer >= 2"),
+    ("advantage", lambda x: x in GROUP_ADVANTAGES, f"one of {GROUP_ADVANTAGES}"),
 ]
 
 

@@ -6,10 +6,11 @@ PPO adds a value function and its own shaping and loss:
 * score: value estimates at rollout time, from a head on the policy trunk (default) or a
   separate value model;
 * shape: ``r_t = -kl_coef * kl_t`` plus the score on the last response token (Ziegler et al.
-  2019, arXiv 1909.08593, eq. 2), then GAE (Schulman et al. 2016, arXiv 1506.02438) and
-  advantage whitening;
+  2019, arXiv 1909.08593, eq. 2; the score alone with ``kl_placement="loss"``), then GAE
+  (Schulman et al. 2016, arXiv 1506.02438) and advantage whitening;
 * loss: the clipped surrogate and clipped value loss (Schulman et al. 2017, arXiv 1707.06347,
-  eq. 7 and 9), optionally an entropy bonus.
+  eq. 7 and 9), optionally an entropy bonus, and ``kl_coef x kl_loss`` with
+  ``kl_placement="loss"``.
 """
 
 from __future__ import annotations
@@ -95,14 +96,17 @@ class PPOModule(RLPipeline):
         """KL-shaped per-token rewards, GAE, and whitened advantages."""
         hp = self.hparams
         mask = traj.response_mask
-        rewards = shape_rewards(traj.scores, traj.kl, self.kl_coef, mask)
+        rewards = shape_rewards(traj.scores, traj.kl, self.reward_kl_coef, mask)
         if hp.whiten_rewards:
             rewards = masked_whiten(rewards, mask, shift_mean=False)
         advantages, returns = gae(rewards, traj.values, mask, hp.gamma, hp.lam)
         return traj._replace(advantages=masked_whiten(advantages, mask), returns=returns)
 
     def loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped policy loss + ``vf_coef`` x clipped value loss (- ``ent_coef`` x entropy)."""
+        """Clipped policy loss + ``vf_coef`` x clipped value loss (- ``ent_coef`` x entropy).
+
+        With ``kl_placement="loss"``, plus ``kl_coef`` x the KL loss (:meth:`add_kl_loss`).
+        """
         hp = self.hparams
         mb = minibatch
         # Without an entropy bonus no [B, R, V] logits are needed: the fused head (logprobs.py).
@@ -125,5 +129,6 @@ class PPOModule(RLPipeline):
             entropy = masked_mean(entropy_from_logits(new.logits), mask)
             loss = loss - hp.ent_coef * entropy
             stats["loss/entropy_bonus"] = entropy.detach()
+        loss = self.add_kl_loss(loss, stats, new.logprobs, mb)
         stats["loss/total"] = loss.detach()
         return loss, stats

@@ -32,6 +32,7 @@ from torch import Tensor
 from rlkl_lightning import kl as klmod
 from rlkl_lightning.arguments import check_context, check_pipeline_args
 from rlkl_lightning.heldout import HeldoutPerplexity
+from rlkl_lightning.kl_loss import kl_loss
 from rlkl_lightning.logprobs import TokenScores, score_tokens
 from rlkl_lightning.masked import masked_sum
 from rlkl_lightning.metrics import batch_metrics, samples_table
@@ -73,8 +74,18 @@ class RLPipeline(ResumableModule, HeldoutPerplexity):
             Set it only for model directories and hub repositories you trust.
         init_kl_coef: beta before any controller update (a ``KLControllerCallback`` overwrites
             ``kl_coef`` at fit start with its controller's value).
-        kl_estimator: per-token KL in the reward and in ``objective/kl``: ``k1``, ``k2``,
-            ``k3`` or ``exact`` (see the README, "KL units and estimators").
+        kl_estimator: the measured per-token KL: ``objective/kl`` (the controller's input) and,
+            with ``kl_placement="reward"``, the penalty in the reward: ``k1``, ``k2``, ``k3`` or
+            ``exact`` (see the README, "KL units and estimators").
+        kl_placement: where ``kl_coef x KL`` enters the update: ``reward`` (subtracted from the
+            reward, reaching the policy through the policy-gradient term) or ``loss`` (added
+            to the loss as ``kl_coef x kl_loss``, the reward has no KL term); see
+            :mod:`rlkl_lightning.kl_loss` and the README, "Where the KL goes".
+        kl_loss_estimator: with ``kl_placement="loss"``, the estimator that is differentiated:
+            ``k1``, ``k2`` or ``k3`` (``k2`` follows the per-token KL gradient on-policy).
+        kl_loss_weight_clip: with ``kl_placement="loss"``, the cap of the importance weights
+            ``pi / pi_old`` (detached) of the KL loss on samples from an earlier policy
+            (``>= 1``; None: no cap).
         max_prompt_tokens: prompts are truncated on the left to this many tokens.
         max_new_tokens: response length limit (tokens).
         temperature: sampling temperature; log-probs are computed at the same temperature.
@@ -113,6 +124,9 @@ class RLPipeline(ResumableModule, HeldoutPerplexity):
         trust_remote_code: bool = False,
         init_kl_coef: float = 0.1,
         kl_estimator: str = "k1",
+        kl_placement: str = "reward",
+        kl_loss_estimator: str = "k2",
+        kl_loss_weight_clip: float | None = 2.0,
         max_prompt_tokens: int = 64,
         max_new_tokens: int = 24,
         temperature: float = 1.0,
@@ -277,6 +291,38 @@ class RLPipeline(ResumableModule, HeldoutPerplexity):
     def loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of one (micro-)minibatch and its detached statistics; per algorithm."""
         raise NotImplementedError
+
+    @property
+    def reward_kl_coef(self) -> float:
+        """Beta in the reward: ``kl_coef`` with ``kl_placement="reward"``, else 0."""
+        return self.kl_coef if self.hparams.kl_placement == "reward" else 0.0
+
+    def add_kl_loss(
+        self, loss: Tensor, stats: dict[str, Tensor], logprobs: Tensor, minibatch: Trajectory
+    ) -> Tensor:
+        """``loss`` plus ``kl_coef x kl_loss`` with ``kl_placement="loss"`` (else ``loss``).
+
+        Records the KL term, before ``kl_coef``, as ``stats["loss/kl"]``.
+
+        Args:
+            loss: The algorithm's loss of the minibatch.
+            stats: Its statistics, updated in place.
+            logprobs: ``[B, R]`` the policy's log-probs of the minibatch (with gradient).
+            minibatch: Supplies the rollout and reference log-probs and the mask.
+        """
+        hp = self.hparams
+        if hp.kl_placement != "loss":
+            return loss
+        term = kl_loss(
+            logprobs,
+            minibatch.logprobs,
+            minibatch.ref_logprobs,
+            minibatch.response_mask,
+            hp.kl_loss_estimator,
+            hp.kl_loss_weight_clip,
+        )
+        stats["loss/kl"] = term.detach()
+        return loss + self.kl_coef * term
 
     def update(self, traj: Trajectory) -> dict[str, Tensor]:
         """Phase 4: ``ppo_epochs`` x ``num_minibatches`` optimizer steps over the trajectory.

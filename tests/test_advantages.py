@@ -1,7 +1,9 @@
+import itertools
+
 import pytest
 import torch
 
-from rlkl_lightning.advantages import gae, shape_rewards
+from rlkl_lightning.advantages import gae, group_advantages, shape_rewards
 
 NAN = float("nan")
 
@@ -143,3 +145,68 @@ def test_shape_rewards_errors():
         shape_rewards(torch.zeros(3), kl, 0.1, torch.ones(2, 3))
     with pytest.raises(ValueError, match="`mask` must have the same shape as `kl`"):
         shape_rewards(torch.zeros(2), kl, 0.1, torch.ones(2, 4))
+
+
+# ---------------------------------------------------------------- critic-free group advantages
+def _returns(groups: int = 3, k: int = 4, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(groups * k, generator=g, dtype=torch.float64)
+
+
+def test_rloo_is_the_leave_one_out_baseline():
+    k = 4
+    r = _returns(k=k)
+    adv = group_advantages(r, k, "rloo")
+    for i in range(len(r)):
+        start = i - i % k
+        others = [float(r[j]) for j in range(start, start + k) if j != i]
+        assert float(adv[i]) == pytest.approx(float(r[i]) - sum(others) / (k - 1), abs=1e-12)
+    torch.testing.assert_close(adv.view(-1, k).sum(1), torch.zeros(3, dtype=torch.float64))
+
+
+def test_grpo_is_the_group_normalised_return():
+    k = 4
+    r = _returns(k=k)
+    adv = group_advantages(r, k, "grpo", eps=1e-4)
+    for group in range(3):
+        x = [float(v) for v in r[group * k : (group + 1) * k]]
+        mean = sum(x) / k
+        std = (sum((v - mean) ** 2 for v in x) / (k - 1)) ** 0.5
+        want = torch.tensor([(v - mean) / (std + 1e-4) for v in x], dtype=torch.float64)
+        torch.testing.assert_close(adv[group * k : (group + 1) * k], want, rtol=0, atol=1e-12)
+    # A group of equal returns has nothing to learn from, whatever the method.
+    same = torch.full((4,), 0.7)
+    assert torch.equal(group_advantages(same, 4, "grpo"), torch.zeros(4))
+    assert torch.equal(group_advantages(same, 4, "rloo"), torch.zeros(4))
+
+
+def test_the_leave_one_out_gradient_is_unbiased_and_grpo_is_not():
+    """Exact expectation over all k-tuples of a 3-armed softmax bandit, k = 2 samples each."""
+    k = 2
+    theta = torch.tensor([0.3, -0.5, 1.1], dtype=torch.float64, requires_grad=True)
+    reward = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    logp = theta.log_softmax(-1)
+    (exact,) = torch.autograd.grad((logp.exp() * reward).sum(), theta, retain_graph=True)
+    expected = {}
+    for method in ("rloo", "grpo"):
+        total = torch.zeros((), dtype=torch.float64)
+        for a, b in itertools.product(range(3), repeat=2):
+            adv = group_advantages(reward[[a, b]], k, method)
+            prob = (logp[a] + logp[b]).exp().detach()
+            total = total + prob * (adv[0] * logp[a] + adv[1] * logp[b]) / k
+        (expected[method],) = torch.autograd.grad(total, theta, retain_graph=True)
+    torch.testing.assert_close(expected["rloo"], exact, rtol=0, atol=1e-12)
+    assert float((expected["grpo"] - exact).norm()) > 0.1 * float(exact.norm())
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((torch.zeros(6), 4, "rloo"), r"`returns` must be \[n \* 4\]"),
+        ((torch.zeros(6), 1, "rloo"), "`group_size` must be an integer >= 2"),
+        ((torch.zeros(6), 3, "mean"), r"`method` must be one of \('rloo', 'grpo'\)"),
+    ],
+)
+def test_group_advantages_reject_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        group_advantages(*args)

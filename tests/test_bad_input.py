@@ -154,6 +154,9 @@ def test_unknown_estimator_names_the_allowed_ones(tiny_lm_dir):
         ("max_grad_norm", 0.0, "None or a number > 0"),
         ("lr_schedule", "cosine", r"one of \('constant', 'linear'\)"),
         ("max_skipped_in_a_row", 0, "None or an integer >= 1"),
+        ("kl_placement", "both", r"one of \('reward', 'loss'\)"),
+        ("kl_loss_estimator", "exact", r"one of \('k1', 'k2', 'k3'\)"),
+        ("kl_loss_weight_clip", 0.5, "None or a finite number >= 1"),
     ],
 )
 def test_ppo_options_name_the_option_and_allowed_values(tiny_lm_dir, option, bad, allowed):

@@ -185,3 +185,33 @@ def test_verdict_follows_the_two_standard_error_rule():
     one_seed = verdict({"fixed": _group([0.6], [0.4]), "adaptive": _group([0.599], [0.1])})
     assert one_seed["score_difference_2se"] is None and not one_seed["similar_or_better_score"]
     assert verdict({"fixed": fixed}) is None
+
+
+def test_quick_algorithm_study_runs_rloo_as_another_entry(tiny_lm_dir, tmp_path):
+    """configs/compare_algorithms.yaml, --quick, 1 seed x 2 batches: PPO and both RLOO runs."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(["the film was", "this book is", "the food", "a story"] * 8))
+    overrides = {
+        "model": {
+            "init_args": {"policy": str(tiny_lm_dir), "max_prompt_tokens": 8, "max_new_tokens": 6}
+        },
+        "data": {"init_args": {"prompts": str(prompts), "heldout": str(prompts), "batch_size": 4}},
+    }
+    extra = tmp_path / "tiny.yaml"
+    extra.write_text(yaml.safe_dump({"overrides": overrides}))
+    out = tmp_path / "out"
+    argv = ["--config", str(ROOT / "configs" / "compare_algorithms.yaml"), "--config", str(extra)]
+    summary = main(argv + ["--quick", "--batches", "2", "--val_every", "2", "--out", str(out)])
+    groups = ("ppo", "rloo", "rloo_kl_loss")
+    for group in groups:
+        assert METRIC_KEYS <= summary[group].keys()
+    # The runs count responses: PPO one per prompt, RLOO 4 (2 batches of 4 prompts).
+    for group, per_prompt in zip(groups, (1, 4, 4), strict=True):
+        samples = events(out / "runs" / group / "seed0")["progress/samples"]
+        assert [v for _, v in samples] == [4 * per_prompt, 8 * per_prompt]
+    assert "loss/kl" in events(out / "runs" / "rloo_kl_loss" / "seed0")
+    assert [d["second"] for d in summary["differences"]] == ["rloo", "rloo_kl_loss"]
+    assert summary["verdict"] is None
+    report = (out / "report.md").read_text()
+    assert report.startswith("# Study: ppo vs rloo vs rloo_kl_loss")
+    assert "Difference `rloo` - `ppo`" in report

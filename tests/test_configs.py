@@ -1,6 +1,6 @@
 """Every YAML in configs/ is a test case: run for two batches with tiny local overrides.
 
-The real-model config needs the Hugging Face hub, so it is only parsed; the study config is
+The real-model config needs the Hugging Face hub, so it is only parsed; the study configs are
 parsed here and run end to end (``--quick``) in test_compare.py.
 """
 
@@ -35,6 +35,7 @@ def scalar_tags(log_dir: Path) -> set[str]:
 def test_the_configs_are_all_here():
     names = {c.name for c in CONFIGS}
     assert {"ppo_adaptive.yaml", "ppo_fixed.yaml", "sft.yaml", "compare.yaml"} <= names
+    assert {"rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml", "compare_algorithms.yaml"} <= names
     assert NEEDS_HUB <= names
 
 
@@ -70,7 +71,7 @@ def test_configs_write_no_default_again(config):
     from lightning.pytorch import Trainer
 
     data = yaml.safe_load(config.read_text())
-    if config.name == "compare.yaml":
+    if config.name.startswith("compare"):  # a study config
         from rlkl_lightning.compare import StudyConfig
 
         fields = dataclasses.fields(StudyConfig)
@@ -88,8 +89,11 @@ def test_configs_write_no_default_again(config):
     assert not found, f"{config.name} repeats the defaults {found}"
 
 
-@pytest.mark.parametrize("name", ["ppo_adaptive.yaml", "ppo_fixed.yaml"])
-def test_ppo_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "name",
+    ["ppo_adaptive.yaml", "ppo_fixed.yaml", "rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml"],
+)
+def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(["the film was", "this book is", "the food", "a story"] * 4))
@@ -105,6 +109,9 @@ def test_ppo_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeypatch)
     module = cli.model
     assert module.batches_seen == 2  # max_steps = 2 batches x 16 optimizer steps
     controller, monitor = cli.trainer.callbacks[:2]
+    # The callbacks count responses: 4 prompts per batch, times RLOO's responses per prompt.
+    per_prompt = config["model"]["init_args"].get("responses_per_prompt", 1)
+    assert controller.n_samples == monitor.n_samples == module.samples_seen == 2 * 4 * per_prompt
     assert monitor.target == config["kl"]["target"]  # given once, shared
     if config["kl"]["controller"] == "fixed":
         assert type(controller.controller).__name__ == "FixedKLController"
@@ -116,6 +123,7 @@ def test_ppo_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeypatch)
     for tag in ("objective/kl", "objective/kl_coef", "objective/score", "kl_monitor/target"):
         assert tag in tags
     assert {"val/perplexity", "val/perplexity_ref", "text:samples/text_summary"} <= tags
+    assert ("loss/kl" in tags) == (config["model"]["init_args"].get("kl_placement") == "loss")
 
 
 def test_sft_config_trains_and_exports_a_loadable_model(tiny_lm_dir, tmp_path, monkeypatch):
@@ -155,6 +163,12 @@ def test_study_config_parses_and_names_existing_run_configs(monkeypatch):
     study, _ = parse_args(["--config", "configs/compare.yaml"])
     assert set(study.runs) == {"fixed", "adaptive"}
     assert all((ROOT / path).is_file() for path in study.runs.values())
+    study, _ = parse_args(["--config", "configs/compare_algorithms.yaml"])
+    assert study.runs == {
+        "ppo": "configs/ppo_adaptive.yaml",
+        "rloo": "configs/rloo_adaptive.yaml",
+        "rloo_kl_loss": "configs/rloo_adaptive_kl_loss.yaml",
+    }
 
 
 def test_a_reward_named_by_class_path_in_the_config_is_the_one_used(

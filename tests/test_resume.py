@@ -16,7 +16,13 @@ import yaml
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from rlkl_lightning import AdaptiveKLController, KLControllerCallback, KLDriftMonitor, PPOModule
+from rlkl_lightning import (
+    AdaptiveKLController,
+    KLControllerCallback,
+    KLDriftMonitor,
+    PPOModule,
+    RLOOModule,
+)
 from rlkl_lightning.data import PromptDataModule
 
 WORDS = "the film was good bad this book is very not a story food nice dull plot".split()
@@ -34,8 +40,14 @@ def prompts_file(tmp_path):
     return path
 
 
-def module(policy_dir) -> PPOModule:
-    return PPOModule(
+#: Responses per prompt of the RLOO runs (RLOO with the KL in the loss: the other code paths).
+RLOO = {"responses_per_prompt": 2, "kl_placement": "loss"}
+
+
+def module(policy_dir, algorithm: str = "ppo") -> PPOModule | RLOOModule:
+    cls, extra = (RLOOModule, RLOO) if algorithm == "rloo" else (PPOModule, {})
+    return cls(
+        **extra,
         policy=str(policy_dir),
         init_kl_coef=0.2,
         max_prompt_tokens=8,
@@ -65,8 +77,9 @@ class Recorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         m = trainer.callback_metrics
-        for key in ("objective/kl", "objective/kl_coef", "loss/policy", "loss/value"):
-            self.rows[-1][key] = float(m[key])
+        for key in ("objective/kl", "objective/kl_coef", "loss/policy", "loss/value", "loss/kl"):
+            if key in m:
+                self.rows[-1][key] = float(m[key])
 
 
 class SimulatedCrash(RuntimeError):
@@ -84,9 +97,9 @@ class Crash(Callback):
             raise SimulatedCrash(f"crash at batch {self.at}")
 
 
-def run(policy_dir, prompts_file, ckpt_dir, extra=(), ckpt_path=None):
+def run(policy_dir, prompts_file, ckpt_dir, extra=(), ckpt_path=None, algorithm="ppo"):
     seed_everything(0)
-    model = module(policy_dir)
+    model = module(policy_dir, algorithm)
     controller = KLControllerCallback(AdaptiveKLController(0.2, target=0.35, horizon=40))
     monitor = KLDriftMonitor(target=0.35, window=10, min_batches=2, verbose=False)
     recorder = Recorder()
@@ -131,30 +144,36 @@ def assert_same_tensors(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_run(
-    tiny_lm_dir, prompts_file, tmp_path
+    tiny_lm_dir, prompts_file, tmp_path, algorithm
 ):
-    _, full, full_ctl, full_mon, full_rec = run(tiny_lm_dir, prompts_file, tmp_path / "full")
+    samples = BATCH * (RLOO["responses_per_prompt"] if algorithm == "rloo" else 1)
+    _, full, full_ctl, full_mon, full_rec = run(
+        tiny_lm_dir, prompts_file, tmp_path / "full", algorithm=algorithm
+    )
     assert len(full_rec.rows) == 6
     assert len({r["beta_used"] for r in full_rec.rows}) == 6  # beta moves every batch
 
     # Crashes when batch 4 (epoch 1, batch 1) starts: the last checkpoint is after batch 3.
     with pytest.raises(SimulatedCrash):
-        run(tiny_lm_dir, prompts_file, tmp_path / "cut", extra=[Crash(at=4)])
+        run(tiny_lm_dir, prompts_file, tmp_path / "cut", extra=[Crash(at=4)], algorithm=algorithm)
     last = tmp_path / "cut" / "last.ckpt"
     saved = torch.load(last, weights_only=True)
     assert saved["rlkl_counters"]["batches_seen"] == 4
     assert saved["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 1
 
-    _, resumed, ctl, mon, rec = run(tiny_lm_dir, prompts_file, tmp_path / "cut", ckpt_path=last)
+    _, resumed, ctl, mon, rec = run(
+        tiny_lm_dir, prompts_file, tmp_path / "cut", ckpt_path=last, algorithm=algorithm
+    )
     # The resumed run trains exactly the two batches the full run trained after batch 4,
     # on the same prompts, with the same beta, and gets the same losses and KLs, bit for bit.
     assert rec.rows == full_rec.rows[4:]
     assert ctl.state_dict() == full_ctl.state_dict()
     assert mon.state_dict() == full_mon.state_dict()
-    assert (ctl.n_batches, ctl.n_samples) == (6, 6 * BATCH)
+    assert (ctl.n_batches, ctl.n_samples) == (6, 6 * samples)
     assert resumed.kl_coef == full.kl_coef
-    assert (resumed.batches_seen, resumed.samples_seen) == (6, 6 * BATCH)
+    assert (resumed.batches_seen, resumed.samples_seen) == (6, 6 * samples)
     assert_same_tensors(
         {k: v for k, v in resumed.state_dict().items()},
         {k: v for k, v in full.state_dict().items()},

@@ -1,9 +1,11 @@
-"""The study: fixed and adaptive KL control side by side, over seeds, with curves and a report.
+"""The study: training configs side by side, over seeds, with curves and a report.
 
 ``python -m rlkl_lightning.compare --config configs/compare.yaml`` (or ``rlkl-compare``) runs
 every configured ``train.py`` config once per seed, each as its own process and TensorBoard run
 (:mod:`.runs`), reads the event files back (:mod:`.events`) and writes ``curves.png``,
 ``report.md`` and ``summary.json`` into the output directory (:mod:`.report`).
+``configs/compare.yaml`` puts fixed and adaptive KL control side by side,
+``configs/compare_algorithms.yaml`` PPO and RLOO.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ class StudyConfig:
     """What the study runs.
 
     Args:
-        runs: Controller name -> the ``train.py`` config of its run (paths relative to the
-            working directory). The report compares ``adaptive`` with ``fixed`` when both exist;
-            the default pair is fair: the fixed beta is the adaptive controller's initial one.
+        runs: Run name (a controller, an algorithm) -> the ``train.py`` config of its run
+            (paths relative to the working directory). The report compares ``adaptive`` with
+            ``fixed`` when both exist, and every other run with the first; the default pair is
+            fair: the fixed beta is the adaptive controller's initial one.
         seeds: Seeds per controller: ``0 .. seeds-1``, the same for every controller (the seed
             of ``seed_everything`` and of the prompt order).
         batches: PPO batches per run (each run's ``trainer.max_steps`` is set to
@@ -105,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[StudyConfig, bool]:
 
     parser = ArgumentParser(
         prog="rlkl-compare",
-        description="Run fixed and adaptive KL control side by side and report the curves.",
+        description="Run training configs side by side over seeds and report the curves.",
     )
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML of the settings below")
     parser.add_class_arguments(StudyConfig, as_group=True)

@@ -80,9 +80,48 @@ def verdict(groups: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+def differences(groups: dict[str, dict[str, Any]], first: str, second: str) -> dict[str, Any]:
+    """``second`` minus ``first`` for every metric, with two standard errors of the difference.
+
+    ``beyond_two_se`` says whether the difference of the means exceeds twice its standard
+    error ``sqrt(s_a^2 / n_a + s_b^2 / n_b)`` (over seeds); with a single seed on either side
+    there is no error estimate (``two_se`` None, ``beyond_two_se`` False).
+    """
+    a, b = groups[first], groups[second]
+    out: dict[str, Any] = {"first": first, "second": second}
+    for name in METRICS:
+        n_a, n_b = len(a["per_seed"][name]), len(b["per_seed"][name])
+        diff = b[name] - a[name]
+        two_se = None
+        if n_a > 1 and n_b > 1:
+            two_se = 2 * math.sqrt(a["std"][name] ** 2 / n_a + b["std"][name] ** 2 / n_b)
+        out[name] = {
+            "difference": diff,
+            "two_se": two_se,
+            "beyond_two_se": bool(two_se is not None and abs(diff) > two_se),
+        }
+    return out
+
+
+def _differences_table(d: dict[str, Any]) -> list[str]:
+    lines = [
+        f"Difference `{d['second']}` - `{d['first']}` (mean over seeds), with two standard errors "
+        "of the difference:",
+        "",
+        "| metric | difference | 2 SE | beyond 2 SE |",
+        "|---|---|---|---|",
+    ]
+    for name in METRICS:
+        row = d[name]
+        two_se = "-" if row["two_se"] is None else f"{row['two_se']:.3g}"
+        beyond = "yes" if row["beyond_two_se"] else "no"
+        lines.append(f"| {name} | {row['difference']:+.3g} | {two_se} | {beyond} |")
+    return lines
+
+
 def _statement(v: dict[str, Any] | None, groups: dict[str, Any], kl: dict[str, Any]) -> str:
     if v is None:
-        return "The study ran no `fixed` / `adaptive` pair, so there is no comparison to state."
+        return "The study ran no `fixed` / `adaptive` pair, so there is no controller verdict."
     a, f = groups["adaptive"], groups["fixed"]
     two_se = v["score_difference_2se"]
     score = (
@@ -140,8 +179,12 @@ def write_report(runs: list[Run], study: StudyConfig, out: Path, elapsed: float)
         "elapsed_s": round(elapsed, 1),
         "verdict": verdict(groups),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     main_groups = [g for g in study.runs if g in by_group]
+    if len(main_groups) >= 2:
+        summary["differences"] = [
+            differences(groups, main_groups[0], other) for other in main_groups[1:]
+        ]
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_curves({g: [curves[r] for r in by_group[g]] for g in main_groups}, kl, out)
     frontier = len(by_group) > len(main_groups)
     if frontier:
@@ -150,15 +193,15 @@ def write_report(runs: list[Run], study: StudyConfig, out: Path, elapsed: float)
         (out / "frontier.png").unlink(missing_ok=True)  # from an earlier study
     first_runs = [members[0] for members in by_group.values()]
     (out / "report.md").write_text(
-        _markdown(summary, groups, len(runs), first_runs, study, kl, frontier)
+        _markdown(summary, groups, len(runs), first_runs, study, kl, frontier, main_groups)
     )
     return summary
 
 
-def _markdown(summary, groups, n_runs, first_runs, study, kl, frontier: bool) -> str:
+def _markdown(summary, groups, n_runs, first_runs, study, kl, frontier: bool, main_groups) -> str:
     unit = f"nats per {kl['unit']}"
     lines = [
-        "# Study: fixed vs adaptive KL control",
+        f"# Study: {' vs '.join(main_groups)}",
         "",
         f"{n_runs} runs: {', '.join(f'`{g}`' for g in groups)}; seeds "
         f"{summary['seeds']}; {study.batches} PPO batches ({summary['samples_per_run']} samples) "
@@ -169,7 +212,7 @@ def _markdown(summary, groups, n_runs, first_runs, study, kl, frontier: bool) ->
         "",
         "![curves](curves.png)",
         "",
-        "| controller | initial beta | final score | KL tracking error | in band | drift warnings "
+        "| run | initial beta | final score | KL tracking error | in band | drift warnings "
         "| final KL | final beta | held-out perplexity |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -198,6 +241,8 @@ def _markdown(summary, groups, n_runs, first_runs, study, kl, frontier: bool) ->
         _statement(summary["verdict"], groups, kl),
         "",
     ]
+    for d in summary.get("differences", []):
+        lines += _differences_table(d) + [""]
     if frontier:
         lines += ["![frontier](frontier.png)", ""]
     lines += ["Repeat one run alone (the first seed of each):", "", "```"]

@@ -103,7 +103,11 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
-    """A class's init argument in a config: its value there, else the class default."""
+    """A class's init argument in a config: its value there, else the class default.
+
+    A class that forwards ``**kwargs`` to its base (``PPOModule``, ``RLOOModule`` to
+    ``RLPipeline``) takes the default of the first class in its MRO that names the argument.
+    """
     section = config.get(group) or {}
     args = section.get("init_args") or {}
     if name in args:

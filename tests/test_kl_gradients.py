@@ -1,0 +1,344 @@
+"""Which KL placement and estimator follow the gradient of KL(pi‖ref): proven by enumeration.
+
+A policy over responses of ``T = 3`` tokens from a vocabulary of ``V = 3`` has 27 responses, so
+every expectation ``E_{y~pi}[g(y)] = sum_y pi(y) g(y)`` is computed exactly, and so is the
+expected gradient of every loss: ``sum_y sg(pi(y)) grad f_y`` (``sg``: detached; the samples'
+distribution is not differentiated, as in training). With ``l_t = log pi(y_t|s_t) - log
+ref(y_t|s_t)``, ``L(y) = sum_t l_t = log pi(y)/ref(y)`` and ``KL_t(s) = KL(pi(.|s)‖ref(.|s))``:
+
+**The target.** ``KL(pi‖ref) = sum_y pi(y) L(y)``, differentiated by autograd through both
+``pi(y)`` and ``L(y)``: ``G_seq``. By the product rule and ``grad pi = pi grad log pi``::
+
+    G_seq = E[L(y) grad log pi(y)] + E[grad L(y)]
+          = E[sum_t grad log pi(y_t|s_t) * sum_t' l_t'] + 0
+
+since ``E[grad L] = E[sum_t grad log pi(y_t|s_t)] = sum_t E_s[sum_a grad pi(a|s)] = 0``.
+Terms with ``t' < t`` vanish too (``l_t'`` is fixed by the prefix ``s_t`` and
+``E[grad log pi(y_t|s_t) | s_t] = 0``), leaving the reward-to-go form
+``E[sum_t grad log pi(y_t|s_t) * sum_{t'>=t} l_t']``. Splitting off ``t' = t``, where
+``E[l_t grad log pi(y_t|s_t) | s_t] = grad KL_t(s_t)`` with the state held fixed::
+
+    G_seq = G_tok + G_future,  G_tok = E[sum_t grad KL_t(s_t)]  (states not differentiated),
+                               G_future = E[sum_t grad log pi(y_t|s_t) * sum_{t'>t} l_t']
+
+``G_future`` is how early tokens change the KL of later ones (Tang & Munos 2025, arXiv
+2506.09477); it vanishes for a policy whose tokens do not depend on their prefix.
+
+**Each placement x estimator**, with the library's own functions:
+
+* KL in the reward: ``shape_rewards(0, kl, 1, mask)`` -> ``gae(gamma=1, lam=1, values=0)`` (the
+  reward-to-go) -> ``policy_loss`` at ratio 1, whose gradient is
+  ``-mean_t A_t grad log pi(y_t|s_t)``. With k1 its expectation is exactly ``G_seq`` (above);
+  with k2 or k3 it is the score-function gradient of a different reward (their values are
+  not ``l``), so it misses; with the exact per-token KL it is ``G_future`` (the state's own
+  KL does not depend on its token).
+* KL in the loss: ``kl_loss`` on-policy (``w = 1``). k2's gradient per sample is
+  ``l_t grad log pi(y_t|s_t)``: in expectation ``G_tok``, which is ``G_seq`` for a prefix-free
+  policy (Liu et al. 2025, arXiv 2510.01555: k2 as loss = k1 in the reward on-policy, a
+  response being one action) and misses ``G_future`` otherwise. k1's is
+  ``grad log pi(y_t|s_t)``: in expectation 0. k3's is ``(1 - ref/pi) grad log pi``: in
+  expectation ``E[sum_t grad KL(ref(.|s_t)‖pi(.|s_t))]``, the *forward* KL's gradient.
+
+Off-policy (samples from ``pi_old``), ``w_t = pi/pi_old`` restores k2's on-policy expectation
+at each state; without it the gradient misses.
+
+The tolerances: the matches hold to 1e-6 relative (float64 enumeration); the misses are off by
+a relative error of at least 0.1 here. ``test_gradients_through_a_tiny_gpt2`` repeats the
+placements through a GPT-2 with a 3-token vocabulary and the library's fused log-prob head.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import Tensor
+
+from rlkl_lightning.advantages import gae, shape_rewards
+from rlkl_lightning.kl import exact_kl, per_token_kl
+from rlkl_lightning.kl_loss import kl_loss
+from rlkl_lightning.ppo_loss import policy_loss
+
+V, T = 3, 3
+RESPONSES = torch.tensor(list(itertools.product(range(V), repeat=T)))  # [27, 3]
+MATCH = 1e-6  # relative error of the pairings that must match
+MISS = 0.1  # relative error the others exceed
+
+
+def relative_error(got: Tensor, want: Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+# ------------------------------------------------------------------ a tabular policy
+def state_index(prefix_free: bool) -> Tensor:
+    """``[27, T]`` row of the logit table each token is drawn from.
+
+    Autoregressive: one row per prefix (1 + 3 + 9 = 13 states). Prefix-free: one per position.
+    """
+    if prefix_free:
+        return torch.arange(T).expand(len(RESPONSES), T)
+    rows = torch.zeros(len(RESPONSES), T, dtype=torch.long)
+    offset, code = 0, torch.zeros(len(RESPONSES), dtype=torch.long)
+    for t in range(T):
+        rows[:, t] = offset + code
+        offset += V**t
+        code = code * V + RESPONSES[:, t]
+    return rows
+
+
+class Tabular:
+    """``pi(.|s) = softmax(theta[s])`` and a fixed ``ref(.|s) = softmax(ref_logits[s])``."""
+
+    def __init__(self, prefix_free: bool, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        rows = state_index(prefix_free)
+        n_states = int(rows.max()) + 1
+        self.rows = rows
+        self.theta = (
+            1.5 * torch.randn(n_states, V, generator=g, dtype=torch.float64)
+        ).requires_grad_()
+        self.ref_logits = 1.5 * torch.randn(n_states, V, generator=g, dtype=torch.float64)
+        self.mask = torch.ones(len(RESPONSES), T)
+
+    def logits(self, theta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Policy and reference logits ``[27, T, V]`` at every response position."""
+        theta = self.theta if theta is None else theta
+        return theta[self.rows], self.ref_logits[self.rows]
+
+    def logprobs(self, theta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``log pi(y_t|s_t)`` (with grad) and ``log ref(y_t|s_t)``, ``[27, T]``."""
+        logits, ref = self.logits(theta)
+        pick = RESPONSES.unsqueeze(-1)
+        return (
+            logits.log_softmax(-1).gather(-1, pick).squeeze(-1),
+            ref.log_softmax(-1).gather(-1, pick).squeeze(-1),
+        )
+
+    def grad(self, objective: Tensor) -> Tensor:
+        (g,) = torch.autograd.grad(objective, self.theta, retain_graph=True)
+        return g
+
+
+def targets(model) -> dict[str, Tensor]:
+    """``G_seq``, ``G_tok``, ``G_future`` and the forward-KL gradient, by autograd."""
+    logprobs, ref = model.logprobs()
+    logits, ref_logits = model.logits()
+    weight = logprobs.sum(-1).exp()  # pi(y)
+    assert float(weight.sum().detach()) == pytest.approx(1.0, abs=1e-12)  # every response is here
+    g_seq = model.grad((weight * (logprobs - ref).sum(-1)).sum())
+    g_tok = model.grad((weight.detach() * exact_kl(logits, ref_logits).sum(-1)).sum())
+    g_fwd = model.grad((weight.detach() * exact_kl(ref_logits, logits).sum(-1)).sum())
+    return {"seq": g_seq, "tok": g_tok, "future": g_seq - g_tok, "forward": g_fwd}
+
+
+def expected_gradient(model, per_sequence_loss) -> Tensor:
+    """``sum_y sg(pi(y)) grad f_y`` for ``f_y = per_sequence_loss(row y)``."""
+    logprobs, ref = model.logprobs()
+    weight = logprobs.sum(-1).exp().detach()
+    total = sum(
+        weight[y] * per_sequence_loss(logprobs[y : y + 1], ref[y : y + 1], y)
+        for y in range(len(RESPONSES))
+    )
+    return model.grad(total)
+
+
+def in_the_reward(model, estimator: str):
+    """The policy-gradient loss of one response with ``-kl`` as its reward (sum over tokens)."""
+    logits, ref_logits = (x.detach() for x in model.logits())
+
+    def loss(logprobs: Tensor, ref: Tensor, y: int) -> Tensor:
+        old = logprobs.detach()
+        mask = torch.ones_like(old)
+        if estimator == "exact":
+            kl = exact_kl(logits[y : y + 1], ref_logits[y : y + 1])
+        else:
+            kl = per_token_kl(old, ref, estimator)
+        rewards = shape_rewards(torch.zeros(1, dtype=kl.dtype), kl, 1.0, mask)
+        advantages, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma=1.0, lam=1.0)
+        pg, _ = policy_loss(logprobs, old, advantages, mask, cliprange=0.2)
+        return T * pg  # policy_loss is a token mean; the gradient above is a token sum
+
+    return loss
+
+
+def in_the_loss(estimator: str, old_logprobs: Tensor | None = None, weight_clip=None):
+    """``T x kl_loss`` of one response; ``old_logprobs [27, T]``: off-policy samples."""
+
+    def loss(logprobs: Tensor, ref: Tensor, y: int) -> Tensor:
+        old = logprobs.detach() if old_logprobs is None else old_logprobs[y : y + 1]
+        mask = torch.ones_like(logprobs)
+        return T * kl_loss(logprobs, old, ref, mask, estimator, weight_clip)
+
+    return loss
+
+
+# ------------------------------------------------------------------ the tests
+@pytest.fixture(scope="module")
+def autoregressive():
+    model = Tabular(prefix_free=False)
+    return model, targets(model)
+
+
+@pytest.fixture(scope="module")
+def prefix_free():
+    model = Tabular(prefix_free=True)
+    return model, targets(model)
+
+
+def test_the_decomposition_is_not_trivial(autoregressive, prefix_free):
+    """Early tokens change later KL in the autoregressive policy, never in the prefix-free one."""
+    _, g = autoregressive
+    assert relative_error(g["tok"], g["seq"]) > MISS  # G_future is a large part of G_seq
+    _, g = prefix_free
+    assert relative_error(g["tok"], g["seq"]) < MATCH
+
+
+def test_k1_in_the_reward_follows_the_sequence_kl_gradient(autoregressive, prefix_free):
+    for model, g in (autoregressive, prefix_free):
+        got = expected_gradient(model, in_the_reward(model, "k1"))
+        assert relative_error(got, g["seq"]) < MATCH
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_k2_or_k3_in_the_reward_does_not(autoregressive, estimator):
+    model, g = autoregressive
+    got = expected_gradient(model, in_the_reward(model, estimator))
+    assert relative_error(got, g["seq"]) > MISS
+
+
+def test_the_exact_kl_in_the_reward_follows_only_the_future_term(autoregressive):
+    model, g = autoregressive
+    got = expected_gradient(model, in_the_reward(model, "exact"))
+    assert relative_error(got, g["future"]) < MATCH
+    assert relative_error(got, g["seq"]) > MISS
+
+
+def test_k2_in_the_loss_follows_the_per_token_kl_gradient(autoregressive, prefix_free):
+    """= the sequence gradient without prefixes (Liu et al.); misses G_future with them."""
+    model, g = prefix_free
+    assert relative_error(expected_gradient(model, in_the_loss("k2")), g["seq"]) < MATCH
+    model, g = autoregressive
+    got = expected_gradient(model, in_the_loss("k2"))
+    assert relative_error(got, g["tok"]) < MATCH
+    assert relative_error(got, g["seq"]) > MISS
+
+
+def test_k1_in_the_loss_has_no_expected_gradient(autoregressive):
+    model, g = autoregressive
+    got = expected_gradient(model, in_the_loss("k1"))
+    assert float(got.norm()) < MATCH * float(g["seq"].norm())
+    assert relative_error(got, g["seq"]) == pytest.approx(1.0, abs=MATCH)
+
+
+def test_k3_in_the_loss_follows_the_forward_kl_gradient(autoregressive, prefix_free):
+    for model, g in (autoregressive, prefix_free):
+        got = expected_gradient(model, in_the_loss("k3"))
+        assert relative_error(got, g["forward"]) < MATCH
+        assert relative_error(got, g["seq"]) > MISS
+        assert relative_error(got, g["tok"]) > MISS
+
+
+def test_off_policy_importance_weights_restore_the_k2_gradient(prefix_free):
+    """Samples from pi_old: with w = pi/pi_old, k2 in the loss follows G_seq again."""
+    model, g = prefix_free
+    old_theta = model.theta.detach() + 0.5 * torch.randn(
+        model.theta.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    )
+    old_logprobs = model.logprobs(old_theta)[0].detach()
+    sample_weight = old_logprobs.sum(-1).exp()  # the responses are drawn from pi_old
+
+    def expected(loss) -> Tensor:
+        logprobs, ref = model.logprobs()
+        total = sum(
+            sample_weight[y] * loss(logprobs[y : y + 1], ref[y : y + 1], y)
+            for y in range(len(RESPONSES))
+        )
+        return model.grad(total)
+
+    weighted = expected(in_the_loss("k2", old_logprobs))
+    assert relative_error(weighted, g["seq"]) < MATCH
+    unweighted = expected(in_the_loss("k2"))  # old = new: w = 1, the usual omission
+    assert relative_error(unweighted, g["seq"]) > MISS
+    ratios = (model.logprobs()[0] - old_logprobs).exp()
+    clip = float(ratios.detach().median())  # a cap that binds on half the tokens: biased
+    capped = expected(in_the_loss("k2", old_logprobs, weight_clip=max(clip, 1.0)))
+    assert relative_error(capped, g["seq"]) > 10 * MATCH
+
+
+# ------------------------------------------------------------------ through a causal LM
+def test_gradients_through_a_tiny_gpt2():
+    """The same pairings through a GPT-2 with a 3-token vocabulary, scored by the library.
+
+    The targets come from the model's plain forward (``model(ids).logits``); the placements
+    use ``score_tokens`` (the fused log-prob head the update uses), ``shape_rewards``, ``gae``,
+    ``policy_loss`` and ``kl_loss``. Float32 log-probs: the matches hold to 5e-6 relative
+    (measured: 3e-7 to 7e-7).
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlkl_lightning.logprobs import score_tokens
+    from rlkl_lightning.trajectory import Trajectory
+
+    # A large initialisation: a KL of about 0.5 nats, and tokens that depend on their prefix.
+    config = GPT2Config(
+        vocab_size=V, n_positions=8, n_embd=16, n_layer=1, n_head=2, initializer_range=0.5
+    )
+    config.bos_token_id = config.eos_token_id = None  # GPT-2's 50256 is not in this vocabulary
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(config).eval()
+    torch.manual_seed(1)
+    reference = GPT2LMHeadModel(config).eval()
+    ids = torch.cat([torch.zeros(len(RESPONSES), 1, dtype=torch.long), RESPONSES], dim=1)
+    ones = torch.ones_like(ids)
+    traj = Trajectory(ids, ones, RESPONSES, torch.ones(len(RESPONSES), T))
+    params = [p for p in policy.parameters() if p.requires_grad]
+
+    def grad(objective: Tensor) -> Tensor:
+        return torch.cat(
+            [g.flatten() for g in torch.autograd.grad(objective, params, retain_graph=True)]
+        )
+
+    # Targets, from the plain forward.
+    logits = policy(ids).logits[:, :-1].float()
+    with torch.no_grad():
+        ref_logits = reference(ids).logits[:, :-1].float()
+    pick = RESPONSES.unsqueeze(-1)
+    plain = logits.log_softmax(-1).gather(-1, pick).squeeze(-1)
+    ref = ref_logits.log_softmax(-1).gather(-1, pick).squeeze(-1)
+    weight = plain.sum(-1).exp()
+    assert float(weight.sum().detach()) == pytest.approx(1.0, abs=1e-5)
+    g_seq = grad((weight * (plain - ref).sum(-1)).sum())
+    g_tok = grad((weight.detach() * exact_kl(logits, ref_logits).sum(-1)).sum())
+    g_fwd = grad((weight.detach() * exact_kl(ref_logits, logits).sum(-1)).sum())
+    assert relative_error(g_tok, g_seq) > MISS
+
+    def expected(per_row) -> Tensor:
+        logprobs = score_tokens(policy, traj, 1.0, logits=False).logprobs
+        old = logprobs.detach()
+        kl = per_token_kl(old, ref, "k1")
+        return grad(sum(weight[y].detach() * per_row(logprobs, old, kl, y) for y in range(27)))
+
+    def k1_reward(logprobs, old, kl, y):
+        row, mask = slice(y, y + 1), torch.ones(1, T)
+        rewards = shape_rewards(torch.zeros(1), kl[row], 1.0, mask)
+        advantages, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma=1.0, lam=1.0)
+        return T * policy_loss(logprobs[row], old[row], advantages, mask, cliprange=0.2)[0]
+
+    def loss_of(estimator):
+        def per_row(logprobs, old, kl, y):
+            row = slice(y, y + 1)
+            mask = torch.ones(1, T)
+            return T * kl_loss(logprobs[row], old[row], ref[row], mask, estimator, None)
+
+        return per_row
+
+    assert relative_error(expected(k1_reward), g_seq) < 5e-6
+    k2 = expected(loss_of("k2"))
+    assert relative_error(k2, g_tok) < 5e-6
+    assert relative_error(k2, g_seq) > MISS
+    k3 = expected(loss_of("k3"))
+    assert relative_error(k3, g_fwd) < 5e-6
+    assert relative_error(k3, g_seq) > MISS
+    k1 = expected(loss_of("k1"))
+    assert float(k1.norm()) < 5e-6 * float(g_seq.norm())
