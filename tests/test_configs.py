@@ -110,7 +110,7 @@ def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeyp
     assert module.batches_seen == 2  # max_steps = 2 batches x 16 optimizer steps
     controller, monitor = cli.trainer.callbacks[:2]
     # The callbacks count responses: 4 prompts per batch, times RLOO's responses per prompt.
-    per_prompt = config["model"]["init_args"].get("responses_per_prompt", 1)
+    per_prompt = getattr(module.hparams, "responses_per_prompt", 1)
     assert controller.n_samples == monitor.n_samples == module.samples_seen == 2 * 4 * per_prompt
     assert monitor.target == config["kl"]["target"]  # given once, shared
     if config["kl"]["controller"] == "fixed":
