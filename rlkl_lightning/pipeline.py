@@ -52,14 +52,11 @@ from rlkl_lightning.rewards import (
     validate_scores,
 )
 from rlkl_lightning.rollout import sample_and_score
+from rlkl_lightning.skips import SkipBatch, SkipGates
 from rlkl_lightning.trajectory import Trajectory
 
 
-class SkipBatch(Exception):
-    """Raised by a phase to skip the batch's update; the message says why."""
-
-
-class RLPipeline(ResumableModule, HeldoutPerplexity):
+class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
     """Rollout, scoring, KL, the update loop and logging, shared by PPO and critic-free methods.
 
     Args:
@@ -446,58 +443,3 @@ class RLPipeline(ResumableModule, HeldoutPerplexity):
         if self.hparams.score_clip is not None:
             scores = scores.clamp(-self.hparams.score_clip, self.hparams.score_clip)
         return scores
-
-    def _gate(self, bad: bool, why: str) -> None:
-        """Skip the batch if ``bad`` on any rank (a collective under DDP: call it on every rank).
-
-        Every skip decision is agreed by all ranks: under DDP a rank that skipped while the
-        others ran backward would leave them waiting in the gradient all-reduce forever. The
-        gradients of a half-done update are dropped, so weights and optimizer stay untouched.
-        """
-        if self._any_rank(bad):
-            if self._trainer is not None:
-                self.optimizers().zero_grad(set_to_none=True)
-            raise SkipBatch(why)
-
-    def _global_sum(self, values: Tensor) -> Tensor:
-        """``values`` summed over all ranks (a collective under DDP: call it on every rank)."""
-        if self._trainer is None or self.trainer.world_size == 1:
-            return values
-        return self.trainer.strategy.reduce(values, reduce_op="sum")
-
-    def _any_rank(self, flag: bool) -> bool:
-        """True if ``flag`` is true on any rank (a collective under DDP: call it on every rank)."""
-        if self._trainer is None or self.trainer.world_size == 1:
-            return bool(flag)
-        return bool(self.trainer.strategy.reduce_boolean_decision(bool(flag), all=False))
-
-    def _skip(self, why: str) -> None:
-        """Skip this batch's update: weights and beta stay as they are.
-
-        The KL is logged as ``nan`` for this batch, so KL callbacks see that there is no
-        usable value (they keep beta and count the batch) even when the very first batch is
-        skipped; ``progress/skipped_batches`` counts the skips.
-        """
-        self.skipped_batches += 1
-        self.skipped_in_a_row += 1
-        limit = self.hparams.max_skipped_in_a_row
-        if limit is not None and self.skipped_in_a_row >= limit:
-            # Every rank skipped the same batches (the decision is agreed), so all stop here.
-            raise RuntimeError(
-                f"{self.owner}: {self.skipped_in_a_row} batches in a row were skipped, the last "
-                f"because {why}; stopping (`max_skipped_in_a_row`={limit}). Fix the cause, or "
-                "set `max_skipped_in_a_row` higher or to None. Weights and beta are those of "
-                "the last trained batch."
-            )
-        rank_zero_warn(
-            f"{self.owner}: skipping batch {self.batches_seen + 1}: {why}; kl_coef is unchanged "
-            f"({self.skipped_batches} batches skipped so far)",
-            category=RuntimeWarning,
-        )
-        nan, skipped = torch.tensor(float("nan")), torch.tensor(float(self.skipped_batches))
-        # The same sync flag as the regular logging: Lightning rejects a key logged with
-        # different arguments within an epoch (a skip under DDP would end the run).
-        metrics = {"objective/kl": nan, "objective/kl_per_token": nan}
-        metrics["progress/skipped_batches"] = skipped
-        sync = self.trainer.world_size > 1
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=sync)
