@@ -145,6 +145,20 @@ def freeze(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_fsdp(model: Any) -> bool:
+    """True if ``model`` is a ``FullyShardedDataParallel`` unit (:mod:`rlkl_lightning.sharding`)."""
+    return hasattr(model, "_fsdp_wrapped_module")
+
+
+def no_grad(model: Any):
+    """A context for a pass that needs no gradients: ``torch.inference_mode``, or ``no_grad``.
+
+    An FSDP unit gets ``torch.no_grad``: FSDP reuses the buffers it gathers weights into, and a
+    buffer made in inference mode cannot be written outside it.
+    """
+    return torch.no_grad() if is_fsdp(model) else torch.inference_mode()
+
+
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0. Shape ``[B, T]``."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -195,8 +209,12 @@ def trunk_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, k
     """Last hidden states ``[B, keep, H]`` of a causal LM's trunk, without its LM head.
 
     ``model.base_model`` (e.g. ``GPT2Model`` inside ``GPT2LMHeadModel``) ends with the final
-    normalization, so this equals ``lm_forward(...).hidden`` without computing any logits.
+    normalization, so this equals ``lm_forward(...).hidden`` without computing any logits. An
+    FSDP unit is called through its own forward, which gathers its weights
+    (:mod:`rlkl_lightning.sharding`).
     """
+    if is_fsdp(model):
+        return _own_forward(model, input_ids, attention_mask, keep).hidden
     out = model.base_model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -212,7 +230,10 @@ def plain_lm_head_weight(model: nn.Module) -> Tensor | None:
     True of GPT-2, Llama, Mistral, Qwen and most causal LMs; not of heads with a bias, a logit
     scale or soft-capping. Checked once per model on a short input (the answer is cached on the
     model), so an unusual head falls back to the model's own forward instead of being wrong.
+    None for an FSDP unit: its weights exist in full only inside its own forward.
     """
+    if is_fsdp(model):
+        return None
     cached = getattr(model, "_rlkl_plain_head", None)
     if cached is None:
         cached = _check_plain_head(model)

@@ -33,9 +33,17 @@ from rlkl_lightning import kl as klmod
 from rlkl_lightning.arguments import check_context, check_pipeline_args
 from rlkl_lightning.heldout import HeldoutPerplexity
 from rlkl_lightning.logprobs import TokenScores, score_tokens
+from rlkl_lightning.lora import AdaptersOff
 from rlkl_lightning.masked import masked_sum
 from rlkl_lightning.metrics import batch_metrics, samples_table
-from rlkl_lightning.models import disable_dropout, freeze, load_tokenizer, policy_and_reference
+from rlkl_lightning.models import (
+    disable_dropout,
+    freeze,
+    is_fsdp,
+    load_tokenizer,
+    no_grad,
+    policy_and_reference,
+)
 from rlkl_lightning.ppo_loss import entropy_from_logits
 from rlkl_lightning.resumable import ResumableModule
 from rlkl_lightning.rewards import (
@@ -45,6 +53,7 @@ from rlkl_lightning.rewards import (
     validate_scores,
 )
 from rlkl_lightning.rollout import sample_and_score
+from rlkl_lightning.sharding import shard_models
 from rlkl_lightning.trajectory import Trajectory
 
 
@@ -101,6 +110,8 @@ class RLPipeline(ResumableModule, HeldoutPerplexity):
 
     #: The name messages give the module (its options are named in them too).
     owner: ClassVar[str] = "RLPipeline"
+    #: The models sharded as FSDP units under ``FSDPStrategy`` (sharding.py).
+    sharded_models: ClassVar[tuple[str, ...]] = ("policy", "reference")
 
     def __init__(
         self,
@@ -166,6 +177,12 @@ class RLPipeline(ResumableModule, HeldoutPerplexity):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
         return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+    def configure_model(self) -> None:
+        """Under ``FSDPStrategy``, make each model an FSDP unit (sharding.py); else nothing."""
+        shard_models(self, self.sharded_models)
+        if isinstance(self.reference, AdaptersOff):
+            self.reference.model = self.policy  # the sharded policy, adapters off
 
     def _lr_factor(self, batch: int) -> float:
         warmup = self.hparams.warmup_batches
@@ -240,7 +257,7 @@ class RLPipeline(ResumableModule, HeldoutPerplexity):
         """
         hp = self.hparams
         mask = traj.response_mask
-        with torch.inference_mode():
+        with no_grad(self.reference):
             ref = score_tokens(self.reference, traj, hp.temperature)
         ref_logits, ref_logprobs = ref.logits.clone(), ref.logprobs.clone()
         responses = [
@@ -400,16 +417,19 @@ class RLPipeline(ResumableModule, HeldoutPerplexity):
         Gates a non-finite norm, except under ``16-mixed``: there the loss is scaled, an
         overflow is the scaler's to handle (it skips that optimizer step and lowers the
         scale), and the norm and the clip are those of the unscaled gradients. Under FSDP the
-        sharded module computes the norm over all shards.
+        norm is that of all ranks' gradient shards together.
         """
         max_norm = self.hparams.max_grad_norm if self.hparams.max_grad_norm else float("inf")
         scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer else None
         scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        wrapped = self.trainer.strategy.model if self._trainer is not None else None
-        if hasattr(wrapped, "clip_grad_norm_"):  # FullyShardedDataParallel
-            norm = wrapped.clip_grad_norm_(max_norm * scale)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(is_fsdp(m) for m in self.modules()):  # each rank holds a shard of every gradient
+            grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
+            local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            local = local.to(self.device, torch.float32)
+            norm = self.trainer.strategy.reduce(local.square(), reduce_op="sum").sqrt()
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm * scale, norm)
         else:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm * scale)
         grad_norm = float(norm) / scale
         if scaler is None:
