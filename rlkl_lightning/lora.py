@@ -150,6 +150,17 @@ class AdaptersOff:
 
         return forward
 
+    @property
+    def _fsdp_wrapped_module(self) -> nn.Module:
+        """The module inside the policy's FSDP unit, once the policy is sharded.
+
+        So the reference counts as a unit too (:func:`~rlkl_lightning.models.is_fsdp`) and is
+        called through the unit's forward.
+        """
+        if not hasattr(self.model, "_fsdp_wrapped_module"):
+            raise AttributeError("_fsdp_wrapped_module")
+        return self.model._fsdp_wrapped_module
+
     def get_output_embeddings(self) -> nn.Module | None:
         """The policy's LM head (a plain one is shared: it is never adapted)."""
         return self.model.get_output_embeddings()

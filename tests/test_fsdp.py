@@ -35,10 +35,13 @@ GLOBAL_BATCH = 4
 COMPARED = ("objective/kl", "objective/kl_per_token", "objective/score", "objective/entropy")
 
 
-def fsdp_config(tmp_path, lms, prompts, name, poison, devices, accelerator, strategy):
+def fsdp_config(tmp_path, lms, prompts, name, poison, devices, accelerator, strategy, peft):
     path = config(tmp_path, lms, prompts, name, poison, GLOBAL_BATCH // devices)
     cfg = yaml.safe_load(path.read_text())
     cfg["trainer"].update(accelerator=accelerator, devices=devices)
+    if peft is not None:  # the reference is the policy with its adapters off
+        cfg["model"]["init_args"]["peft"] = peft
+        del cfg["model"]["init_args"]["reference"]
     if strategy is not None:
         cfg["trainer"]["strategy"] = strategy
     path.write_text(yaml.safe_dump(cfg))
@@ -49,21 +52,23 @@ def cuda_devices() -> int:
     return min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
+CPU_FSDP = {"class_path": "cpu_fsdp.CPUFSDPStrategy"}
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "fan_in_fan_out": True}
+ON_CUDA = pytest.mark.skipif(not cuda_devices(), reason="needs a CUDA device")
+
+
 @pytest.mark.parametrize(
-    "accelerator, devices, strategy",
+    "accelerator, devices, strategy, peft",
     [
-        ("cpu", 2, {"class_path": "cpu_fsdp.CPUFSDPStrategy"}),
-        pytest.param(
-            "gpu",
-            max(cuda_devices(), 1),
-            "fsdp",
-            marks=pytest.mark.skipif(not cuda_devices(), reason="needs a CUDA device"),
-        ),
+        ("cpu", 2, CPU_FSDP, None),
+        ("cpu", 2, CPU_FSDP, LORA),
+        pytest.param("gpu", max(cuda_devices(), 1), "fsdp", None, marks=ON_CUDA),
+        pytest.param("gpu", max(cuda_devices(), 1), "fsdp", LORA, marks=ON_CUDA),
     ],
-    ids=["cpu-gloo", "cuda"],
+    ids=["cpu-gloo", "cpu-gloo-lora", "cuda", "cuda-lora"],
 )
 def test_fsdp_run_equals_one_process_on_the_global_batches(
-    tmp_path, tiny_lm_dir, accelerator, devices, strategy
+    tmp_path, tiny_lm_dir, accelerator, devices, strategy, peft
 ):
     from conftest import make_tiny_lm
 
@@ -75,7 +80,9 @@ def test_fsdp_run_equals_one_process_on_the_global_batches(
     order = [PROMPTS[i] for i in EpochShuffleSampler(len(PROMPTS), SEED)]
     poison = order[GLOBAL_BATCH + 1]  # second batch; dealt to rank 1 of 2
 
-    cfg = fsdp_config(tmp_path, lms, prompts_file, "fsdp", poison, devices, accelerator, strategy)
+    cfg = fsdp_config(
+        tmp_path, lms, prompts_file, "fsdp", poison, devices, accelerator, strategy, peft
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
     command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(cfg)]
     proc = subprocess.run(
@@ -84,7 +91,9 @@ def test_fsdp_run_equals_one_process_on_the_global_batches(
     assert proc.returncode == 0, proc.stderr[-4000:]
     sys.path.insert(0, str(TESTS))
     try:
-        single = fsdp_config(tmp_path, lms, prompts_file, "single", poison, 1, accelerator, None)
+        single = fsdp_config(
+            tmp_path, lms, prompts_file, "single", poison, 1, accelerator, None, peft
+        )
         main(["fit", "--config", str(single)])
     finally:
         sys.path.remove(str(TESTS))
@@ -109,11 +118,10 @@ def test_fsdp_run_equals_one_process_on_the_global_batches(
     assert before.keys() == want.keys()
     diffs = {k: float((before[k] - want[k]).abs().max()) for k in want}
     assert max(diffs.values()) < 1e-5
-    initial = load_causal_lm(str(tiny_lm_dir)).state_dict()
-    moved = max(
-        float((before[f"policy.{k}"] - v.to(before[f"policy.{k}"])).abs().max())
-        for k, v in initial.items()
-    )
+    initial = {f"policy.{k}": v for k, v in load_causal_lm(str(tiny_lm_dir)).state_dict().items()}
+    if peft is not None:
+        initial = {k: torch.zeros_like(v) for k, v in before.items() if ".lora_B." in k}
+    moved = max(float((before[k] - v.to(before[k])).abs().max()) for k, v in initial.items())
     assert moved > 1e-3  # the weights did change: the comparison above is not vacuous
 
     # The checkpoint holds the gathered (full) weights, under the same names as 1 process's.
