@@ -273,3 +273,18 @@ def test_an_explicit_reference_is_kept_with_peft(tiny_lm_dir, tmp_path):
 def test_bad_peft_settings_name_the_option(tiny_lm_dir, peft, message):
     with pytest.raises(ValueError, match=message):
         lora_module(tiny_lm_dir, peft=peft)
+
+
+def test_held_out_perplexity_of_the_reference_is_the_base_models(tiny_lm_dir, tmp_path):
+    texts = tmp_path / "heldout.txt"
+    texts.write_text("\n".join(["the film was good", "this book is very dull"] * 3) + "\n")
+    found = []
+    for peft in (LORA, None):  # None: the default frozen copy of the base
+        module = lora_module(tiny_lm_dir, peft=peft)
+        data = PromptDataModule(str(texts), heldout=str(texts), batch_size=4)
+        t = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+        t.validate(module, datamodule=data, verbose=False)
+        found.append((module.reference_perplexity, float(t.callback_metrics["val/perplexity"])))
+    (lora_ref, lora_policy), (copy_ref, copy_policy) = found
+    assert lora_ref == copy_ref  # bit for bit: the adapters-off pass is the base model's
+    assert lora_policy == copy_policy  # fresh adapters (lora_B = 0) do not change the policy
