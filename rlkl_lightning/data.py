@@ -5,6 +5,10 @@ openings from its held-out split as prompts, the held-out reviews as held-out te
 anything :func:`~rlkl_lightning.texts.load_texts` reads: local files, a local dataset
 directory, or a dataset on the Hugging Face hub (``"imdb"``).
 
+With ``chat_template`` each prompt becomes the user message of a chat (after an optional system
+message), written out through the tokenizer's chat template with the assistant's turn opened,
+so an instruct model answers it.
+
 Training batches are ``{"prompt": list[str]}``, validation batches
 ``{"text": list[str]}``. Under DDP the training loader deals the prompts of one shared
 order to the ranks itself (:class:`~rlkl_lightning.resumable.RankShardSampler`); validation
@@ -63,6 +67,11 @@ class PromptDataModule(LightningDataModule):
         num_workers: DataLoader worker processes.
         world: Config of the default world (``None``: the standard one); used only
             when ``prompts`` or ``heldout`` is ``"default"``.
+        chat_template: Present each prompt as a user message through the tokenizer's chat
+            template, ending with the opened assistant turn (``add_generation_prompt``).
+        system_prompt: A system message before every prompt (needs ``chat_template``).
+        chat_tokenizer: Tokenizer (name or directory) whose template is used; ``None``: the
+            ``tokenizer`` of the module being trained.
     """
 
     def __init__(
@@ -83,6 +92,9 @@ class PromptDataModule(LightningDataModule):
         shuffle: bool = True,
         num_workers: int = 0,
         world: WorldConfig | None = None,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+        chat_tokenizer: str | None = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -100,6 +112,10 @@ class PromptDataModule(LightningDataModule):
         for name, column in (("prompt_column", prompt_column), ("heldout_column", heldout_column)):
             if not column:
                 raise ValueError(f"PromptDataModule: `{name}` must be a non-empty column name")
+        if (system_prompt is not None or chat_tokenizer is not None) and not chat_template:
+            raise ValueError(
+                "PromptDataModule: `system_prompt` and `chat_tokenizer` need `chat_template: true`"
+            )
         self.save_hyperparameters(ignore=["world"])
         self.hparams.update(plain(dict(self.hparams)))  # paths as str: see resumable.plain
         self.world = world
@@ -136,6 +152,8 @@ class PromptDataModule(LightningDataModule):
         else:
             prompts = load_texts(hp.prompts, hp.prompt_column, split=hp.prompt_split, keep=keep)
         prompts = self._subset(prompts, hp.num_prompts, hp.prompt_words, salt=0)
+        if hp.chat_template:
+            prompts = chat_prompts(prompts, self._chat_tokenizer(), hp.system_prompt)
         self.prompt_dataset = _as_dataset("prompt", prompts)
         if hp.heldout is None:
             return
@@ -149,6 +167,22 @@ class PromptDataModule(LightningDataModule):
         )
         heldout = self._subset(heldout, hp.num_heldout, hp.heldout_words, salt=1)
         self.heldout_dataset = _as_dataset("text", heldout)
+
+    def _chat_tokenizer(self):
+        if self.hparams.chat_tokenizer is not None:
+            from rlkl_lightning.models import resolve_model_path
+            from rlkl_lightning.world.tokenizer import pretrained_tokenizer
+
+            name = resolve_model_path(self.hparams.chat_tokenizer, "chat_tokenizer")
+            return pretrained_tokenizer(name, "chat_tokenizer")
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        tokenizer = getattr(module, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError(
+                "PromptDataModule: `chat_template` needs a tokenizer: set `chat_tokenizer`, or "
+                "train a module that has a `tokenizer` attribute"
+            )
+        return tokenizer
 
     def _subset(self, texts: list[str], cap: int | None, words: int | None, salt: int) -> list[str]:
         if words is not None:
@@ -211,6 +245,37 @@ class PromptDataModule(LightningDataModule):
     def _require(self, attribute: str, method: str) -> None:
         if getattr(self, attribute) is None:
             raise RuntimeError(f"PromptDataModule.{method}: call setup() first")
+
+
+def chat_prompts(prompts: list[str], tokenizer, system_prompt: str | None = None) -> list[str]:
+    """Each prompt as a user message, through ``tokenizer``'s chat template, assistant turn open.
+
+    A template that writes the BOS token itself would get a second one when the text is
+    tokenized (tokenizers that add BOS do so again): such a leading BOS is removed here.
+
+    Raises:
+        ValueError: If the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"PromptDataModule: `chat_template` is set but the tokenizer "
+            f"{getattr(tokenizer, 'name_or_path', '')!r} has no chat template; use an instruct "
+            "model's tokenizer (`chat_tokenizer`), or `chat_template: false`"
+        )
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    bos = tokenizer.bos_token
+    adds_bos = bos is not None and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    out = []
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template(
+            [*system, {"role": "user", "content": prompt}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        if adds_bos and text.startswith(bos):
+            text = text[len(bos) :]
+        out.append(text)
+    return out
 
 
 def _as_dataset(column: str, texts: list[str]) -> datasets.Dataset:

@@ -15,7 +15,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from rlkl_lightning.arguments import context_of
-from rlkl_lightning.models import lm_forward
+from rlkl_lightning.models import lm_forward, no_grad
 from rlkl_lightning.perplexity import NextTokenNLL
 
 
@@ -38,7 +38,7 @@ class HeldoutPerplexity(LightningModule):
         keep = ids.shape[1]
         self.val_nll.update(lm_forward(self.policy, ids, mask, keep).logits, ids, mask)
         if self.reference_perplexity is None and not self.trainer.sanity_checking:
-            with torch.inference_mode():
+            with no_grad(self.reference):
                 ref_logits = lm_forward(self.reference, ids, mask, keep).logits
             self.ref_nll.update(ref_logits.clone(), ids, mask)
 

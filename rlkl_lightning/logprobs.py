@@ -97,9 +97,14 @@ class TokenLogProbs(torch.autograd.Function):
         scale = grad_out.unsqueeze(-1) / ctx.temperature  # [N, 1]
         grad_logits = logits.sub_(logz.unsqueeze(-1)).exp_().mul_(-scale)  # -g p / T
         grad_logits.scatter_add_(-1, tokens.unsqueeze(-1), scale)  # + g / T at y
+        # Under autocast the forward product ran in bf16 while ``weight`` (and maybe ``hidden``)
+        # are float32: each gradient is computed in, and returned as, its input's dtype.
         grad_logits = grad_logits.to(weight.dtype)
-        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = (grad_logits @ weight).to(hidden.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_logits.t() @ hidden.to(weight.dtype)
         return grad_hidden, grad_weight, None, None
 
 

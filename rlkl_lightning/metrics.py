@@ -51,9 +51,9 @@ def batch_metrics(
         "objective/entropy": entropy_sum / all_tokens,
         "objective/response_tokens": n_tokens / n,
         "perf/tokens_per_s": n_tokens / (t_end - t_start),
-        "perf/rollout_s": torch.tensor(t_rollout - t_start),
-        "perf/score_s": torch.tensor(t_scored - t_rollout),
-        "perf/update_s": torch.tensor(t_end - t_scored),
+        "perf/rollout_s": torch.tensor(t_rollout - t_start, dtype=torch.float32),
+        "perf/score_s": torch.tensor(t_scored - t_rollout, dtype=torch.float32),
+        "perf/update_s": torch.tensor(t_end - t_scored, dtype=torch.float32),
     }
     for name in KL_ESTIMATORS:
         metrics[f"objective/kl_{name}"] = diagnostics[f"kl_{name}"].mean()

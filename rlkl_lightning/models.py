@@ -3,14 +3,14 @@
 The policy is any ``AutoModelForCausalLM``. By default the value function is a linear head on
 the policy's last hidden state (one trunk for both); a separate value model (a causal LM trunk
 with its own head) is optional. The reference is a frozen copy of the initial policy unless
-another model is given.
+another model is given, or the policy's LoRA adapters switched off (:mod:`rlkl_lightning.lora`).
 """
 
 from __future__ import annotations
 
 import copy
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -159,6 +159,20 @@ def freeze(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_fsdp(model: Any) -> bool:
+    """True if ``model`` is a ``FullyShardedDataParallel`` unit (:mod:`rlkl_lightning.sharding`)."""
+    return hasattr(model, "_fsdp_wrapped_module")
+
+
+def no_grad(model: Any):
+    """A context for a pass that needs no gradients: ``torch.inference_mode``, or ``no_grad``.
+
+    An FSDP unit gets ``torch.no_grad``: FSDP reuses the buffers it gathers weights into, and a
+    buffer made in inference mode cannot be written outside it.
+    """
+    return torch.no_grad() if is_fsdp(model) else torch.inference_mode()
+
+
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0. Shape ``[B, T]``."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -209,8 +223,12 @@ def trunk_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, k
     """Last hidden states ``[B, keep, H]`` of a causal LM's trunk, without its LM head.
 
     ``model.base_model`` (e.g. ``GPT2Model`` inside ``GPT2LMHeadModel``) ends with the final
-    normalization, so this equals ``lm_forward(...).hidden`` without computing any logits.
+    normalization, so this equals ``lm_forward(...).hidden`` without computing any logits. An
+    FSDP unit is called through its own forward, which gathers its weights
+    (:mod:`rlkl_lightning.sharding`).
     """
+    if is_fsdp(model):
+        return _own_forward(model, input_ids, attention_mask, keep).hidden
     out = model.base_model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -226,7 +244,10 @@ def plain_lm_head_weight(model: nn.Module) -> Tensor | None:
     True of GPT-2, Llama, Mistral, Qwen and most causal LMs; not of heads with a bias, a logit
     scale or soft-capping. Checked once per model on a short input (the answer is cached on the
     model), so an unusual head falls back to the model's own forward instead of being wrong.
+    None for an FSDP unit: its weights exist in full only inside its own forward.
     """
+    if is_fsdp(model):
+        return None
     cached = getattr(model, "_rlkl_plain_head", None)
     if cached is None:
         cached = _check_plain_head(model)
@@ -252,8 +273,36 @@ def _check_plain_head(model: nn.Module) -> bool:
     return bool(torch.allclose(ours.float(), logits.float(), rtol=1e-4, atol=1e-4))
 
 
+def enable_gradient_checkpointing(model: nn.Module, option: str = "gradient_checkpointing") -> None:
+    """Recompute each layer's activations in the backward pass instead of storing them.
+
+    Uses transformers' own checkpointing (non-reentrant ``torch.utils.checkpoint``), active
+    only in training mode, so the model is put in it: the KV-cache rollout switches to eval
+    mode and keeps its cache. Losses
+    and gradients are those of the plain forward (``tests/test_precision.py``).
+
+    Raises:
+        ValueError: If the model does not support gradient checkpointing.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"`{option}`: {type(model).__name__} does not support gradient checkpointing; "
+            "allowed: a transformers model with `supports_gradient_checkpointing`, or "
+            f"`{option}: false`"
+        )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers checkpoints only in training mode, and `from_pretrained` returns a model in
+    # eval mode (which Lightning keeps); dropout is off either way (`disable_dropout`).
+    model.train()
+
+
 class ValueHead(nn.Module):
-    """A scalar value per position from a hidden state: ``Linear(H, 1)``, zero-initialised bias."""
+    """A scalar value per position from a hidden state: ``Linear(H, 1)``, zero-initialised bias.
+
+    The product is taken in float32 whatever the dtype of the hidden states and of the stored
+    weights (bf16 under ``bf16-true``), and outside autocast, so values, returns and the value
+    loss are float32 numbers.
+    """
 
     def __init__(self, hidden_size: int):
         super().__init__()
@@ -262,8 +311,11 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        """``[B, T, H] -> [B, T]``."""
-        return self.linear(hidden).squeeze(-1)
+        """``[B, T, H] -> [B, T]``, float32."""
+        weight, bias = self.linear.weight, self.linear.bias
+        with torch.autocast(hidden.device.type, enabled=False):
+            out = nn.functional.linear(hidden.float(), weight.float(), bias.float())
+        return out.squeeze(-1)
 
 
 def hidden_size_of(model: nn.Module) -> int:
@@ -278,3 +330,40 @@ def hidden_size_of(model: nn.Module) -> int:
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A frozen deep copy (the default reference model)."""
     return freeze(copy.deepcopy(model))
+
+
+def policy_and_reference(
+    policy: str,
+    reference: str | None = None,
+    peft: Any = None,
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+) -> tuple[nn.Module, Any]:
+    """Load the policy and build its reference.
+
+    The reference is the model ``reference`` names (frozen); else, with ``peft``, the policy
+    with its adapters off (:class:`~rlkl_lightning.lora.AdaptersOff`, no copy); else a frozen
+    copy of the policy.
+
+    Args:
+        policy: ``"default"``, a local directory or a hub name.
+        reference: Same forms, or None.
+        peft: Adapters to train instead of the policy's weights
+            (:func:`~rlkl_lightning.lora.attach_adapters`), or None.
+        gradient_checkpointing: Recompute the policy's activations in the backward pass
+            (:func:`enable_gradient_checkpointing`).
+        trust_remote_code: Run modelling code shipped with the models (off: refused).
+    """
+    trust = {"trust_remote_code": trust_remote_code}
+    model = load_causal_lm(policy, option="policy", **trust)
+    if peft is not None:
+        from rlkl_lightning.lora import AdaptersOff, attach_adapters
+
+        own_reference = AdaptersOff(attach_adapters(model, peft))
+    else:
+        own_reference = None if reference else frozen_copy(model)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if reference:
+        return model, freeze(load_causal_lm(reference, option="reference", **trust))
+    return model, own_reference

@@ -50,6 +50,7 @@ class PPOModule(RLPipeline):
     """
 
     owner: ClassVar[str] = "PPOModule"
+    sharded_models = (*RLPipeline.sharded_models, "value_trunk", "value_head")
 
     def __init__(
         self,

@@ -34,14 +34,16 @@ from rlkl_lightning.arguments import check_context, check_pipeline_args
 from rlkl_lightning.heldout import HeldoutPerplexity
 from rlkl_lightning.kl_loss import kl_loss
 from rlkl_lightning.logprobs import TokenScores, score_tokens
+from rlkl_lightning.lora import AdaptersOff
 from rlkl_lightning.masked import masked_sum
 from rlkl_lightning.metrics import batch_metrics, samples_table
 from rlkl_lightning.models import (
     disable_dropout,
     freeze,
-    frozen_copy,
-    load_causal_lm,
+    is_fsdp,
     load_tokenizer,
+    no_grad,
+    policy_and_reference,
 )
 from rlkl_lightning.ppo_loss import entropy_from_logits
 from rlkl_lightning.resumable import ResumableModule, plain
@@ -52,6 +54,7 @@ from rlkl_lightning.rewards import (
     validate_scores,
 )
 from rlkl_lightning.rollout import sample_and_score
+from rlkl_lightning.sharding import shard_models
 from rlkl_lightning.skips import SkipBatch, SkipGates
 from rlkl_lightning.trajectory import Trajectory
 
@@ -63,7 +66,8 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         policy: Hugging Face causal LM name or local directory; ``"default"`` is the default
             world's SFT model (built on first use).
         tokenizer: tokenizer name or directory; defaults to ``policy``.
-        reference: reference model name or directory; defaults to a frozen copy of the policy.
+        reference: reference model name or directory; defaults to a frozen copy of the policy,
+            or with ``peft`` to the policy with its adapters switched off (no copy).
         reward: the reward model, called as ``reward(prompts, responses) -> [B]`` scores;
             defaults to the VADER sentiment of the response.
         trust_remote_code: run code shipped with the policy, reference, value model or
@@ -107,10 +111,18 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         max_skipped_in_a_row: stop the run with an error once this many batches in a row were
             skipped (a reward model that always fails would otherwise burn the whole run);
             None: never stop.
+        peft: train adapters instead of the policy's weights: the fields of a ``peft``
+            ``LoraConfig`` (``{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}``;
+            ``peft_type`` picks another adapter method) or a ``peft.PeftConfig``. Only the
+            adapters and the value head train (README, "Bigger models").
+        gradient_checkpointing: recompute the policy's activations in the backward pass
+            instead of storing them (less memory, about one more forward per update).
     """
 
     #: The name messages give the module (its options are named in them too).
     owner: ClassVar[str] = "RLPipeline"
+    #: The models sharded as FSDP units under ``FSDPStrategy`` (sharding.py).
+    sharded_models: ClassVar[tuple[str, ...]] = ("policy", "reference")
 
     def __init__(
         self,
@@ -143,6 +155,8 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         log_samples_every: int = 50,
         num_logged_samples: int = 4,
         max_skipped_in_a_row: int | None = 20,
+        peft: dict[str, Any] | None = None,
+        gradient_checkpointing: bool = False,
     ):
         super().__init__()
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -158,11 +172,8 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         self.tokenizer = load_tokenizer(
             tokenizer or policy, "tokenizer" if tokenizer else "policy", **trust
         )
-        self.policy = load_causal_lm(policy, option="policy", **trust)
-        self.reference = freeze(
-            load_causal_lm(reference, option="reference", **trust)
-            if reference
-            else frozen_copy(self.policy)
+        self.policy, self.reference = policy_and_reference(
+            policy, reference, peft, gradient_checkpointing, **trust
         )
         vocab = [getattr(m.config, "vocab_size", None) for m in (self.reference, self.policy)]
         if vocab[0] != vocab[1]:
@@ -186,6 +197,12 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
         return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
 
+    def configure_model(self) -> None:
+        """Under ``FSDPStrategy``, make each model an FSDP unit (sharding.py); else nothing."""
+        shard_models(self, self.sharded_models)
+        if isinstance(self.reference, AdaptersOff):
+            self.reference.model = self.policy  # the sharded policy, adapters off
+
     def _lr_factor(self, batch: int) -> float:
         warmup = self.hparams.warmup_batches
         if warmup and batch < warmup:
@@ -197,7 +214,8 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
 
     def on_fit_start(self) -> None:
         """Keep the frozen models frozen and the reward on our device."""
-        freeze(self.reference)
+        if isinstance(self.reference, torch.nn.Module):  # else: the policy, adapters off
+            freeze(self.reference)
         disable_dropout(self.policy)
         if hasattr(self.reward, "to"):
             self.reward.to(self.device)
@@ -258,7 +276,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         """
         hp = self.hparams
         mask = traj.response_mask
-        with torch.inference_mode():
+        with no_grad(self.reference):
             ref = score_tokens(self.reference, traj, hp.temperature)
         ref_logits, ref_logprobs = ref.logits.clone(), ref.logprobs.clone()
         responses = [
@@ -345,10 +363,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
                     self.manual_backward(loss * weight)
                     for key, value in stats.items():
                         step_stats[key] = step_stats.get(key, 0.0) + float(value) * float(weight)
-                params = [p for group in optimizer.param_groups for p in group["params"]]
-                max_norm = hp.max_grad_norm if hp.max_grad_norm else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-                self._gate(not math.isfinite(grad_norm), "the gradient norm is not finite")
+                grad_norm = self._clip_gradients(optimizer)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 step_stats["policy/grad_norm"] = grad_norm
@@ -356,8 +371,10 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
                     totals[key] = totals.get(key, 0.0) + value
                 updates += 1
         scheduler.step()
-        result = {key: torch.tensor(value / updates) for key, value in totals.items()}
-        result["policy/lr"] = torch.tensor(scheduler.get_last_lr()[0])
+        # float32 explicitly: under bf16-true Lightning makes bf16 the default dtype in steps.
+        f32 = torch.float32
+        result = {key: torch.tensor(value / updates, dtype=f32) for key, value in totals.items()}
+        result["policy/lr"] = torch.tensor(scheduler.get_last_lr()[0], dtype=f32)
         return result
 
     def log_batch(
@@ -377,8 +394,9 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         metrics = batch_metrics(
             traj, diagnostics, self.hparams.kl_estimator, self.kl_coef, clock, self._global_sum
         )
-        metrics["progress/samples"] = torch.tensor(float(self.samples_seen))
-        metrics["progress/skipped_batches"] = torch.tensor(float(self.skipped_batches))
+        metrics["progress/samples"] = torch.tensor(float(self.samples_seen), dtype=torch.float32)
+        skipped = torch.tensor(float(self.skipped_batches), dtype=torch.float32)
+        metrics["progress/skipped_batches"] = skipped
         metrics.update(stats)
         self.log_dict(
             {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()},
@@ -443,3 +461,28 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         if self.hparams.score_clip is not None:
             scores = scores.clamp(-self.hparams.score_clip, self.hparams.score_clip)
         return scores
+
+    def _clip_gradients(self, optimizer) -> float:
+        """Clip the gradient norm to ``max_grad_norm``; returns the norm before clipping.
+
+        Gates a non-finite norm, except under ``16-mixed``: there the loss is scaled, an
+        overflow is the scaler's to handle (it skips that optimizer step and lowers the
+        scale), and the norm and the clip are those of the unscaled gradients. Under FSDP the
+        norm is that of all ranks' gradient shards together.
+        """
+        max_norm = self.hparams.max_grad_norm if self.hparams.max_grad_norm else float("inf")
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer else None
+        scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(is_fsdp(m) for m in self.modules()):  # each rank holds a shard of every gradient
+            grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
+            local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            local = local.to(self.device, torch.float32)
+            norm = self.trainer.strategy.reduce(local.square(), reduce_op="sum").sqrt()
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm * scale, norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm * scale)
+        grad_norm = float(norm) / scale
+        if scaler is None:
+            self._gate(not math.isfinite(grad_norm), "the gradient norm is not finite")
+        return grad_norm

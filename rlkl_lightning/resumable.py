@@ -377,9 +377,10 @@ class ResumableModule(LightningModule):
 
     Checkpoints store the counters (``trainer.global_step`` counts optimizer steps, several per
     batch, so batches and samples are counted here), ``kl_coef``, the reference's held-out
-    perplexity and every rank's RNG state, and leave out the frozen ``reference`` (it is
-    rebuilt from the config, and put back before Lightning's strict loading). For a module
-    with ``owner``, ``reference``, ``kl_coef`` and ``reference_perplexity`` attributes.
+    perplexity and every rank's RNG state, and leave out the frozen ``reference`` and every
+    other frozen weight (the base weights under a LoRA policy): they are rebuilt from the
+    config, and put back before Lightning's strict loading. For a module with ``owner``,
+    ``reference``, ``kl_coef`` and ``reference_perplexity`` attributes.
     """
 
     #: The counters saved in checkpoints, each an int starting at 0.
@@ -390,12 +391,31 @@ class ResumableModule(LightningModule):
         for name in self.COUNTERS:
             setattr(self, name, 0)
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Store counters, beta and RNG states; drop the frozen reference; plain hparams."""
-        plain_hyperparameters(checkpoint)
-        checkpoint["state_dict"] = {
-            k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("reference.")
+    def unsaved_keys(self) -> set[str]:
+        """The ``state_dict`` keys checkpoints leave out: the reference and every frozen weight.
+
+        FSDP and activation-checkpointing wrappers are left out of the names, as they are of
+        the keys of the state dict Lightning saves.
+        """
+        wrappers = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+        frozen = set()
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if not param.requires_grad:
+                for wrapper in wrappers:
+                    name = name.replace(wrapper, "")
+                frozen.add(name)
+        return frozen
+
+    def _saved(self, state: dict[str, Any]) -> dict[str, Any]:
+        unsaved = self.unsaved_keys()
+        return {
+            k: v for k, v in state.items() if not k.startswith("reference.") and k not in unsaved
         }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store counters, beta, RNG states, plain hparams; drop the reference, frozen weights."""
+        plain_hyperparameters(checkpoint)
+        checkpoint["state_dict"] = self._saved(checkpoint["state_dict"])
         checkpoint["rlkl_counters"] = {
             **{name: getattr(self, name) for name in self.COUNTERS},
             "kl_coef": self.kl_coef,
@@ -406,15 +426,19 @@ class ResumableModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Check the weights fit, restore counters and beta, put the reference weights back."""
         state = checkpoint["state_dict"]
-        check_checkpoint_weights(state, self.state_dict(), self.owner)  # before any restore
+        current, unsaved = self.state_dict(), self.unsaved_keys()
+        # Frozen weights may be missing (they are rebuilt); all others must be there.
+        expected = {k: v for k, v in current.items() if k not in unsaved or k in state}
+        check_checkpoint_weights(state, expected, self.owner)  # before any restore
         counters = checkpoint.get("rlkl_counters", {})
         for name in self.COUNTERS:
             setattr(self, name, int(counters.get(name, 0)))
         self.kl_coef = float(counters.get("kl_coef", self.kl_coef))
         self.reference_perplexity = counters.get("reference_perplexity")
         self._rng_to_restore = checkpoint.get("rlkl_rng")
-        for key, value in self.reference.state_dict().items():
-            state.setdefault(f"reference.{key}", value)
+        for key, value in current.items():  # the frozen weights, as the config built them
+            if key.startswith("reference.") or key in unsaved:
+                state.setdefault(key, value)
 
     def on_train_start(self) -> None:
         """Put back a loaded checkpoint's RNG state, right before the first resumed batch."""

@@ -71,7 +71,9 @@ class SkipGates(LightningModule):
             f"({self.skipped_batches} batches skipped so far)",
             category=RuntimeWarning,
         )
-        nan, skipped = torch.tensor(float("nan")), torch.tensor(float(self.skipped_batches))
+        # float32 whatever the default dtype (bf16-true makes bf16 the default inside steps).
+        nan = torch.tensor(float("nan"), dtype=torch.float32)
+        skipped = torch.tensor(float(self.skipped_batches), dtype=torch.float32)
         # The same sync flag as the regular logging: Lightning rejects a key logged with
         # different arguments within an epoch (a skip under DDP would end the run).
         metrics = {"objective/kl": nan, "objective/kl_per_token": nan}

@@ -68,6 +68,7 @@ class RecordingPPO(PPOModule):
         max_prompt_tokens: int = 8,
         max_new_tokens: int = 6,
         lr: float = 3e-3,
+        peft: dict | None = None,
     ) -> None:
         super().__init__(
             policy=policy,
@@ -81,6 +82,7 @@ class RecordingPPO(PPOModule):
             num_minibatches=1,
             lr=lr,
             log_samples_every=0,
+            peft=peft,
         )
         self.record_dir = record_dir
         self.cut_batch = cut_batch

@@ -20,7 +20,7 @@ from rlkl_lightning.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-NEEDS_HUB = {"ppo_gpt2_imdb.yaml"}
+NEEDS_HUB = {"ppo_gpt2_imdb.yaml", "ppo_qwen_lora_bf16.yaml"}
 
 
 def scalar_tags(log_dir: Path) -> set[str]:
@@ -153,6 +153,24 @@ def test_real_model_config_parses(capsys):
     assert printed["model"]["init_args"]["policy"] == "gpt2"
     reward = printed["model"]["init_args"]["reward"]
     assert reward["class_path"] == "rlkl_lightning.rewards.SequenceClassifierReward"
+    assert printed["kl"] == {**printed["kl"], "target": 6.0, "unit": "sequence"}
+
+
+def test_lora_bf16_config_parses_and_its_peft_and_chat_settings_build(capsys):
+    from rlkl_lightning.lora import peft_config
+
+    config = ROOT / "configs" / "ppo_qwen_lora_bf16.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    model, data = printed["model"]["init_args"], printed["data"]["init_args"]
+    assert model["policy"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert model["gradient_checkpointing"] is True
+    lora = peft_config(model["peft"])  # the YAML's fields make a valid LoraConfig
+    assert type(lora).__name__ == "LoraConfig" and lora.r == 16
+    assert data["chat_template"] is True and data["system_prompt"]
+    assert printed["trainer"]["precision"] == "bf16-mixed"
     assert printed["kl"] == {**printed["kl"], "target": 6.0, "unit": "sequence"}
 
 

@@ -1,0 +1,190 @@
+"""LoRA/PEFT policies whose reference is the same weights with the adapters switched off.
+
+With the module's ``peft`` option the policy gets adapters from the ``peft`` library (the
+fields of a ``LoraConfig``, or of another PEFT method's config with ``peft_type``, given in
+YAML); only the adapters (and the value head) train, the base weights stay frozen. Without an
+explicit ``reference`` the reference is not a second model: :class:`AdaptersOff` runs the
+policy's own modules with every adapter disabled, which is the base model exactly
+(``tests/test_lora.py`` compares log-probs bit for bit). Known traps, each handled here and
+tested:
+
+* peft#3447: leaving ``disable_adapter()`` makes every active adapter trainable again (peft
+  calls ``set_adapter``), frozen ones included; :meth:`AdaptersOff.off` puts every
+  ``requires_grad`` flag back as it found it.
+* peft#850: if the original weights of ``modules_to_save`` are lost on a reload, disabling the
+  adapters no longer gives the base model. Checkpoints leave out every frozen weight
+  (``original_module`` included), and a resume takes them from the model the config names.
+* A reference adapter that silently failed to load (ms-swift PR #9934) leaves a freshly
+  initialised one in its place, so policy and reference agree and the KL reads 0. Every
+  adapter weight must come from the checkpoint: a missing or renamed one stops a resume
+  (``ResumableModule.on_load_checkpoint``) and an export (:func:`load_trainable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+
+def peft_config(spec: Any, option: str = "peft"):
+    """A ``peft.PeftConfig`` from a config object or a dict of its fields.
+
+    A dict without ``peft_type`` is a LoRA config; ``task_type`` defaults to ``CAUSAL_LM``.
+
+    Raises:
+        ValueError: Naming ``option`` for an unknown PEFT method or field, or for
+            ``inference_mode: true`` (frozen adapters: nothing of the policy would train).
+    """
+    import peft
+
+    if isinstance(spec, peft.PeftConfig):
+        config = spec
+    elif isinstance(spec, Mapping):
+        fields = {"peft_type": "LORA", "task_type": "CAUSAL_LM", **spec}
+        kind = str(fields["peft_type"]).upper()
+        if kind not in peft.PEFT_TYPE_TO_CONFIG_MAPPING:
+            raise ValueError(
+                f"`{option}.peft_type` must be one of {sorted(peft.PEFT_TYPE_TO_CONFIG_MAPPING)}, "
+                f"got {fields['peft_type']!r}"
+            )
+        fields["peft_type"] = kind
+        try:
+            config = peft.PEFT_TYPE_TO_CONFIG_MAPPING[kind](**fields)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"`{option}`: not a valid {kind} config: {err}") from err
+    else:
+        raise ValueError(
+            f"`{option}` must be a mapping of LoraConfig fields (e.g. {{r: 16, target_modules: "
+            f"[q_proj, v_proj]}}) or a peft.PeftConfig, got {spec!r}"
+        )
+    if config.inference_mode:
+        raise ValueError(
+            f"`{option}.inference_mode` must be false: frozen adapters would leave nothing of "
+            "the policy to train"
+        )
+    if config.is_prompt_learning:
+        raise ValueError(
+            f"`{option}`: prompt-learning methods ({config.peft_type}) are not supported; "
+            "allowed: adapter methods such as LORA, LOHA, LOKR, IA3"
+        )
+    return config
+
+
+def attach_adapters(model: nn.Module, spec: Any, option: str = "peft"):
+    """Add fresh adapters to ``model`` in place and freeze its base weights.
+
+    Returns:
+        The ``peft.PeftModel`` around ``model``; ``model`` itself keeps its class, with the
+        adapted layers replaced by PEFT layers (so ``model`` runs with adapters on).
+    """
+    import peft
+
+    try:
+        wrapped = peft.get_peft_model(model, peft_config(spec, option))
+    except (ValueError, TypeError, KeyError) as err:
+        if str(err).startswith(f"`{option}"):
+            raise
+        raise ValueError(f"`{option}`: could not add adapters to the policy: {err}") from err
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"`{option}`: the adapters have no trainable weight")
+    return wrapped
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """True if ``model`` holds PEFT adapter layers."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
+
+
+class AdaptersOff:
+    """The reference of a PEFT policy: the policy's own weights with every adapter disabled.
+
+    Holds no weights of its own (so it is not an ``nn.Module``: nothing is registered, saved
+    or moved twice). It stands in for a causal LM wherever the reference is used
+    (:func:`~rlkl_lightning.logprobs.score_tokens`, :func:`~rlkl_lightning.models.lm_forward`):
+    calling it, its ``base_model`` (the trunk) or reading its ``config`` and output embeddings
+    goes to the policy, with the adapters off for the duration of the call.
+
+    Args:
+        peft_model: The ``peft.PeftModel`` returned by :func:`attach_adapters`.
+    """
+
+    def __init__(self, peft_model) -> None:
+        self.peft_model = peft_model
+        self.model = peft_model.get_base_model()
+
+    @property
+    def config(self):
+        """The policy's model config."""
+        return self.model.config
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        """Disable every adapter; on exit, restore every ``requires_grad`` flag (peft#3447)."""
+        flags = [(p, p.requires_grad) for p in self.peft_model.parameters()]
+        try:
+            with self.peft_model.disable_adapter():
+                yield
+        finally:
+            for param, flag in flags:
+                if param.requires_grad != flag:
+                    param.requires_grad_(flag)
+
+    def __call__(self, *args, **kwargs):
+        """The policy's forward with the adapters off."""
+        with self.off():
+            return self.model(*args, **kwargs)
+
+    @property
+    def base_model(self):
+        """The policy's trunk (``model.base_model``), called with the adapters off."""
+        trunk = self.model.base_model
+
+        def forward(*args, **kwargs):
+            with self.off():
+                return trunk(*args, **kwargs)
+
+        return forward
+
+    @property
+    def _fsdp_wrapped_module(self) -> nn.Module:
+        """The module inside the policy's FSDP unit, once the policy is sharded.
+
+        So the reference counts as a unit too (:func:`~rlkl_lightning.models.is_fsdp`) and is
+        called through the unit's forward.
+        """
+        if not hasattr(self.model, "_fsdp_wrapped_module"):
+            raise AttributeError("_fsdp_wrapped_module")
+        return self.model._fsdp_wrapped_module
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The policy's LM head (a plain one is shared: it is never adapted)."""
+        return self.model.get_output_embeddings()
+
+    def __repr__(self) -> str:
+        return f"AdaptersOff({type(self.model).__name__})"
+
+
+def load_trainable(model: nn.Module, state: Mapping[str, Tensor], where: str) -> None:
+    """Load the trainable weights of ``model`` from ``state``; every one must be there.
+
+    Frozen weights missing from ``state`` keep their values (checkpoints leave them out).
+
+    Raises:
+        ValueError: If a trainable weight is missing from ``state`` or a key of ``state``
+            matches no weight (a renamed adapter would otherwise stay freshly initialised).
+    """
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    result = model.load_state_dict(dict(state), strict=False)
+    missing = sorted(trainable & set(result.missing_keys))
+    unexpected = sorted(result.unexpected_keys)
+    if missing or unexpected:
+        raise ValueError(
+            f"{where}: the saved weights do not fit the adapters of this policy (missing: "
+            f"{missing[:5]}, unexpected: {unexpected[:5]}); a missing adapter weight would stay "
+            "freshly initialised. Use the `policy` and `peft` settings it was trained with"
+        )

@@ -1,0 +1,59 @@
+"""Sharding an RL module's models under Lightning's ``FSDPStrategy``.
+
+Lightning's FSDP strategy wraps the whole LightningModule in one root ``FullyShardedDataParallel``
+unless the module wrapped its parts itself in ``configure_model``. The root wrapper cannot serve
+an RL module: its ``training_step`` runs several backward passes (PPO epochs x minibatches)
+inside the one root forward that Lightning calls, which FSDP does not allow. So the module
+shards its models itself: the policy, the reference and the value function each become an FSDP
+unit (and every decoder layer of them a unit of its own, from transformers'
+``_no_split_modules``), with the strategy's sharding, precision, CPU-offload and extra options.
+The LightningModule itself holds no weight outside a unit, and each model is called through its
+unit's forward, which gathers its weights for that call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlkl_lightning.models import is_fsdp
+
+
+def layer_wrap_policy(model: nn.Module):
+    """An FSDP ``auto_wrap_policy`` making each decoder layer (``_no_split_modules``) a unit."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    return ModuleWrapPolicy(classes) if classes else None
+
+
+def shard_models(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Wrap each ``nn.Module`` attribute of ``module`` named in ``names`` as an FSDP unit.
+
+    Does nothing unless the module is trained under ``FSDPStrategy``, or once it is sharded.
+    """
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    trainer = getattr(module, "_trainer", None)
+    strategy = trainer.strategy if trainer is not None else None
+    if not isinstance(strategy, FSDPStrategy):
+        return
+    options = {k: v for k, v in strategy.kwargs.items() if k != "auto_wrap_policy"}
+    device = strategy.root_device
+    for name in names:
+        model = getattr(module, name, None)
+        if not isinstance(model, nn.Module) or is_fsdp(model):
+            continue
+        policy = strategy.kwargs.get("auto_wrap_policy") or layer_wrap_policy(model)
+        unit = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=policy,
+            sharding_strategy=strategy.sharding_strategy,
+            mixed_precision=strategy.mixed_precision_config,
+            cpu_offload=strategy.cpu_offload,
+            device_id=device if device.type != "cpu" else torch.device("cpu"),
+            **options,
+        )
+        setattr(module, name, unit)
