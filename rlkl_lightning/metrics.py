@@ -67,3 +67,22 @@ def samples_table(prompts: list[str], responses: list[str], scores: Tensor, rows
         cells = [s.replace("|", "\\|").replace("\n", " ") for s in (prompt, response)]
         lines.append(f"| {cells[0]} | {cells[1]} | {score:.3f} |")
     return "\n".join(lines)
+
+
+def log_samples_table(module, prompts: list[str], responses: list[str], scores: Tensor) -> None:
+    """Write :func:`samples_table` to the module's TensorBoard every ``log_samples_every`` batches.
+
+    Args:
+        module: The training module (its ``hparams``, ``batches_seen`` and ``logger``).
+        prompts: The batch's prompts.
+        responses: Their decoded responses.
+        scores: ``[B]`` their reward-model scores.
+    """
+    every = module.hparams.log_samples_every
+    if not every or (module.batches_seen - 1) % every:
+        return
+    experiment = getattr(module.logger, "experiment", None)
+    if experiment is None or not hasattr(experiment, "add_text"):
+        return
+    table = samples_table(prompts, responses, scores, module.hparams.num_logged_samples)
+    experiment.add_text("samples", table, global_step=module.batches_seen)

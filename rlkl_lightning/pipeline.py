@@ -13,15 +13,12 @@ One training batch (a list of prompts) is five phases over one :class:`Trajector
 5. :meth:`log_batch` logs every metric of the README's table.
 
 A subclass supplies :meth:`shape` and :meth:`loss` (and may extend :meth:`score`), so a new
-algorithm is a short file. Skip gates (non-finite reward, KL, advantages, loss, gradient) raise
-:class:`SkipBatch`; the decision is agreed by all ranks, and weights, optimizer state and beta
-stay untouched. ``kl_coef`` is a plain attribute: a ``KLControllerCallback`` rewrites it after
-each batch, and the next batch's rewards or losses use the new value.
+algorithm is a short file. Skip gates: skips.py. ``kl_coef`` is a plain attribute: a
+``KLControllerCallback`` rewrites it after each batch; the next batch's rewards or losses use it.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, ClassVar
 
@@ -36,11 +33,10 @@ from rlkl_lightning.kl_loss import kl_loss
 from rlkl_lightning.logprobs import TokenScores, score_tokens
 from rlkl_lightning.lora import AdaptersOff
 from rlkl_lightning.masked import masked_sum
-from rlkl_lightning.metrics import batch_metrics, samples_table
+from rlkl_lightning.metrics import batch_metrics, log_samples_table
 from rlkl_lightning.models import (
     disable_dropout,
     freeze,
-    is_fsdp,
     load_tokenizer,
     no_grad,
     policy_and_reference,
@@ -405,20 +401,10 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
             batch_size=n,
             sync_dist=self.trainer.world_size > 1,
         )
-        self._log_samples(prompts, responses, traj.scores)
+        if self.global_rank == 0:
+            log_samples_table(self, prompts, responses, traj.scores)
 
     # ------------------------------------------------------------------ pieces of the phases
-    def _log_samples(self, prompts: list[str], responses: list[str], scores: Tensor) -> None:
-        """A TensorBoard text table of a few samples every ``log_samples_every`` batches."""
-        every = self.hparams.log_samples_every
-        if not every or (self.batches_seen - 1) % every or self.global_rank != 0:
-            return
-        experiment = getattr(self.logger, "experiment", None)
-        if experiment is None or not hasattr(experiment, "add_text"):
-            return
-        table = samples_table(prompts, responses, scores, self.hparams.num_logged_samples)
-        experiment.add_text("samples", table, global_step=self.batches_seen)
-
     def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         if not getattr(self, "_warned_truncation", False):
             limit = self.hparams.max_prompt_tokens
@@ -461,28 +447,3 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         if self.hparams.score_clip is not None:
             scores = scores.clamp(-self.hparams.score_clip, self.hparams.score_clip)
         return scores
-
-    def _clip_gradients(self, optimizer) -> float:
-        """Clip the gradient norm to ``max_grad_norm``; returns the norm before clipping.
-
-        Gates a non-finite norm, except under ``16-mixed``: there the loss is scaled, an
-        overflow is the scaler's to handle (it skips that optimizer step and lowers the
-        scale), and the norm and the clip are those of the unscaled gradients. Under FSDP the
-        norm is that of all ranks' gradient shards together.
-        """
-        max_norm = self.hparams.max_grad_norm if self.hparams.max_grad_norm else float("inf")
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer else None
-        scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if any(is_fsdp(m) for m in self.modules()):  # each rank holds a shard of every gradient
-            grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
-            local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-            local = local.to(self.device, torch.float32)
-            norm = self.trainer.strategy.reduce(local.square(), reduce_op="sum").sqrt()
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm * scale, norm)
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm * scale)
-        grad_norm = float(norm) / scale
-        if scaler is None:
-            self._gate(not math.isfinite(grad_norm), "the gradient norm is not finite")
-        return grad_norm

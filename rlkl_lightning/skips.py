@@ -1,5 +1,8 @@
 """Skip gates: a batch whose numbers are not finite changes nothing, on every rank.
 
+The gradient norm is clipped here too (:meth:`SkipGates._clip_gradients`): a non-finite norm is
+the last gate before the optimizer steps.
+
 A phase of :class:`~rlkl_lightning.pipeline.RLPipeline` calls :meth:`SkipGates._gate` with a
 condition; if it holds on any rank, every rank raises :class:`SkipBatch`, drops the gradients of
 a half-done update and :meth:`SkipGates._skip` counts the batch. Weights, optimizer state and
@@ -9,10 +12,14 @@ while the others ran backward would leave them waiting in the gradient all-reduc
 
 from __future__ import annotations
 
+import math
+
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+
+from rlkl_lightning.models import is_fsdp
 
 
 class SkipBatch(Exception):
@@ -80,3 +87,28 @@ class SkipGates(LightningModule):
         metrics["progress/skipped_batches"] = skipped
         sync = self.trainer.world_size > 1
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=sync)
+
+    def _clip_gradients(self, optimizer) -> float:
+        """Clip the gradient norm to ``max_grad_norm``; returns the norm before clipping.
+
+        Gates a non-finite norm, except under ``16-mixed``: there the loss is scaled, an
+        overflow is the scaler's to handle (it skips that optimizer step and lowers the
+        scale), and the norm and the clip are those of the unscaled gradients. Under FSDP the
+        norm is that of all ranks' gradient shards together.
+        """
+        max_norm = self.hparams.max_grad_norm if self.hparams.max_grad_norm else float("inf")
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer else None
+        scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(is_fsdp(m) for m in self.modules()):  # each rank holds a shard of every gradient
+            grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
+            local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            local = local.to(self.device, torch.float32)
+            norm = self.trainer.strategy.reduce(local.square(), reduce_op="sum").sqrt()
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm * scale, norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm * scale)
+        grad_norm = float(norm) / scale
+        if scaler is None:
+            self._gate(not math.isfinite(grad_norm), "the gradient norm is not finite")
+        return grad_norm
