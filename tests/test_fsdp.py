@@ -54,7 +54,13 @@ def cuda_devices() -> int:
 
 CPU_FSDP = {"class_path": "cpu_fsdp.CPUFSDPStrategy"}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "fan_in_fan_out": True}
-ON_CUDA = pytest.mark.skipif(not cuda_devices(), reason="needs a CUDA device")
+ON_CUDA = [
+    pytest.mark.skipif(not cuda_devices(), reason="needs a CUDA device"),
+    # Run once on an H100 (README, "Bigger models"): with one GPU, the full policy's FSDP run
+    # drifts from the plain run (beta 0.367 vs 0.256 after 3 batches), and the LoRA one stops
+    # in checkpointing (FSDP's state-dict hook expects the frozen weights we leave out).
+    pytest.mark.xfail(strict=True, reason="FSDP on CUDA: two known failures, see the README"),
+]
 
 
 @pytest.mark.parametrize(
