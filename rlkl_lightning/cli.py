@@ -52,6 +52,9 @@ class KLSettings:
         high: the monitor warns when the average KL exceeds ``high`` x target.
         low: the monitor warns when the average KL falls below ``low`` x target.
         strict: stop training on a drift excursion instead of warning.
+        min_batches: drift monitor's warm-up: batches with a usable KL before it first judges
+            the average (None: the monitor's default, ``2 * window``: the KL starts at 0 and
+            rises, and that rise alone should not warn "too low").
     """
 
     controller: str = "adaptive"
@@ -67,6 +70,7 @@ class KLSettings:
     high: float = default_of(KLDriftMonitor, "high")
     low: float = default_of(KLDriftMonitor, "low")
     strict: bool = default_of(KLDriftMonitor, "strict")
+    min_batches: int | None = default_of(KLDriftMonitor, "min_batches")
 
     def __post_init__(self) -> None:
         if self.controller not in KL_LAWS:
@@ -106,6 +110,7 @@ class KLSettings:
             low=self.low,
             unit=self.unit,
             strict=self.strict,
+            min_batches=self.min_batches,
         )
         return [controller, monitor]
 

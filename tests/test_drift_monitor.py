@@ -142,12 +142,35 @@ def test_high_to_low_directly_is_a_new_excursion_and_min_batches_delays_the_firs
     module, mon, rec = KLModule(kls), KLDriftMonitor(1.0, window=1, min_batches=1), WarnRecorder()
     fit(module, [mon, rec])
     assert rec.at == [(0, "high"), (2, "low"), (3, "high")]
-    # The default min_batches = min(window, 10): batches before it never warn.
-    module, mon = KLModule([9.0] * 12), KLDriftMonitor(1.0, window=50)
+    # The default min_batches = 2 x window: batches before it never warn.
+    module, mon = KLModule([9.0] * 12), KLDriftMonitor(1.0, window=5)
     assert mon.min_batches == 10
     rec = WarnRecorder()
     fit(module, [mon, rec])
     assert rec.at == [(9, "high")]
+    # The warm-up counts the values that came in (not skipped batches), and may exceed the window.
+    kls = [9.0, math.nan, 9.0, 9.0, 9.0]
+    module, mon, rec = KLModule(kls), KLDriftMonitor(1.0, window=1, min_batches=3), WarnRecorder()
+    fit(module, [mon, rec])
+    assert rec.at == [(3, "high")] and mon.n_skipped == 1
+
+
+# objective/kl of the first 30 batches of `train.py fit --config configs/ppo_adaptive.yaml`
+# (nats per sequence; target 6, band [3, 12], window 10): it starts at 0 and rises.
+DEFAULT_RUN_KLS = [-0.0, 0.14, 0.53, 0.92, 0.93, 1.88, 3.03, 3.08, 1.79, 2.69, 2.17, 3.14, 2.71]
+DEFAULT_RUN_KLS += [3.81, 3.13, 4.96, 4.47, 2.6, 5.52, 4.2, 3.15, 3.96, 3.92, 4.03, 2.91, 4.46]
+DEFAULT_RUN_KLS += [3.74, 3.81, 4.48, 3.32]
+
+
+def test_the_default_warm_up_does_not_warn_on_the_kls_rise_from_zero():
+    module, mon, rec = KLModule(DEFAULT_RUN_KLS), KLDriftMonitor(6.0, window=10), WarnRecorder()
+    fit(module, [mon, rec])
+    assert rec.at == [] and mon.state == 0
+    # Judging the first full window (the earlier default) warns "too low" at batch 10.
+    module, mon = KLModule(DEFAULT_RUN_KLS), KLDriftMonitor(6.0, window=10, min_batches=10)
+    rec = WarnRecorder()
+    fit(module, [mon, rec])
+    assert rec.at == [(9, "low")]
 
 
 def test_strict_stops_training_at_the_first_excursion():
@@ -255,7 +278,8 @@ def test_error_when_the_monitored_key_was_never_logged():
         ({"target": 1.0, "low": -0.1}, "low"),
         ({"target": 1.0, "unit": "bits"}, r"unit='bits'.*\['sequence', 'token'\]"),
         ({"target": 1.0, "monitor": ""}, "monitor"),
-        ({"target": 1.0, "window": 5, "min_batches": 6}, r"min_batches.*\[1, window=5\]"),
+        ({"target": 1.0, "min_batches": 2.5}, r"min_batches must be an int >= 1"),
+        ({"target": 1.0, "min_batches": True}, "min_batches"),
         ({"target": 1.0, "min_batches": 0}, "min_batches"),
         ({"target": 1.0, "batch_size_fn": 3}, "batch_size_fn"),
     ],
