@@ -228,8 +228,8 @@ def rng_states(trainer: Trainer | None, device: torch.device) -> dict[str, list[
     if trainer is None or trainer.world_size == 1:
         return {key: [value] for key, value in states.items()}
     strategy = trainer.strategy
-    return {
-        key: list(strategy.all_gather(value.to(strategy.root_device)).cpu().unbind(0))
+    return {  # one tensor per rank, not views into the gathered one (restore_rng_states)
+        key: [t.clone() for t in strategy.all_gather(value.to(strategy.root_device)).cpu()]
         for key, value in states.items()
     }
 
@@ -253,9 +253,11 @@ def restore_rng_states(
     """
     rank, world = trainer.global_rank, trainer.world_size
     if states and len(states["cpu"]) == world:
-        torch.set_rng_state(states["cpu"][rank])
+        # A copy: the saved states of a DDP run are views into one gathered tensor, and torch
+        # 2.13's set_rng_state crashes (segmentation fault) on a view with a storage offset.
+        torch.set_rng_state(states["cpu"][rank].clone())
         if "cuda" in states and device.type == "cuda":
-            torch.cuda.set_rng_state(states["cuda"][rank], device)
+            torch.cuda.set_rng_state(states["cuda"][rank].clone(), device)
         return
     if states:
         rank_zero_warn(
