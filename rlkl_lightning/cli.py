@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from rlkl_lightning.arguments import default_of
+from rlkl_lightning.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
 from rlkl_lightning.controllers import (
     KL_LAWS,
     AdaptiveKLController,
@@ -116,7 +118,15 @@ class KLSettings:
 
 
 class RLKLCLI(LightningCLI):
-    """LightningCLI with the ``kl`` group; any LightningModule with ``kl_coef`` gets KL control."""
+    """LightningCLI with the ``kl`` group; any LightningModule with ``kl_coef`` gets KL control.
+
+    The progress bar counts the batches of the run, and stock notes that do not apply to RL
+    runs are hidden (:mod:`rlkl_lightning.console`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        quiet_lightning_notes()
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         """Add the ``kl`` group."""
@@ -125,15 +135,17 @@ class RLKLCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """Build the trainer, then put the KL callbacks first (checkpointing stays last).
 
-        Lightning's default progress bar is swapped for its rich one; a progress bar given in
-        ``trainer.callbacks`` is kept.
+        Lightning's default progress bar is swapped for :class:`~rlkl_lightning.console.
+        RunProgressBar`; a progress bar given in ``trainer.callbacks`` is kept.
         """
+        config = self._get(self.config_init, "trainer", default={})
+        # Before the trainer exists: Lightning adds its own callbacks to the configured list.
+        configured_bar = any(isinstance(c, ProgressBar) for c in config.get("callbacks") or [])
         trainer = super().instantiate_trainer(**kwargs)
-        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
-        if not any(isinstance(c, ProgressBar) for c in configured):
+        if not configured_bar:
             for i, callback in enumerate(trainer.callbacks):
-                if isinstance(callback, TQDMProgressBar):
-                    trainer.callbacks[i] = RichProgressBar()
+                if type(callback) in (RichProgressBar, TQDMProgressBar):  # Lightning's default
+                    trainer.callbacks[i] = RunProgressBar()
         init_kl_coef = getattr(self.model, "kl_coef", None)
         if init_kl_coef is not None:
             kl: KLSettings = self._get(self.config_init, "kl")
@@ -145,6 +157,8 @@ class RLKLCLI(LightningCLI):
         path = self._get(self.config_init, "ckpt_path")
         if path == "last":
             path = _last_checkpoint(self.trainer)
+        if path is not None:
+            quiet_resume_notes()
         if path is not None and path not in ("best", "hpc", "registry"):
             check_checkpoint(path)
 
