@@ -159,7 +159,7 @@ class ResumableDataLoader(DataLoader):
         }
 
 
-def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> None:
+def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> dict[str, Any]:
     """Raise a clear error if ``path`` is not a readable Lightning checkpoint.
 
     The file is opened the way Lightning will open it (``torch.load`` on the CPU, memory-mapped
@@ -170,6 +170,9 @@ def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> None
     Args:
         path: The checkpoint file.
         option: Name of the option that gave ``path``, for the message.
+
+    Returns:
+        The checkpoint, as loaded (tensors memory-mapped from a zip archive).
 
     Raises:
         ValueError: If the file is missing, empty, truncated, not a torch file or not a
@@ -207,6 +210,7 @@ def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> None
     missing = [k for k in ("state_dict", "pytorch-lightning_version") if k not in checkpoint]
     if missing:
         raise fail(f"is not a Lightning checkpoint (no {missing})")
+    return checkpoint
 
 
 def rng_states(trainer: Trainer | None, device: torch.device) -> dict[str, list[Tensor]]:
