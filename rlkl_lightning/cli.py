@@ -181,7 +181,7 @@ class RLKLCLI(LightningCLI):
         if found is None:
             return  # before_fit says where it looked
         checkpoint = check_checkpoint(found)
-        self._checked = str(found)
+        self._checked = os.path.realpath(found)
         version = found.parent.parent.name
         number = version.removeprefix("version_")
         init.version = int(number) if number.isdigit() else version
@@ -228,9 +228,10 @@ class RLKLCLI(LightningCLI):
             path = _last_checkpoint(self.trainer)
             if path is None:
                 raise ValueError(_nothing_to_resume(self.trainer, self._searched))
-        if path is not None:
-            quiet_resume_notes()
-        if path is not None and path not in ("best", "hpc", "registry") and path != self._checked:
+        if path is None:
+            return
+        quiet_resume_notes()
+        if path not in ("best", "hpc", "registry") and os.path.realpath(path) != self._checked:
             check_checkpoint(path)
 
 
