@@ -68,7 +68,7 @@ class KLSettings:
         low: the monitor warns when the average KL falls below ``low`` x target.
         strict: stop training on a drift excursion instead of warning.
         min_batches: drift monitor's warm-up: batches with a usable KL before it first judges
-            the average (None: the monitor's default, ``2 * window``: the KL starts at 0 and
+            the average (None: the monitor's default, ``3 * window``: the KL starts at 0 and
             rises, and that rise alone should not warn "too low").
     """
 

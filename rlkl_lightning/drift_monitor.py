@@ -62,9 +62,11 @@ class KLDriftMonitor(KLCallbackBase):
             monitor only counts and logs (a strict stop is always reported).
         min_batches: Warm-up: the number of batches with a usable KL before the state is first
             evaluated, an int >= 1. A policy starts at its reference, so its KL starts at 0 and
-            rises over the first batches; the default ``2 * window`` judges first a window that
-            holds none of the first ``window`` batches, so that rise alone does not warn
-            "too low".
+            rises over the first batches, and the window average lags it by up to a window. The
+            default ``3 * window`` judges first a window that holds none of the first
+            ``2 * window`` batches, so that rise alone does not warn "too low" (in the study of
+            the README it took up to 30 batches with ``window=10``; 20 still warned for 2 of 8
+            runs).
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch, used to
             weight the mean over ranks. Defaults to
             :func:`~rlkl_lightning.batch_kl.infer_batch_size`.
@@ -103,10 +105,10 @@ class KLDriftMonitor(KLCallbackBase):
             raise ValueError(f"{owner}: low must lie in [0, 1) (0 disables it), got {low!r}")
         super().__init__(unit=unit, monitor=monitor, batch_size_fn=batch_size_fn)
         if min_batches is None:
-            min_batches = 2 * window
+            min_batches = 3 * window
         if isinstance(min_batches, bool) or not isinstance(min_batches, int) or min_batches < 1:
             raise ValueError(
-                f"{owner}: min_batches must be an int >= 1 (None: 2 x window), got {min_batches!r}"
+                f"{owner}: min_batches must be an int >= 1 (None: 3 x window), got {min_batches!r}"
             )
         self.target = float(target)
         self.window = window

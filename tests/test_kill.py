@@ -103,7 +103,7 @@ def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
             "class_path": "rlkl_lightning.data.PromptDataModule",
             "init_args": {"prompts": str(prompts), "heldout": str(prompts), "batch_size": 4},
         },
-        # The drift monitor's warm-up (2 x window) outlasts the run: no drift warning.
+        # The drift monitor's warm-up (3 x window) outlasts the run: no drift warning.
         "kl": {"controller": "adaptive", "target": 0.35, "horizon": 40.0, "window": 4},
     }
     path = run_dir / "run.yaml"
