@@ -14,12 +14,27 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import (
+    ModelCheckpoint,
+    OnExceptionCheckpoint,
+    ProgressBar,
+    RichProgressBar,
+    TQDMProgressBar,
+)
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from rlkl_lightning.arguments import default_of
+from rlkl_lightning.checkpointing import (
+    AtomicCheckpointIO,
+    first_resumed_step,
+    newest_last_checkpoint,
+)
+from rlkl_lightning.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
 from rlkl_lightning.controllers import (
     KL_LAWS,
     AdaptiveKLController,
@@ -56,6 +71,9 @@ class KLSettings:
         high: the monitor warns when the average KL exceeds ``high`` x target.
         low: the monitor warns when the average KL falls below ``low`` x target.
         strict: stop training on a drift excursion instead of warning.
+        min_batches: drift monitor's warm-up: batches with a usable KL before it first judges
+            the average (None: the monitor's default, ``3 * window``: the KL starts at 0 and
+            rises, and that rise alone should not warn "too low").
     """
 
     controller: str = "adaptive"
@@ -71,6 +89,7 @@ class KLSettings:
     high: float = default_of(KLDriftMonitor, "high")
     low: float = default_of(KLDriftMonitor, "low")
     strict: bool = default_of(KLDriftMonitor, "strict")
+    min_batches: int | None = default_of(KLDriftMonitor, "min_batches")
 
     def __post_init__(self) -> None:
         if self.controller not in KL_LAWS:
@@ -110,29 +129,92 @@ class KLSettings:
             low=self.low,
             unit=self.unit,
             strict=self.strict,
+            min_batches=self.min_batches,
         )
         return [controller, monitor]
 
 
 class RLKLCLI(LightningCLI):
-    """LightningCLI with the ``kl`` group; any LightningModule with ``kl_coef`` gets KL control."""
+    """LightningCLI with the ``kl`` group; any LightningModule with ``kl_coef`` gets KL control.
+
+    Beyond Lightning's CLI:
+
+    * ``fit --ckpt_path last`` resumes the latest run of the logger's ``save_dir``/``name``:
+      the newest ``last*.ckpt`` of its ``version_*/checkpoints`` directories, where a
+      ``ModelCheckpoint`` without ``dirpath`` saves (Lightning alone would look only in the new,
+      empty version directory of this start and train from scratch). The logger continues in
+      the resumed run's version directory; TensorBoard drops what the killed run logged after
+      that checkpoint (``purge_step``). With nothing to resume the run stops with an error that
+      says where it looked;
+    * checkpoint files are replaced atomically (:class:`~rlkl_lightning.checkpointing.
+      AtomicCheckpointIO`), unless ``trainer.plugins`` names another ``CheckpointIO``;
+    * ``trainer.enable_checkpointing: false`` also drops the ``ModelCheckpoint`` callbacks a
+      config lists (Lightning would refuse the combination);
+    * the progress bar counts the batches of the run, and stock notes that do not apply to RL
+      runs are hidden (:mod:`rlkl_lightning.console`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        quiet_lightning_notes()
+        self._searched: list[str] = []  # where `--ckpt_path last` looked across versions
+        self._checked: str | None = None  # a checkpoint already checked by check_checkpoint
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         """Add the ``kl`` group."""
         parser.add_class_arguments(KLSettings, "kl")
 
+    def before_instantiate_classes(self) -> None:
+        """With ``fit --ckpt_path last``, log into the version directory of the run resumed.
+
+        Applies to a logger with ``save_dir``, ``name`` and ``version`` (``TensorBoardLogger``,
+        ``CSVLogger``) whose ``version`` is not set. The checkpoint is checked here, before any
+        model loads.
+        """
+        if self.subcommand != "fit" or self._get(self.config, "ckpt_path") != "last":
+            return
+        logger = self._get(self.config, "trainer").get("logger")
+        init = getattr(logger, "init_args", None)
+        if init is None or not {"save_dir", "name", "version"} <= set(vars(init)):
+            return
+        if init.version is not None:
+            return  # Lightning looks in that version's directory itself
+        root = Path(init.save_dir) / (init.name or "")
+        self._searched.append(str(root / "version_*" / "checkpoints"))
+        found = newest_last_checkpoint(root)
+        if found is None:
+            return  # before_fit says where it looked
+        checkpoint = check_checkpoint(found)
+        self._checked = os.path.realpath(found)
+        version = found.parent.parent.name
+        number = version.removeprefix("version_")
+        init.version = int(number) if number.isdigit() else version
+        step = first_resumed_step(checkpoint)
+        if "purge_step" in vars(init) and step is not None:
+            init.purge_step = step  # TensorBoard: drop events the killed run logged after it
+
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """Build the trainer, then put the KL callbacks first (checkpointing stays last).
 
-        Lightning's default progress bar is swapped for its rich one; a progress bar given in
-        ``trainer.callbacks`` is kept.
+        Lightning's default progress bar is swapped for :class:`~rlkl_lightning.console.
+        RunProgressBar`; a progress bar given in ``trainer.callbacks`` is kept. Lightning's
+        default ``CheckpointIO`` is swapped for :class:`~rlkl_lightning.checkpointing.
+        AtomicCheckpointIO`.
         """
+        config = self._get(self.config_init, "trainer", default={})
+        if config.get("enable_checkpointing") is False and config.get("callbacks"):
+            config["callbacks"] = [
+                c for c in config["callbacks"] if not isinstance(c, ModelCheckpoint)
+            ]
+        # Before the trainer exists: Lightning adds its own callbacks to the configured list.
+        configured_bar = any(isinstance(c, ProgressBar) for c in config.get("callbacks") or [])
         trainer = super().instantiate_trainer(**kwargs)
-        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
-        if not any(isinstance(c, ProgressBar) for c in configured):
+        if not configured_bar:
             for i, callback in enumerate(trainer.callbacks):
-                if isinstance(callback, TQDMProgressBar):
-                    trainer.callbacks[i] = RichProgressBar()
+                if type(callback) in (RichProgressBar, TQDMProgressBar):  # Lightning's default
+                    trainer.callbacks[i] = RunProgressBar()
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         init_kl_coef = getattr(self.model, "kl_coef", None)
         if init_kl_coef is not None:
             kl: KLSettings = self._get(self.config_init, "kl")
@@ -165,13 +247,24 @@ class RLKLCLI(LightningCLI):
         named = str(path).partition(":")[0] in ("last", "best", "hpc", "registry")
         if path is not None and not named:
             check_checkpoint(path)
+            self._checked = os.path.realpath(path)
 
     def before_fit(self) -> None:
-        """Check ``--ckpt_path last`` once resolved, before anything loads it."""
-        if self._get(self.config_init, "ckpt_path") == "last":
+        """Resolve ``--ckpt_path last`` (an error if there is nothing), check the file.
+
+        The file Lightning will load (a path, or ``last`` once resolved) is checked before
+        anything loads it.
+        """
+        path = self._get(self.config_init, "ckpt_path")
+        if path == "last":
             path = _last_checkpoint(self.trainer)
-            if path is not None:
-                check_checkpoint(path)
+            if path is None:
+                raise ValueError(_nothing_to_resume(self.trainer, self._searched))
+        if path is None:
+            return
+        quiet_resume_notes()
+        if path not in ("best", "hpc", "registry") and os.path.realpath(path) != self._checked:
+            check_checkpoint(path)
 
 
 def _last_checkpoint(trainer: Trainer) -> str | None:
@@ -180,8 +273,6 @@ def _last_checkpoint(trainer: Trainer) -> str | None:
     The newest of the ``last*.ckpt`` files of the ``ModelCheckpoint`` callbacks and the files
     of ``OnExceptionCheckpoint`` callbacks.
     """
-    from lightning.pytorch.callbacks import OnExceptionCheckpoint
-
     candidates = {
         str(cb.ckpt_path) for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)
     }
@@ -191,6 +282,37 @@ def _last_checkpoint(trainer: Trainer) -> str | None:
             candidates |= {str(p) for p in find(trainer)}
     existing = [p for p in candidates if os.path.isfile(p)]
     return max(existing, key=os.path.getmtime) if existing else None
+
+
+def _nothing_to_resume(trainer: Trainer, searched: list[str]) -> str:
+    """The error of ``--ckpt_path last`` when no checkpoint was found: where it looked."""
+    if not trainer.checkpoint_callbacks:
+        where = "this run saves no checkpoints (it has no ModelCheckpoint callback)"
+    else:
+        places = list(searched)  # the version directories of before_instantiate_classes
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+                places.append(str(callback.dirpath))
+            elif isinstance(callback, ModelCheckpoint) and not searched:
+                places.append(str(_default_checkpoint_dir(trainer)))
+        places += [
+            str(cb.ckpt_path) for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)
+        ]
+        where = f"no last*.ckpt in {', '.join(dict.fromkeys(places))}"
+    return (
+        f"`--ckpt_path last`: there is no checkpoint to resume: {where}. Start a new run "
+        "without `--ckpt_path`, or pass a checkpoint file as `--ckpt_path PATH`"
+    )
+
+
+def _default_checkpoint_dir(trainer: Trainer) -> Path:
+    """Where a ``ModelCheckpoint`` without ``dirpath`` saves in this run (as Lightning picks)."""
+    if not trainer.loggers:
+        return Path(trainer.default_root_dir, "checkpoints")
+    logger = trainer.loggers[0]
+    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+    save_dir = logger.save_dir or trainer.default_root_dir
+    return Path(save_dir, str(logger.name), version, "checkpoints")
 
 
 def main(args: list[str] | None = None) -> RLKLCLI:

@@ -8,7 +8,9 @@ Every controller follows the :class:`KLController` protocol and these common rul
 
 * ``value`` is the current beta; it is always finite, ``> 0`` and inside the optional bounds
   ``[min_kl_coef, max_kl_coef]``. Without bounds beta is still kept inside the positive normal
-  float range, so it can neither underflow to 0 nor overflow to ``inf``.
+  float range, so it can neither underflow to 0 nor overflow to ``inf``. The fixed law alone
+  also allows beta = 0 (no KL penalty): the other laws multiply beta, and a product with 0
+  stays 0, so they refuse it.
 * ``update(current_kl, n_steps)`` returns the new beta. ``n_steps`` is the number of samples
   (episodes) behind ``current_kl``, summed over all ranks; it must be an ``int >= 0``. An update
   with ``n_steps == 0`` observed nothing and leaves every law's state unchanged.
@@ -50,7 +52,7 @@ class KLController(Protocol):
 
     @property
     def value(self) -> float:
-        """The current beta (finite, > 0); read-only, changed only through :meth:`update`."""
+        """The current beta (finite, > 0; the fixed law allows 0); changed by :meth:`update`."""
 
     def update(self, current_kl: float, n_steps: int) -> float:
         """Update beta from the KL of a batch of ``n_steps`` samples; return the new beta."""
@@ -94,6 +96,8 @@ class _BaseKLController:
     """Shared machinery: bounds, validation of ``update`` inputs and states, the warning."""
 
     law: ClassVar[str]
+    #: Whether the law multiplies beta (then beta = 0 could never change and is refused).
+    multiplicative: ClassVar[bool] = True
     #: Dynamic state besides beta: each field's name and its start value as a function of
     #: beta, used at construction and for a state (from an older version) without the field.
     state_fields: ClassVar[dict[str, Callable[[float], float]]] = {}
@@ -117,10 +121,11 @@ class _BaseKLController:
                 f"got min_kl_coef={lo!r} > max_kl_coef={hi!r}"
             )
         self.min_kl_coef, self.max_kl_coef = lo, hi
-        # Without explicit bounds, beta stays inside the positive normal float range.
-        self._lo = sys.float_info.min if lo is None else lo
+        # Without explicit bounds, beta stays inside the positive normal float range (or at
+        # 0, which only the fixed law allows).
+        self._lo = (sys.float_info.min if self.multiplicative else 0.0) if lo is None else lo
         self._hi = sys.float_info.max if hi is None else hi
-        beta = _finite(owner, init_name, init_kl_coef)
+        beta = self._check_beta(owner, init_name, init_kl_coef)
         if not self._lo <= beta <= self._hi:
             raise ValueError(
                 f"{owner}: `{init_name}` must lie in [`min_kl_coef`, `max_kl_coef`] = "
@@ -131,9 +136,19 @@ class _BaseKLController:
         for name, start in self.state_fields.items():
             setattr(self, name, start(beta))
 
+    def _check_beta(self, owner: str, name: str, value: Any) -> float:
+        """``value`` as beta: finite and > 0 (>= 0 for a law that does not multiply beta)."""
+        if self.multiplicative and _as_float(value) == 0.0:
+            raise ValueError(
+                f"{owner}: `{name}` must be a finite number > 0, got {value!r}: the {self.law} "
+                "law multiplies beta, and from 0 it could never move; for no KL penalty use "
+                "the fixed law (FixedKLController(0.0), `kl.controller: fixed` in the CLI)"
+            )
+        return _finite(owner, name, value, strict=self.multiplicative) + 0.0  # -0.0 -> 0.0
+
     @property
     def value(self) -> float:
-        """The current beta (finite, > 0, inside the bounds)."""
+        """The current beta (finite, > 0, inside the bounds; the fixed law allows 0)."""
         return self._beta
 
     def update(self, current_kl: float, n_steps: int) -> float:
@@ -195,7 +210,7 @@ class _BaseKLController:
             )
         if "value" not in state:
             raise ValueError(f"{owner}: the state has no `value` (beta)")
-        beta = _finite(owner, "value", state["value"])
+        beta = self._check_beta(owner, "value", state["value"])
         fields = {
             name: start(beta)
             if state.get(name) is None
@@ -243,12 +258,14 @@ class FixedKLController(_BaseKLController):
     """A constant beta.
 
     Args:
-        kl_coef: The KL coefficient beta, a finite number > 0.
+        kl_coef: The KL coefficient beta, a finite number >= 0 (0: no KL penalty, the
+            baseline without KL regularisation).
         min_kl_coef: Optional lower bound; ``kl_coef`` must not lie below it.
         max_kl_coef: Optional upper bound; ``kl_coef`` must not lie above it.
     """
 
     law = "fixed"
+    multiplicative = False
 
     def __init__(
         self,

@@ -35,14 +35,14 @@ class KLDriftMonitor(KLCallbackBase):
     After each training batch the monitor reads the KL the module logged under ``monitor``,
     averages it over the samples of the global batch (all ranks, as every
     :class:`~rlkl_lightning.kl_callback_base.KLCallbackBase` does) and appends it to a window
-    of the last ``window`` batches. Once the window holds ``min_batches`` values, the window
-    mean ``avg`` gives the state: ``+1`` if ``avg > high * target``, ``-1`` if
+    of the last ``window`` batches. Once ``min_batches`` values have come in, the window mean
+    ``avg`` gives the state: ``+1`` if ``avg > high * target``, ``-1`` if
     ``avg < low * target``, else ``0``. Entering ``+1`` or ``-1`` warns (``RuntimeWarning``)
     once; the monitor warns again only after the average has changed state again (e.g. back into
     the band and out once more).
 
     Logged every training batch: ``kl_monitor/avg_kl`` (window mean), ``kl_monitor/target`` and,
-    once ``min_batches`` values are in, ``kl_monitor/state`` and ``kl_monitor/warnings`` (the
+    after the first ``min_batches`` values, ``kl_monitor/state`` and ``kl_monitor/warnings`` (the
     number of excursions so far). Non-finite KL values are left out of the window (the first one
     warns; all are counted in ``n_skipped``). The window, state and counters are saved in
     checkpoints. Sanity checking is skipped.
@@ -60,9 +60,13 @@ class KLDriftMonitor(KLCallbackBase):
             warning; the batch that caused it is the last one trained.
         verbose: Warn on excursions and report the return into the band. With ``False`` the
             monitor only counts and logs (a strict stop is always reported).
-        min_batches: Number of values the window must hold before the state is evaluated, so
-            the first few noisy batches cannot trigger a warning. Defaults to
-            ``min(window, 10)``; must lie in ``[1, window]``.
+        min_batches: Warm-up: the number of batches with a usable KL before the state is first
+            evaluated, an int >= 1. A policy starts at its reference, so its KL starts at 0 and
+            rises over the first batches, and the window average lags it by up to a window. The
+            default ``3 * window`` judges first a window that holds none of the first
+            ``2 * window`` batches, so that rise alone does not warn "too low" (in the study of
+            the README it took up to 30 batches with ``window=10``; 20 still warned for 2 of 8
+            runs).
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch, used to
             weight the mean over ranks. Defaults to
             :func:`~rlkl_lightning.batch_kl.infer_batch_size`.
@@ -101,14 +105,10 @@ class KLDriftMonitor(KLCallbackBase):
             raise ValueError(f"{owner}: low must lie in [0, 1) (0 disables it), got {low!r}")
         super().__init__(unit=unit, monitor=monitor, batch_size_fn=batch_size_fn)
         if min_batches is None:
-            min_batches = min(window, 10)
-        if (
-            isinstance(min_batches, bool)
-            or not isinstance(min_batches, int)
-            or not 1 <= min_batches <= window
-        ):
+            min_batches = 3 * window
+        if isinstance(min_batches, bool) or not isinstance(min_batches, int) or min_batches < 1:
             raise ValueError(
-                f"{owner}: min_batches must be an int in [1, window={window}], got {min_batches!r}"
+                f"{owner}: min_batches must be an int >= 1 (None: 3 x window), got {min_batches!r}"
             )
         self.target = float(target)
         self.window = window
@@ -182,7 +182,7 @@ class KLDriftMonitor(KLCallbackBase):
             return
         avg = self.avg_kl
         pl_module.log("kl_monitor/avg_kl", avg, on_step=True, on_epoch=False)
-        if len(self.values) < self.min_batches:
+        if self.n_batches - self.n_skipped < self.min_batches:  # values that came in so far
             return
         self._update_state(trainer, avg)
         pl_module.log("kl_monitor/state", float(self.state), on_step=True, on_epoch=False)

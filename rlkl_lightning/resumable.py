@@ -169,7 +169,7 @@ class ResumableDataLoader(DataLoader):
         }
 
 
-def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> None:
+def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> dict[str, Any]:
     """Raise a clear error if ``path`` is not a readable Lightning checkpoint.
 
     The file is opened the way ``RLKLCLI`` has Lightning open it (``torch.load`` on the CPU with
@@ -182,6 +182,9 @@ def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> None
     Args:
         path: The checkpoint file.
         option: Name of the option that gave ``path``, for the message.
+
+    Returns:
+        The checkpoint, as loaded (tensors memory-mapped from a zip archive).
 
     Raises:
         ValueError: If the file is missing, empty, truncated, not a torch file, holds objects
@@ -231,6 +234,7 @@ def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> None
     missing = [k for k in ("state_dict", "pytorch-lightning_version") if k not in checkpoint]
     if missing:
         raise fail(f"is not a Lightning checkpoint (no {missing})")
+    return checkpoint
 
 
 def plain(value: Any) -> Any:
@@ -296,8 +300,8 @@ def rng_states(trainer: Trainer | None, device: torch.device) -> dict[str, list[
     if trainer is None or trainer.world_size == 1:
         return {key: [value] for key, value in states.items()}
     strategy = trainer.strategy
-    return {
-        key: list(strategy.all_gather(value.to(strategy.root_device)).cpu().unbind(0))
+    return {  # one tensor per rank, not views into the gathered one (restore_rng_states)
+        key: [t.clone() for t in strategy.all_gather(value.to(strategy.root_device)).cpu()]
         for key, value in states.items()
     }
 
@@ -321,9 +325,11 @@ def restore_rng_states(
     """
     rank, world = trainer.global_rank, trainer.world_size
     if states and len(states["cpu"]) == world:
-        torch.set_rng_state(states["cpu"][rank])
+        # A copy: the saved states of a DDP run are views into one gathered tensor, and torch
+        # 2.13's set_rng_state crashes (segmentation fault) on a view with a storage offset.
+        torch.set_rng_state(states["cpu"][rank].clone())
         if "cuda" in states and device.type == "cuda":
-            torch.cuda.set_rng_state(states["cuda"][rank], device)
+            torch.cuda.set_rng_state(states["cuda"][rank].clone(), device)
         return
     if states:
         rank_zero_warn(

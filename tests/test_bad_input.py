@@ -118,6 +118,7 @@ def test_cli_kl_group_rejects_bad_values(kwargs, match):
         ({"min_kl_coef": 0.5, "max_kl_coef": 0.1}, r"`min_kl_coef` must be <= `max_kl_coef`"),
         ({"window": 0}, r"window must be an int >= 1"),
         ({"high": 0.5}, r"high must be > 1"),
+        ({"min_batches": 0}, r"min_batches must be an int >= 1 \(None: 3 x window\), got 0"),
     ],
 )
 def test_cli_kl_group_law_and_monitor_options_are_validated(kwargs, match):
@@ -129,9 +130,33 @@ def test_beta_out_of_range_or_nan_is_rejected(tiny_lm_dir):
     for bad in (-0.1, math.nan, math.inf):
         with pytest.raises(ValueError, match=r"`init_kl_coef` must be a finite number >= 0"):
             PPOModule(**ppo_args(tiny_lm_dir, init_kl_coef=bad))
-    # A controller's beta must be > 0 (a fixed beta of 0 means: no controller).
-    with pytest.raises(ValueError, match=r"`init_kl_coef` must be a finite number > 0"):
-        KLSettings().callbacks(init_kl_coef=0.0)
+    # The adaptive laws multiply beta: 0 could never move, and the error says to use `fixed`.
+    for law in ("adaptive", "exponential", "pi"):
+        with pytest.raises(
+            ValueError,
+            match=r"`init_kl_coef` must be a finite number > 0, got 0.0: the .* law multiplies "
+            r"beta, and from 0 it could never move; for no KL penalty use the fixed law",
+        ):
+            KLSettings(controller=law).callbacks(init_kl_coef=0.0)
+
+
+def test_cli_beta_zero_with_the_fixed_law_trains_without_a_kl_penalty(tiny_lm_dir, tmp_path):
+    from rlkl_lightning.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    args = {k: v for k, v in ppo_args(tiny_lm_dir, init_kl_coef=0).items() if k != "reward"}
+    cli = main(
+        ["fit", "--model=rlkl_lightning.PPOModule", f"--model.init_args={yaml.safe_dump(args)}"]
+        + ["--data=rlkl_lightning.data.PromptDataModule", f"--data.prompts={prompts}"]
+        + ["--data.heldout=null", f"--data.batch_size={BATCH}", "--kl.controller=fixed"]
+        + ["--trainer.max_steps=2", "--trainer.enable_progress_bar=false"]
+        + [f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    )
+    metrics = cli.trainer.callback_metrics
+    assert cli.model.kl_coef == 0.0 and float(metrics["objective/kl_coef"]) == 0.0
+    assert float(metrics["objective/non_score_reward"]) == 0.0
+    assert float(metrics["objective/kl"]) != 0.0  # the KL is there, it is just not penalised
 
 
 def test_unknown_estimator_names_the_allowed_ones(tiny_lm_dir):

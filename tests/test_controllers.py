@@ -304,11 +304,30 @@ POSITIVE_OPTIONS = [
         for law, option in POSITIVE_OPTIONS
         for bad in BAD_POSITIVE
         if not (bad is None and option in ("min_kl_coef", "max_kl_coef"))  # None: no bound
+        and not (law == "fixed" and bad == 0)  # a fixed beta of 0: no KL penalty
     ],
 )
 def test_positive_options_are_validated(law, option, bad):
-    with pytest.raises(ValueError, match=rf": `{option}` must be a finite number > 0"):
+    relation = ">=" if (law, option) == ("fixed", "kl_coef") else ">"
+    with pytest.raises(ValueError, match=rf": `{option}` must be a finite number {relation} 0"):
         _make(law, **{option: bad})
+
+
+def test_beta_zero_is_the_fixed_laws_and_the_multiplicative_laws_refuse_it():
+    fixed = FixedKLController(0.0)
+    assert [fixed.update(kl, 64) for kl in (0.0, 6.0, 1e6)] == [0.0, 0.0, 0.0]
+    assert fixed.state_dict() == {"law": "fixed", "value": 0.0}
+    fixed.load_state_dict({"law": "fixed", "value": 0})
+    assert fixed.value == 0.0 and math.copysign(1.0, FixedKLController(-0.0).value) == 1.0
+    for law in ("adaptive", "exponential", "pi"):
+        with pytest.raises(ValueError) as info:
+            _make(law, init_kl_coef=0.0)
+        message = str(info.value)
+        assert "`init_kl_coef` must be a finite number > 0, got 0.0" in message
+        assert "multiplies beta, and from 0 it could never move" in message
+        assert "use the fixed law (FixedKLController(0.0), `kl.controller: fixed`" in message
+        with pytest.raises(ValueError, match="could never move"):
+            _make(law).load_state_dict({"law": law, "value": 0.0})
 
 
 def test_error_message_format():
@@ -390,6 +409,7 @@ FEEDS = {
     "high": [(KLDriftMonitor, "high")],
     "low": [(KLDriftMonitor, "low")],
     "strict": [(KLDriftMonitor, "strict")],
+    "min_batches": [(KLDriftMonitor, "min_batches")],
 }
 
 
@@ -402,6 +422,9 @@ def test_every_kl_settings_default_is_the_default_of_the_signature_it_feeds():
     # target, and unset bounds defer to the law (see the test above).
     others = {"controller", "target", "min_kl_coef", "max_kl_coef"}
     assert {f.name for f in dataclasses.fields(KLSettings)} == set(FEEDS) | others
+    # The monitor's warm-up reaches it: None is its default (3 x window), a number is kept.
+    assert KLSettings(window=7).callbacks(0.1)[1].min_batches == 21
+    assert KLSettings(window=7, min_batches=3).callbacks(0.1)[1].min_batches == 3
     assert _default(AdaptiveKLController, "target") is inspect.Parameter.empty
     assert _default(KLDriftMonitor, "target") is inspect.Parameter.empty
     assert (settings_.min_kl_coef, settings_.max_kl_coef) == (None, None)

@@ -142,12 +142,38 @@ def test_high_to_low_directly_is_a_new_excursion_and_min_batches_delays_the_firs
     module, mon, rec = KLModule(kls), KLDriftMonitor(1.0, window=1, min_batches=1), WarnRecorder()
     fit(module, [mon, rec])
     assert rec.at == [(0, "high"), (2, "low"), (3, "high")]
-    # The default min_batches = min(window, 10): batches before it never warn.
-    module, mon = KLModule([9.0] * 12), KLDriftMonitor(1.0, window=50)
-    assert mon.min_batches == 10
+    # The default min_batches = 3 x window: batches before it never warn.
+    module, mon = KLModule([9.0] * 17), KLDriftMonitor(1.0, window=5)
+    assert mon.min_batches == 15
     rec = WarnRecorder()
     fit(module, [mon, rec])
-    assert rec.at == [(9, "high")]
+    assert rec.at == [(14, "high")]
+    # The warm-up counts the values that came in (not skipped batches), and may exceed the window.
+    kls = [9.0, math.nan, 9.0, 9.0, 9.0]
+    module, mon, rec = KLModule(kls), KLDriftMonitor(1.0, window=1, min_batches=3), WarnRecorder()
+    fit(module, [mon, rec])
+    assert rec.at == [(3, "high")] and mon.n_skipped == 1
+
+
+# objective/kl of the first 40 batches of the study's `adaptive` run with seed 2 (nats per
+# sequence; target 6, band [3, 12], window 10): it starts at 0 and rises, the slowest of the
+# study's runs that ends in the band.
+SLOW_RISE = [0.0, 0.34, 0.27, 0.7, 0.75, 1.26, 1.4, 1.91, 2.11, 1.65, 2.44, 2.06, 2.41, 3.02]
+SLOW_RISE += [2.53, 2.2, 3.75, 2.5, 2.57, 5.17, 7.54, 4.96, 3.09, 4.05, 3.14, 3.48, 3.75, 4.7]
+SLOW_RISE += [4.62, 4.09, 5.34, 3.15, 3.44, 4.91, 7.27, 4.15, 5.75, 5.09, 4.19, 4.83]
+
+
+@pytest.mark.parametrize(("min_batches", "warned_at"), [(None, []), (20, [19]), (10, [9])])
+def test_the_default_warm_up_does_not_warn_on_the_kls_rise_from_zero(min_batches, warned_at):
+    monitor = KLDriftMonitor(6.0, window=10, min_batches=min_batches)
+    module, rec = KLModule(SLOW_RISE), WarnRecorder()
+    fit(module, [monitor, rec])
+    # The default (3 x window = 30) judges batches 30-40, all in band; judging the window at
+    # batch 20 (2 x window) or 10 (the earlier default) calls the rise "too low".
+    assert rec.at == [(i, "low") for i in warned_at]
+    assert module.logged[39]["kl_monitor/state"] == 0
+    if min_batches is None:
+        assert "kl_monitor/state" not in module.logged[28]  # not judged before batch 30
 
 
 def test_strict_stops_training_at_the_first_excursion():
@@ -255,7 +281,8 @@ def test_error_when_the_monitored_key_was_never_logged():
         ({"target": 1.0, "low": -0.1}, "low"),
         ({"target": 1.0, "unit": "bits"}, r"unit='bits'.*\['sequence', 'token'\]"),
         ({"target": 1.0, "monitor": ""}, "monitor"),
-        ({"target": 1.0, "window": 5, "min_batches": 6}, r"min_batches.*\[1, window=5\]"),
+        ({"target": 1.0, "min_batches": 2.5}, r"min_batches must be an int >= 1"),
+        ({"target": 1.0, "min_batches": True}, "min_batches"),
         ({"target": 1.0, "min_batches": 0}, "min_batches"),
         ({"target": 1.0, "batch_size_fn": 3}, "batch_size_fn"),
     ],

@@ -23,6 +23,7 @@ from rlkl_lightning import (
     PPOModule,
     RLOOModule,
 )
+from rlkl_lightning.checkpointing import AtomicCheckpointIO
 from rlkl_lightning.data import PromptDataModule
 
 WORDS = "the film was good bad this book is very not a story food nice dull plot".split()
@@ -97,12 +98,19 @@ class Crash(Callback):
             raise SimulatedCrash(f"crash at batch {self.at}")
 
 
-def run(policy_dir, prompts_file, ckpt_dir, extra=(), ckpt_path=None, algorithm="ppo"):
+def run(
+    policy_dir, prompts_file, ckpt_dir, extra=(), ckpt_path=None, algorithm="ppo", checkpoint=True
+):
     seed_everything(0)
     model = module(policy_dir, algorithm)
     controller = KLControllerCallback(AdaptiveKLController(0.2, target=0.35, horizon=40))
     monitor = KLDriftMonitor(target=0.35, window=10, min_batches=2, verbose=False)
     recorder = Recorder()
+    checkpoints = [
+        ModelCheckpoint(
+            dirpath=ckpt_dir, save_last=True, save_top_k=-1, every_n_train_steps=STEPS_PER_BATCH
+        )
+    ]
     trainer = Trainer(
         accelerator="cpu",
         max_epochs=2,
@@ -112,13 +120,10 @@ def run(policy_dir, prompts_file, ckpt_dir, extra=(), ckpt_path=None, algorithm=
             monitor,
             recorder,
             *extra,
-            ModelCheckpoint(
-                dirpath=ckpt_dir,
-                save_last=True,
-                save_top_k=-1,
-                every_n_train_steps=STEPS_PER_BATCH,
-            ),
+            *(checkpoints if checkpoint else []),
         ],
+        enable_checkpointing=checkpoint,
+        plugins=[AtomicCheckpointIO()],
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -186,6 +191,33 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_run(
         strict=True,
     ):
         assert_same_tensors(a, b)
+
+
+def test_checkpoints_do_not_change_the_run(tiny_lm_dir, prompts_file, tmp_path):
+    """Writing a checkpoint after every batch draws no random number and changes nothing."""
+    _, with_ckpt, *_, rec = run(tiny_lm_dir, prompts_file, tmp_path / "a")
+    _, without, *_, rec_without = run(tiny_lm_dir, prompts_file, None, checkpoint=False)
+    assert len(list((tmp_path / "a").glob("*.ckpt"))) == 7  # a file per batch, and last.ckpt
+    assert rec.rows == rec_without.rows
+    assert_same_tensors(with_ckpt.state_dict(), without.state_dict())
+
+
+def test_rng_states_saved_as_views_restore_each_ranks_stream():
+    """A DDP checkpoint of older versions held views into one gathered tensor."""
+    from types import SimpleNamespace
+
+    from rlkl_lightning.resumable import restore_rng_states
+
+    torch.manual_seed(1)
+    rank0 = torch.get_rng_state()
+    torch.manual_seed(2)
+    rank1 = torch.get_rng_state()
+    gathered = torch.stack([rank0, rank1])
+    views = {"cpu": list(gathered.unbind(0))}
+    assert views["cpu"][1].storage_offset() > 0  # what crashed torch.set_rng_state
+    trainer = SimpleNamespace(global_rank=1, world_size=2)
+    restore_rng_states(views, trainer, torch.device("cpu"), "test")
+    assert torch.equal(torch.get_rng_state(), rank1)
 
 
 def test_checkpoint_contents_and_no_reference_copy(tiny_lm_dir, prompts_file, tmp_path):

@@ -1,0 +1,76 @@
+"""Places for a test to kill a ``train.py`` process at: named in its config, on ``PYTHONPATH``.
+
+Each helper stalls the process once, at a known point, after writing a marker file; the test
+waits for the marker and sends ``SIGKILL``. With the marker present (the resumed run, started
+with the same command) the helper does nothing, so the kill and the resume use one config.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import lightning.pytorch as pl
+import torch
+
+from rlkl_lightning.checkpointing import AtomicCheckpointIO
+
+STALL_S = 600.0  # the test kills the process long before this
+
+
+class StallBeforeBatch(pl.Callback):
+    """Stall when batch ``at`` (1-based count of trained batches + 1) is about to start.
+
+    The TensorBoard events logged so far are flushed first, so the killed run leaves on disk
+    what it logged after its last checkpoint. Under DDP every rank stalls; rank 0 writes the
+    marker.
+    """
+
+    def __init__(self, marker: str, at: int | None = None) -> None:
+        self.marker, self.at = Path(marker), at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.at is None or pl_module.batches_seen + 1 != self.at or self.marker.exists():
+            return
+        for logger in trainer.loggers:
+            getattr(logger.experiment, "flush", lambda: None)()
+        trainer.strategy.barrier()  # every rank has flushed and stopped here
+        if trainer.is_global_zero:
+            self.marker.write_text(str(pl_module.batches_seen))
+        time.sleep(STALL_S)
+
+
+class StallInsideWrite(AtomicCheckpointIO):
+    """``AtomicCheckpointIO`` that stalls half-way through the ``nth`` write of file ``name``.
+
+    The first half of the checkpoint's bytes is in the partial file (flushed to the OS) when
+    the marker appears.
+    """
+
+    def __init__(self, marker: str, name: str = "last.ckpt", nth: int = 2) -> None:
+        super().__init__()
+        self.marker, self.name, self.nth = Path(marker), name, nth
+        self.count = 0
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        """Count the writes of ``name``; stall inside the ``nth`` one."""
+        if Path(path).name == self.name:
+            self.count += 1
+        if self.count != self.nth or Path(path).name != self.name or self.marker.exists():
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        real_save = torch.save
+
+        def half_then_stall(obj, file, *args, **kwargs):
+            real_save(obj, file, *args, **kwargs)
+            size = file.tell()
+            file.seek(size // 2)
+            file.truncate()
+            file.flush()
+            self.marker.write_text(str(size))
+            time.sleep(STALL_S)
+
+        with mock.patch("torch.save", half_then_stall):
+            super().save_checkpoint(checkpoint, path, storage_options)
