@@ -1,10 +1,8 @@
 """Resuming exactly: data order, random streams, and checks of the checkpoint being resumed.
 
-Lightning restarts a plain DataLoader from the first batch of the epoch when a run resumes
-from a checkpoint saved mid-epoch, so the resumed run would see the epoch's first batches
-twice and never its last ones. These pieces make the order of prompts a pure function of
-(seed, epoch, position), so a resumed run draws exactly the batches the uninterrupted run
-would have drawn:
+Lightning restarts a plain DataLoader at the epoch's first batch when a run resumes mid-epoch.
+These pieces make the order of prompts a pure function of (seed, epoch, position), so a
+resumed run draws exactly the batches the uninterrupted run would have drawn:
 
 * :class:`EpochShuffleSampler` shuffles with a generator seeded from ``(seed, epoch)``
   (Lightning calls ``set_epoch`` before every epoch), so the permutation of any epoch can be
