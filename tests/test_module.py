@@ -231,7 +231,7 @@ def test_every_metric_reaches_tensorboard(tiny_lm_dir, tmp_path):
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
     callbacks = [
         KLControllerCallback(AdaptiveKLController(init_kl_coef=0.1, target=1.0, horizon=100)),
-        KLDriftMonitor(target=1.0, window=2),
+        KLDriftMonitor(target=1.0, window=2, min_batches=2),
     ]
     val = text_loader(["the film was very good", "the food was bad but fine"] * 2, 2)
     fit(module, batches=4, batch_size=8, callbacks=callbacks, logger=logger, val=val)
