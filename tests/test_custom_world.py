@@ -257,12 +257,10 @@ def test_bad_input_names_the_option_and_the_allowed_values(tmp_path, corpus):
     )
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "keep.txt").write_text("not a world")
-    fails(
-        [str(corpus["lines.txt"]), str(corpus["rows.jsonl"]), str(corpus["table.csv"])],
-        "`--out` .* is not a world",
-        out=tmp_path / "mine",
-    )
+    mixed = [str(corpus[n]) for n in ("lines.txt", "rows.jsonl", "table.csv")]
+    fails(mixed, "`--out` .* is not a world", out=tmp_path / "mine")
     assert (tmp_path / "mine" / "keep.txt").read_text() == "not a world"
+    fails(mixed, "`--out` .* is not a world", out=tmp_path / "mine" / "keep.txt")
     with pytest.raises(
         ValueError, match=r"`--unit` must be one of \['auto', 'line', 'paragraph'\]"
     ):
@@ -271,6 +269,8 @@ def test_bad_input_names_the_option_and_the_allowed_values(tmp_path, corpus):
         CustomWorldConfig(max_texts=0)
     with pytest.raises(ValueError, match="`--n_embd` \\(128\\) must be divisible by `--n_head`"):
         CustomWorldConfig(n_head=3)
+    with pytest.raises(ValueError, match="`--n_positions` must be >= 48"):
+        CustomWorldConfig(n_positions=32)
 
 
 def test_a_large_corpus_is_subsampled_to_max_texts():
@@ -289,7 +289,13 @@ def test_study_runs_point_at_the_world(world, tmp_path):
     from rlkl_lightning.compare.runs import plan_runs
 
     stale = {
-        "model": {"init_args": {"reference": "/elsewhere", "tokenizer": "/elsewhere"}},
+        "model": {
+            "init_args": {
+                "reference": "/elsewhere",
+                "tokenizer": "/elsewhere",
+                "gold_reward": {"class_path": "the.default.worlds.GoldReward"},
+            }
+        },
         "data": {"init_args": {"prompt_words": 3, "prompt_column": "review", "num_heldout": 8}},
     }
     runs = {g: str(ROOT / "configs" / f"ppo_{g}.yaml") for g in ("fixed", "adaptive")}
@@ -300,7 +306,7 @@ def test_study_runs_point_at_the_world(world, tmp_path):
         config = yaml.safe_load(run.config.read_text())
         model, data = config["model"]["init_args"], config["data"]["init_args"]
         assert model["policy"] == str(world.model_dir.resolve())
-        assert "reference" not in model and "tokenizer" not in model
+        assert not {"reference", "tokenizer", "gold_reward"} & model.keys()
         assert data["prompts"] == str((world.root / "prompts.jsonl").resolve())
         assert data["heldout"] == str((world.root / "test.jsonl").resolve())
         assert "prompt_words" not in data and "prompt_column" not in data

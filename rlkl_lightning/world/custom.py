@@ -28,11 +28,14 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlkl_lightning.world.cache import Corpus, build_stage, default_cache_dir, info, write_jsonl
 from rlkl_lightning.world.config import WorldConfig
 from rlkl_lightning.world.read import OWNER, UNITS, read_corpus
+
+if TYPE_CHECKING:
+    from rlkl_lightning.world.build import World
 
 # Bump when the way a custom world is made changes in a way its settings cannot see.
 CUSTOM_VERSION = 1
@@ -49,11 +52,14 @@ _MARKER = "world.json"
 _LABEL = "Custom world"
 _READ_FIELDS = ("column", "split", "unit", "max_chars", "max_texts")
 
-#: Options of a run config that a custom world's ``study.yaml`` makes moot: a run on the world
-#: drops them from its config (back to the class default) where the config sets them, so that
-#: no run reads another tokenizer, reference, text column or cut of the world's prompts.
+#: Options of a run config that a custom world makes moot or that only the default world can
+#: serve: a run on a custom world drops them from its config (back to the class default) where
+#: the config sets them, before the world's ``study.yaml`` is merged in. So no run reads another
+#: tokenizer, reference, text column or cut of the world's prompts, and no run scores its text
+#: with the default world's gold reward (``gold_reward``: its lexicon knows nothing of the
+#: user's words; a world's ``study.yaml`` may set a gold reward of its own).
 REPLACED_OPTIONS = {
-    "model": ("reference", "tokenizer"),
+    "model": ("reference", "tokenizer", "gold_reward"),
     "data": ("prompt_column", "heldout_column", "prompt_words", "heldout_words", "world"),
 }
 
@@ -88,7 +94,8 @@ class CustomWorldConfig:
         n_layer: Transformer blocks; ``None``: 3, or 4 from 4x the default world's corpus.
         n_head: Attention heads.
         n_embd: Model width; ``None``: 128, the default world's.
-        n_positions: Context length in tokens (longer texts are cut in SFT).
+        n_positions: Context length in tokens (longer texts are cut in SFT), at least 48:
+            a study's prompts are cut to half of it, and its runs write 24 tokens.
         sft_steps: SFT optimizer steps; ``None``: 4 epochs of the training split, at most
             1M tokens, within 100-800 steps (:func:`sft_schedule`).
         batch_size: Texts per SFT batch.
@@ -146,8 +153,8 @@ class CustomWorldConfig:
             raise ValueError(
                 f"{OWNER}: `--n_embd` ({n_embd}) must be divisible by `--n_head` ({self.n_head})"
             )
-        if self.n_positions < 16:
-            raise ValueError(f"{OWNER}: `--n_positions` must be >= 16, got {self.n_positions}")
+        if self.n_positions < 48:  # a study's prompts (up to half) and 24 new tokens fit
+            raise ValueError(f"{OWNER}: `--n_positions` must be >= 48, got {self.n_positions}")
         if not (self.lr > 0 and self.weight_decay >= 0):
             raise ValueError(f"{OWNER}: need `--lr` > 0 and `--weight_decay` >= 0")
         if self.warmup_steps is not None and self.warmup_steps < 0:
@@ -264,7 +271,7 @@ def build_custom_world(
     cache_dir: str | Path | None = None,
     progress: bool = True,
     num_threads: int | None = None,
-):
+) -> World:
     """The world made from ``texts``, built if missing (see the module docstring).
 
     Args:
@@ -279,7 +286,7 @@ def build_custom_world(
         num_threads: torch threads while training the model; ``None``: torch's setting.
 
     Returns:
-        A :class:`~rlkl_lightning.world.build.World`.
+        The world (:class:`~rlkl_lightning.world.build.World`).
     """
     config = config or CustomWorldConfig()
     start = time.perf_counter()
@@ -302,7 +309,12 @@ def build_custom_world(
     key = world_key(corpus, settings)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = Path(out).expanduser() if out is not None else root / f"custom-{key}"
-    if out is not None and target.is_dir() and any(target.iterdir()) and _key(target) is None:
+    if (
+        out is not None
+        and target.exists()
+        and _key(target) is None
+        and (not target.is_dir() or any(target.iterdir()))
+    ):
         raise ValueError(
             f"{OWNER}: `--out` {str(target)!r} exists and is not a world; name a new or "
             "empty directory"
@@ -344,10 +356,11 @@ def _make(
     write_jsonl(out / "prompts.jsonl", [{"text": p} for p in prompts])
     tokenizer = train_tokenizer(splits["train"], settings.vocab_size, settings.n_positions)
     tokenizer.save_pretrained(out / "tokenizer")
-    prompt_tokens = max(len(ids) for ids in tokenizer(prompts)["input_ids"])
-    train_tokens = sum(  # as the SFT sees them: bos + text + eos, cut to the context
-        min(len(ids) + 1, settings.n_positions) for ids in tokenizer(splits["train"])["input_ids"]
-    )
+    context = settings.n_positions
+    encoded = tokenizer(prompts, truncation=True, max_length=context)["input_ids"]
+    prompt_tokens = max(len(ids) for ids in encoded)
+    encoded = tokenizer(splits["train"], truncation=True, max_length=context)["input_ids"]
+    train_tokens = sum(min(len(ids) + 1, context) for ids in encoded)  # bos + text + eos
     settings = sft_schedule(settings, len(splits["train"]), train_tokens)
     stats = stats | {"max_prompt_tokens": prompt_tokens, "train_tokens": train_tokens}
     stats["seconds"] = round(stats["read_seconds"] + time.perf_counter() - start, 2)
@@ -402,7 +415,7 @@ def _key(directory: Path) -> str | None:
         return None
 
 
-def open_world(directory: str | Path, where: str = "compare: `world`"):
+def open_world(directory: str | Path, where: str = "compare: `world`") -> World:
     """A built custom world, from its directory.
 
     Raises:
