@@ -285,7 +285,7 @@ def test_a_large_corpus_is_subsampled_to_max_texts():
 
 
 def test_study_runs_point_at_the_world(world, tmp_path):
-    from rlkl_lightning.compare import StudyConfig
+    from rlkl_lightning.compare import StudyConfig, parse_args
     from rlkl_lightning.compare.runs import plan_runs
 
     stale = {
@@ -313,6 +313,8 @@ def test_study_runs_point_at_the_world(world, tmp_path):
         assert data["num_heldout"] == 8  # the study's other overrides stay
     with pytest.raises(ValueError, match="compare: `world` .* is not a world built by"):
         plan_runs(StudyConfig(runs=runs, world=str(tmp_path)), tmp_path)
+    argv = ["--config", str(ROOT / "configs" / "compare.yaml"), "--world", str(world.root)]
+    assert parse_args(argv + ["--quick"])[0].world == str(world.root)  # the flag, also --quick
 
 
 def test_a_study_run_on_the_world_trains(world, tmp_path, monkeypatch):
