@@ -178,20 +178,21 @@ def _fixed_sentences() -> list[tuple[re.Pattern, str, int]]:
 
 
 def _tables() -> dict[str, np.ndarray]:
-    """The generator's probabilities per rating (rows: ratings 1-5)."""
+    """The generator's probabilities per rating (rows: ratings 1-5; polarity 0 is negative)."""
     major = np.array([_MAJOR[r] for r in RATINGS])
     agree = np.array([_AGREE[r] for r in RATINGS])
-    # Polarity index 0 is negative, 1 positive. Rating 3 draws the polarity of each sentence.
-    opinion = np.stack([np.where(sign * major > 0, agree, 1 - agree) for sign in (-1, 1)])
-    opinion[:, major == 0] = 0.5
-    stated = np.stack([(sign * major > 0) + 0.5 * (major == 0) for sign in (-1, 1)])
+    # An opinion sentence agrees with the rating's polarity with p _AGREE; a 3-star review
+    # draws the polarity of each sentence. A verdict or a contrast's main clause states it.
+    opinion = np.stack([np.where(sign * major > 0, agree, 1 - agree) for sign in (-1, 1)], 1)
+    opinion[major == 0] = 0.5
+    stated = np.stack([(sign * major > 0) + 0.5 * (major == 0) for sign in (-1, 1)], 1)
+    minor = np.array([_MINOR_STRENGTH[r] for r in RATINGS], dtype=float)
     return {
-        "opinion": opinion.T,  # [5, 2] p(polarity | rating) of an opinion sentence
-        "stated": stated.T,  # [5, 2] of a verdict or a contrast's main clause
+        "opinion": opinion,  # [5, 2] p(polarity | rating)
+        "stated": stated,  # [5, 2]
         "strength": np.array([_STRENGTH[r] for r in RATINGS], dtype=float),  # [5, 3]
-        "minor": (1 - _MINOR_FLOOR) * np.array([_MINOR_STRENGTH[r] for r in RATINGS])
-        + _MINOR_FLOOR / 3,
-        "contrast": np.array([_CONTRAST[r] for r in RATINGS]),  # [5]
+        "minor": (1 - _MINOR_FLOOR) * minor + _MINOR_FLOOR / 3,  # [5, 3]
+        "contrast": np.array([_CONTRAST[r] for r in RATINGS]),  # [5] p(contrast sentence)
     }
 
 
@@ -273,7 +274,8 @@ class GoldScorer:
         if "," in words:
             comma = words.index(",")
             first = words[:comma]
-            concessive = first[0] in _CONCESSIVE_OPENERS or first[-1:] == ["aside"]
+            opener, last = (first[0], first[-1]) if first else ("", "")
+            concessive = opener in _CONCESSIVE_OPENERS or last == "aside"
             if concessive or (len(first) > 2 and first[1] == "as"):  # "dull as the plot was"
                 return first, words[comma + 1 :]
         return None, words
