@@ -104,7 +104,8 @@ def test_the_report_section_from_event_files(tmp_path):
     assert not summary["runs"]["low"]["0"]["gold_fell"]
     statement = summary["statement"]
     peak_kl = (KL[8] + KL[9]) / 2  # block 4 of `high`, KL scale 1
-    assert f"fell in 2 of 4 runs (`high` seed 0: KL {peak_kl:.2f}, `high` seed 1: KL" in statement
+    fell = "fell in 2 of 4 runs, so proxy optimisation stopped paying off in gold at the peak"
+    assert f"{fell} (`high` seed 0: KL {peak_kl:.2f}, `high` seed 1: KL" in statement
     kl, proxy = KL[-4:].mean(), PROXY[-4:].mean()  # the groups' final KL and score at scale 1
     best = f"`low`'s ({final['low'] + 0.005:.3f} at final KL {kl / 2:.2f}, proxy {proxy / 2:.3f})"
     assert f"the best final gold is {best}" in statement
@@ -126,3 +127,16 @@ def test_runs_without_a_gold_score_give_no_section(tmp_path):
     )
     assert summary is None and "no `gold_reward`" in lines[0]
     assert not (tmp_path / "gold_proxy.png").exists() and "final_gold" not in groups["fixed"]
+
+
+def test_runs_too_short_to_judge_are_not_called_still_paying_off():
+    from rlkl_lightning.compare.gold import overall_statement
+
+    short = analyse(GoldCurve(KL[:4], PROXY[:4], np.array([0.1, 0.3, 0.2, 0.1])))
+    groups = {"fixed": group([{"final_kl": 1.0, "final_score": 0.5}]) | {"final_gold": 0.2}}
+    statement = overall_statement({"fixed": {0: short}}, groups)
+    assert statement.startswith("Within runs, there were too few batches to judge whether gold")
+    rising = analyse(GoldCurve(KL, PROXY, two_per_block(RISING)))
+    statement = overall_statement({"fixed": {0: short, 1: rising}}, groups)
+    assert "did not fall after its peak in any of the 1 runs (1 too short to judge)" in statement
+    assert f"(up to {rising['last_kl']:.2f})" in statement

@@ -142,16 +142,25 @@ def gold_report(
 
 def overall_statement(runs: dict[str, dict[int, dict]], groups: dict[str, dict]) -> str:
     """Where proxy optimisation stopped paying off in gold, over all runs, in words."""
-    fell = [(g, s, a) for g, per in runs.items() for s, a in per.items() if a["gold_fell"]]
+    judged = [(g, s, a) for g, per in runs.items() for s, a in per.items()]
+    judged = [(g, s, a) for g, s, a in judged if a["gold_drop_two_se"] is not None]
+    fell = [(g, s, a) for g, s, a in judged if a["gold_fell"]]
     total = sum(len(per) for per in runs.values())
-    if fell:
+    short = f" ({total - len(judged)} too short to judge)" if len(judged) < total else ""
+    if not judged:
+        within = "Within runs, there were too few batches to judge whether gold fell"
+    elif fell:
         kls = ", ".join(f"`{g}` seed {s}: KL {a['peak_kl']:.2f}" for g, s, a in fell)
-        within = f"Within runs, gold peaked and then fell in {len(fell)} of {total} runs ({kls})"
-    else:
-        top = max(a["last_kl"] for per in runs.values() for a in per.values())
         within = (
-            f"Within runs, gold did not fall after its peak in any of the {total} runs: proxy "
-            f"optimisation still paid off in gold at every KL reached (up to {top:.2f})"
+            f"Within runs, gold peaked and then fell in {len(fell)} of {len(judged)} runs{short}, "
+            f"so proxy optimisation stopped paying off in gold at the peak ({kls})"
+        )
+    else:
+        top = max(a["last_kl"] for _, _, a in judged)
+        within = (
+            f"Within runs, gold did not fall after its peak in any of the {len(judged)} runs"
+            f"{short}: proxy optimisation still paid off in gold at every KL reached (up to "
+            f"{top:.2f})"
         )
     # Across runs: the run group with the best final gold, and those that spent more KL.
     best = max(runs, key=lambda g: groups[g]["final_gold"])
