@@ -36,24 +36,34 @@ def test_a_gold_peak_followed_by_a_fall_beyond_two_standard_errors():
     assert a["peak_proxy"] == pytest.approx(PROXY[8:10].mean())
     # s = sqrt(20 E^2 / (20 - 10)); 2 SE = 2 s sqrt(1/2 + 1/2).
     assert a["gold_drop_two_se"] == pytest.approx(2 * math.sqrt(2) * E)
-    assert a["gold_drop"] == pytest.approx(0.25) and a["gold_fell"]
+    assert a["gold_drop"] == pytest.approx(0.25) and a["gold_fell"] and a["verdict"] == "fell"
     assert a["final_gold"] == pytest.approx(two_per_block(GOLD_PEAKS)[-4:].mean())  # last 20%
     assert "stopped paying off at KL 4.25" in run_sentence(a)
 
 
-def test_gold_still_rising_or_within_noise_of_its_peak_did_not_fall():
+def test_gold_still_rising_stopped_improving_or_too_short():
     rising = analyse(GoldCurve(KL, PROXY, two_per_block(RISING)))
-    assert rising["peak_block"] == 9 and not rising["gold_fell"]
-    assert run_sentence(rising).startswith("gold still paying off: highest at the end")
-    # A last block 0.02 below the peak: less than 2 SE = 0.028.
-    flat = analyse(GoldCurve(KL, PROXY, two_per_block([*RISING[:9], 0.78])))
-    assert flat["peak_block"] == 8 and flat["gold_drop"] == pytest.approx(0.02)
-    assert not flat["gold_fell"] and "near the end" in run_sentence(flat)
-    # ... and 0.03 below: beyond it.
+    assert rising["verdict"] == "rising" and rising["peak_block"] == rising["plateau_block"] == 9
+    assert run_sentence(rising).startswith("gold still improving at the end: the last block")
+    # Gold levels off at block 4 (0.4) within 0.01 < 2 SE = 0.028, while the proxy rises.
+    level = analyse(GoldCurve(KL, PROXY, two_per_block([*RISING[:4], *[0.4, 0.41, 0.39] * 2])))
+    assert level["verdict"] == "plateau" and level["plateau_block"] == 4
+    assert level["plateau_kl"] == pytest.approx(KL[8:10].mean())
+    assert level["plateau_proxy"] == pytest.approx(PROXY[8:10].mean())
+    assert f"stopped improving at KL {KL[8:10].mean():.2f} (block 5 of 10" in run_sentence(level)
+    # A later block 0.03 > 2 SE above block 4: gold levels off at block 5 instead.
+    later = analyse(
+        GoldCurve(KL, PROXY, two_per_block([*RISING[:4], 0.4, 0.41, 0.43, 0.42, 0.43, 0.42]))
+    )
+    assert later["verdict"] == "plateau" and later["plateau_block"] == 5
+    # A last block 0.02 below the peak (less than 2 SE) did not fall; 0.03 below did.
+    near = analyse(GoldCurve(KL, PROXY, two_per_block([*RISING[:9], 0.78])))
+    assert near["peak_block"] == 8 and near["gold_drop"] == pytest.approx(0.02)
+    assert near["verdict"] == "plateau" and near["plateau_block"] == 8
     assert analyse(GoldCurve(KL, PROXY, two_per_block([*RISING[:9], 0.77])))["gold_fell"]
     # One batch per block leaves no spread to judge by.
     short = analyse(GoldCurve(KL[:4], PROXY[:4], np.array([0.1, 0.3, 0.2, 0.1])))
-    assert short["gold_drop_two_se"] is None and not short["gold_fell"]
+    assert short["gold_drop_two_se"] is None and short["verdict"] == "short"
     assert run_sentence(short).startswith("too few batches")
 
 
@@ -104,8 +114,12 @@ def test_the_report_section_from_event_files(tmp_path):
     assert not summary["runs"]["low"]["0"]["gold_fell"]
     statement = summary["statement"]
     peak_kl = (KL[8] + KL[9]) / 2  # block 4 of `high`, KL scale 1
-    fell = "fell in 2 of 4 runs, so proxy optimisation stopped paying off in gold at the peak"
-    assert f"{fell} (`high` seed 0: KL {peak_kl:.2f}, `high` seed 1: KL" in statement
+    fell = f"gold peaked and then fell in 2 runs (at the peak: `high` seed 0: KL {peak_kl:.2f}"
+    assert statement.startswith(f"Within runs, {fell}, `high` seed 1: KL {peak_kl:.2f}); gold was")
+    assert (
+        f"still improving at the end in 2 runs (`low` seed 0: KL {KL[-2:].mean() / 2:.2f}"
+        in statement
+    )
     kl, proxy = KL[-4:].mean(), PROXY[-4:].mean()  # the groups' final KL and score at scale 1
     best = f"`low`'s ({final['low'] + 0.005:.3f} at final KL {kl / 2:.2f}, proxy {proxy / 2:.3f})"
     assert f"the best final gold is {best}" in statement
@@ -129,14 +143,15 @@ def test_runs_without_a_gold_score_give_no_section(tmp_path):
     assert not (tmp_path / "gold_proxy.png").exists() and "final_gold" not in groups["fixed"]
 
 
-def test_runs_too_short_to_judge_are_not_called_still_paying_off():
+def test_runs_too_short_to_judge_are_said_to_be():
     from rlkl_lightning.compare.gold import overall_statement
 
     short = analyse(GoldCurve(KL[:4], PROXY[:4], np.array([0.1, 0.3, 0.2, 0.1])))
     groups = {"fixed": group([{"final_kl": 1.0, "final_score": 0.5}]) | {"final_gold": 0.2}}
     statement = overall_statement({"fixed": {0: short}}, groups)
-    assert statement.startswith("Within runs, there were too few batches to judge whether gold")
-    rising = analyse(GoldCurve(KL, PROXY, two_per_block(RISING)))
-    statement = overall_statement({"fixed": {0: short, 1: rising}}, groups)
-    assert "did not fall after its peak in any of the 1 runs (1 too short to judge)" in statement
-    assert f"(up to {rising['last_kl']:.2f})" in statement
+    assert statement.startswith("Within runs, 1 run too short to judge.")
+    level = analyse(GoldCurve(KL, PROXY, two_per_block([*RISING[:4], *[0.4, 0.41, 0.39] * 2])))
+    statement = overall_statement({"fixed": {0: short, 1: level}}, groups)
+    kl = KL[8:10].mean()
+    plateau = f"gold stopped improving without falling in 1 run (from: `fixed` seed 1: KL {kl:.2f})"
+    assert statement.startswith(f"Within runs, {plateau}; 1 run too short to judge.")

@@ -6,15 +6,22 @@ back here. Each run's batches are cut into ``BLOCKS`` consecutive blocks; a bloc
 proxy and gold are one point of ``gold_proxy.png`` (gold and proxy against KL, a panel per run
 group, a line per seed), like the checkpoints of Gao et al. 2022 (arXiv 2210.10760).
 
-Per run (``n`` batches):
+Per run (``n`` batches), with the standard error of a block mean ``s / sqrt(m)`` (``s``: the
+standard deviation of per-batch gold around its block's mean, pooled over blocks; ``m``: the
+block's batches) and "beyond 2 SE" meaning a difference of two block means larger than twice
+the standard error of that difference:
 
 - ``final_gold``: mean gold over the last 20% of batches (as ``final_score``);
 - the **gold peak**: the block with the highest mean gold, its KL, gold and proxy;
-- **gold fell after its peak** when the last block's gold is more than two standard errors
-  below the peak's. The standard error of a block mean is ``s / sqrt(m)``, with ``s`` the
-  standard deviation of per-batch gold around its block's mean (pooled over blocks) and ``m``
-  the block's batches. Then proxy optimisation stopped paying off in gold at the peak's KL;
-  otherwise the gold was still paying off at the run's last KL.
+- the **verdict**, where proxy optimisation stopped paying off in gold:
+
+  - ``fell``: the last block's gold is below the peak's beyond 2 SE: it stopped at the
+    peak's KL (Gao et al.'s over-optimisation);
+  - ``plateau``: it did not fall, but gold stopped improving at the first block that no later
+    block beats beyond 2 SE (its KL; the proxy's gain after it is reported);
+  - ``rising``: the last block beats the one before beyond 2 SE: gold still improving at the
+    end, it never stopped paying off;
+  - ``short``: one batch per block, no spread to judge by.
 """
 
 from __future__ import annotations
@@ -59,41 +66,58 @@ def read_gold_curve(log_dir: Path) -> GoldCurve | None:
 
 
 def analyse(curve: GoldCurve, blocks: int = BLOCKS) -> dict[str, Any]:
-    """Block means, the gold peak and whether gold fell after it (module docstring)."""
+    """Block means, the gold peak and the verdict (module docstring)."""
     n = len(curve.gold)
     parts = np.array_split(np.arange(n), min(blocks, n))
     mean = {
         k: np.array([getattr(curve, k)[p].mean() for p in parts]) for k in ("kl", "proxy", "gold")
     }
-    sizes = np.array([len(p) for p in parts])
+    gold, sizes, last = mean["gold"], np.array([len(p) for p in parts]), len(parts) - 1
     residual = np.concatenate([curve.gold[p] - curve.gold[p].mean() for p in parts])
     dof = n - len(parts)
     spread = math.sqrt(float(residual @ residual) / dof) if dof > 0 else math.nan
-    peak, last = int(np.argmax(mean["gold"])), len(parts) - 1
-    drop = float(mean["gold"][peak] - mean["gold"][last])
-    two_se = 2 * spread * math.sqrt(1 / sizes[peak] + 1 / sizes[last])
+
+    def two_se(i: int, j: int) -> float:
+        return 2 * spread * math.sqrt(1 / sizes[i] + 1 / sizes[j])
+
+    peak = int(np.argmax(gold))
+    drop = float(gold[peak] - gold[last])
+    # The first block that no later block beats beyond 2 SE: gold stopped improving there.
+    plateau = next(
+        k
+        for k in range(last + 1)
+        if all(gold[j] - gold[k] <= two_se(k, j) for j in range(k + 1, last + 1))
+    )
+    if math.isnan(spread):
+        verdict = "short"
+    elif drop > two_se(peak, last):
+        verdict = "fell"
+    else:
+        verdict = "rising" if plateau == last else "plateau"
     final = max(1, math.ceil(FINAL_FRACTION * n))
+    at = {"peak": peak, "plateau": plateau, "last": last}
     return {
         "final_gold": float(curve.gold[-final:].mean()),
         "blocks": {k: v.tolist() for k, v in mean.items()},
-        "peak_block": peak,
-        "peak_kl": float(mean["kl"][peak]),
-        "peak_gold": float(mean["gold"][peak]),
-        "peak_proxy": float(mean["proxy"][peak]),
-        "last_kl": float(mean["kl"][last]),
-        "last_gold": float(mean["gold"][last]),
-        "last_proxy": float(mean["proxy"][last]),
+        "verdict": verdict,
+        "gold_fell": verdict == "fell",
         "gold_drop": drop,
-        "gold_drop_two_se": None if math.isnan(two_se) else two_se,
-        "gold_fell": bool(peak < last and not math.isnan(two_se) and drop > two_se),
+        "gold_drop_two_se": None if math.isnan(spread) else two_se(peak, last),
+        **{f"{name}_block": k for name, k in at.items()},
+        **{
+            f"{name}_{q}": float(mean[q][k])
+            for name, k in at.items()
+            for q in ("kl", "gold", "proxy")
+        },
     }
 
 
 def run_sentence(a: dict[str, Any]) -> str:
     """What one run's analysis says, in words."""
-    if a["gold_drop_two_se"] is None:
+    blocks = len(a["blocks"]["gold"])
+    if a["verdict"] == "short":
         return "too few batches to judge (one per block)"
-    if a["gold_fell"]:
+    if a["verdict"] == "fell":
         return (
             f"gold peaked at KL {a['peak_kl']:.2f} ({a['peak_gold']:.3f}) and fell to "
             f"{a['last_gold']:.3f} by KL {a['last_kl']:.2f} (drop {a['gold_drop']:.3f} > 2 SE "
@@ -101,11 +125,17 @@ def run_sentence(a: dict[str, Any]) -> str:
             f"{a['last_proxy']:.3f}: proxy optimisation stopped paying off at KL "
             f"{a['peak_kl']:.2f}"
         )
-    where = "at the end" if a["peak_block"] == len(a["blocks"]["gold"]) - 1 else "near the end"
+    if a["verdict"] == "plateau":
+        return (
+            f"gold stopped improving at KL {a['plateau_kl']:.2f} (block {a['plateau_block'] + 1} "
+            f"of {blocks}, {a['plateau_gold']:.3f}: no later block beyond 2 SE above it) while "
+            f"the proxy went {a['plateau_proxy']:.3f} -> {a['last_proxy']:.3f}; it did not fall "
+            f"(peak {a['peak_gold']:.3f} at KL {a['peak_kl']:.2f}, last block "
+            f"{a['last_gold']:.3f} at KL {a['last_kl']:.2f})"
+        )
     return (
-        f"gold still paying off: highest {where} ({a['peak_gold']:.3f} at KL "
-        f"{a['peak_kl']:.2f}), last block {a['last_gold']:.3f} at KL {a['last_kl']:.2f} (within "
-        f"2 SE {a['gold_drop_two_se']:.3f} of the peak); proxy {a['last_proxy']:.3f}"
+        f"gold still improving at the end: the last block ({a['last_gold']:.3f} at KL "
+        f"{a['last_kl']:.2f}) is beyond 2 SE above the one before; proxy {a['last_proxy']:.3f}"
     )
 
 
@@ -142,26 +172,23 @@ def gold_report(
 
 def overall_statement(runs: dict[str, dict[int, dict]], groups: dict[str, dict]) -> str:
     """Where proxy optimisation stopped paying off in gold, over all runs, in words."""
-    judged = [(g, s, a) for g, per in runs.items() for s, a in per.items()]
-    judged = [(g, s, a) for g, s, a in judged if a["gold_drop_two_se"] is not None]
-    fell = [(g, s, a) for g, s, a in judged if a["gold_fell"]]
-    total = sum(len(per) for per in runs.values())
-    short = f" ({total - len(judged)} too short to judge)" if len(judged) < total else ""
-    if not judged:
-        within = "Within runs, there were too few batches to judge whether gold fell"
-    elif fell:
-        kls = ", ".join(f"`{g}` seed {s}: KL {a['peak_kl']:.2f}" for g, s, a in fell)
-        within = (
-            f"Within runs, gold peaked and then fell in {len(fell)} of {len(judged)} runs{short}, "
-            f"so proxy optimisation stopped paying off in gold at the peak ({kls})"
-        )
-    else:
-        top = max(a["last_kl"] for _, _, a in judged)
-        within = (
-            f"Within runs, gold did not fall after its peak in any of the {len(judged)} runs"
-            f"{short}: proxy optimisation still paid off in gold at every KL reached (up to "
-            f"{top:.2f})"
-        )
+    by_verdict: dict[str, list[str]] = {}
+    for g, per_seed in runs.items():
+        for seed, a in per_seed.items():
+            kl = {"fell": a["peak_kl"], "plateau": a["plateau_kl"]}.get(a["verdict"], a["last_kl"])
+            by_verdict.setdefault(a["verdict"], []).append(f"`{g}` seed {seed}: KL {kl:.2f}")
+    said = {
+        "fell": "gold peaked and then fell in {n} (at the peak: {runs})",
+        "plateau": "gold stopped improving without falling in {n} (from: {runs})",
+        "rising": "gold was still improving at the end in {n} ({runs})",
+        "short": "{n} too short to judge",
+    }
+    parts = [
+        said[v].format(n=f"{len(r)} run{'s' if len(r) > 1 else ''}", runs=", ".join(r))
+        for v, r in ((v, by_verdict.get(v, [])) for v in said)
+        if r
+    ]
+    within = f"Within runs, {'; '.join(parts)}"
     # Across runs: the run group with the best final gold, and those that spent more KL.
     best = max(runs, key=lambda g: groups[g]["final_gold"])
     b = groups[best]
@@ -207,8 +234,10 @@ def _markdown(runs, groups, statement: str) -> list[str]:
     lines += [
         "",
         f"Final gold: mean `{GOLD_TAG}` over the last 20% of batches. Each run is cut into "
-        f"{BLOCKS} blocks of batches; gold fell after its peak when the last block's mean is "
-        "more than two standard errors below the highest block's.",
+        f"{BLOCKS} blocks of batches. Gold fell when the last block's mean is more than two "
+        "standard errors (2 SE) below the highest block's; otherwise it stopped improving at "
+        "the first block that no later block beats by more than 2 SE, or is still improving "
+        "when that is the last block.",
         "",
     ]
     for g, per_seed in runs.items():
@@ -228,15 +257,28 @@ def plot_gold_proxy(runs: dict[str, dict[int, dict]], out: Path) -> None:
     cols = min(3, len(runs))
     rows = math.ceil(len(runs) / cols)
     fig, axes = plt.subplots(
-        rows, cols, figsize=(5 * cols, 3.8 * rows), squeeze=False, constrained_layout=True
+        rows,
+        cols,
+        figsize=(max(5 * cols, 9), 3.8 * rows + 0.5),
+        squeeze=False,
+        layout="constrained",
     )
     for ax, (g, per_seed) in zip(axes.flat, runs.items(), strict=False):
         for i, (seed, a) in enumerate(per_seed.items()):
             color, blocks = f"C{i}", a["blocks"]
             ax.plot(blocks["kl"], blocks["gold"], "o-", color=color, label=f"gold, seed {seed}")
-            ax.plot(blocks["kl"], blocks["proxy"], "x--", color=color, alpha=0.6, label="proxy")
-            marker = "*" if a["gold_fell"] else "^"
-            ax.plot(a["peak_kl"], a["peak_gold"], marker, color=color, markersize=14)
+            ax.plot(
+                blocks["kl"],
+                blocks["proxy"],
+                "x--",
+                color=color,
+                alpha=0.6,
+                label=f"proxy, seed {seed}",
+            )
+            where = {"fell": ("peak", "*"), "plateau": ("plateau", "^")}.get(a["verdict"])
+            if where:  # where proxy optimisation stopped paying off in gold
+                name, marker = where
+                ax.plot(a[f"{name}_kl"], a[f"{name}_gold"], marker, color=color, markersize=14)
         ax.set(title=f"{g}: gold (solid) and proxy (dashed)", xlabel="objective/kl")
         ax.set_ylabel("score")
         ax.grid(alpha=0.3)
@@ -244,8 +286,9 @@ def plot_gold_proxy(runs: dict[str, dict[int, dict]], out: Path) -> None:
     for ax in axes.flat[len(runs) :]:
         ax.set_visible(False)
     fig.suptitle(
-        f"Block means of {BLOCKS} blocks per run, in batch order; star: gold's peak when gold "
-        "fell after it, triangle: highest block when it did not"
+        f"Means of {BLOCKS} blocks of batches per run, in batch order\nstar: gold's peak, "
+        "when gold fell after it; triangle: where gold stopped improving, when it did not fall",
+        fontsize=10,
     )
     fig.savefig(out / "gold_proxy.png", dpi=110)
     plt.close(fig)
