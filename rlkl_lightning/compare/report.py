@@ -1,7 +1,9 @@
 """Aggregate the study's runs over seeds and write ``curves.png``, ``report.md``, ``summary.json``.
 
 With a beta sweep, ``frontier.png`` shows final score and held-out perplexity against final KL
-for every run, so one sees where the adaptive controller lands among the fixed betas.
+for every run, so one sees where the adaptive controller lands among the fixed betas. When the
+runs log a gold score, ``gold_proxy.png`` and the report's "Gold vs proxy" section come from
+:mod:`.gold`.
 """
 
 from __future__ import annotations
