@@ -79,6 +79,8 @@ def test_fixed_sentences_and_stars_count_as_the_patterns_mean_them():
     # A sentence naming the stars: posterior 0.95 on them + 0.01 on each rating.
     assert gold_score("Four stars.") == pytest.approx((0.95 * 4 + 0.05 * 3 - 3) / 2)
     assert gold_score("I give it one star.") == pytest.approx((0.95 * 1 + 0.05 * 3 - 3) / 2)
+    # An opener is read with or without its comma (a policy may drop it).
+    assert gold_score("sadly the plot") == gold_score("Sadly, the plot") < 0
     for text in ("", "We stayed for two nights.", "!!!", "the the the"):
         assert gold_score(text) == 0.0, text
 

@@ -86,6 +86,11 @@ def tokens(text: str) -> list[str]:
     return re.findall(r"[a-z]+(?:-[a-z]+)*|,", text)
 
 
+def _key(text: str) -> tuple[str, ...]:
+    """A lexicon entry as a token sequence, without its punctuation ("Sadly," -> "sadly")."""
+    return tuple(w for w in tokens(text) if w != ",")
+
+
 def sentences(text: str) -> list[list[str]]:
     """The tokens of each sentence (split at ``.``, ``!``, ``?``), empty ones dropped."""
     return [t for part in re.split(r"[.!?]+", text) if (t := tokens(part))]
@@ -103,7 +108,7 @@ class _Lexicon:
             pools += [(domain.overall, "adj")] + [(g.adjectives, "adj") for g in domain.aspects]
         for pool, kind in pools:
             for word in pool:
-                key = tuple(tokens(word.text))
+                key = _key(word.text)
                 found.setdefault(key, (word.polarity, kind, set()))[2].add(word.strength)
         #: token sequence -> (polarity, kind of word, its strengths in the lexicon)
         self.units = {k: (p, kind, frozenset(s)) for k, (p, kind, s) in found.items()}
@@ -114,11 +119,11 @@ class _Lexicon:
             (lx.POSITIVE_DOWNTONERS + lx.NEGATIVE_DOWNTONERS, "downtoner"),
         ]:
             for word in pool:
-                self.modifiers.setdefault(tuple(tokens(word.text)), kind)
+                self.modifiers.setdefault(_key(word.text), kind)
         # _ReviewWriter.sentiment_noun: "a nice little gem" is mild praise (checked in
         # `modifier`: before a sentiment noun only).
         self.modifiers[_NICE_LITTLE] = "downtoner"
-        self.softeners = {tuple(tokens(w.text)) for w in lx.NEGATION_SOFTENERS}
+        self.softeners = {_key(w.text) for w in lx.NEGATION_SOFTENERS}
         # Literal words of opinion patterns are not opinions ("a small price to pay").
         self.masks: set[tuple[str, ...]] = set()
         polar = {k for k in self.units if len(k) == 1}
