@@ -219,10 +219,15 @@ class PromptDataModule(LightningDataModule):
         )
 
     def _shard(self) -> tuple[int, int] | None:
-        """``(world_size, rank)`` under a multi-process strategy, else None."""
+        """``(world_size, rank)`` under a parallel strategy (DDP, FSDP), else None.
+
+        Also with a single process: Lightning would otherwise replace any sampler that is not a
+        ``DistributedSampler`` with its own shuffling one, and a one-process DDP or FSDP run
+        would see other batches than a plain run.
+        """
         trainer = self.trainer
         kwargs = getattr(trainer, "distributed_sampler_kwargs", None) if trainer else None
-        if not kwargs or int(kwargs.get("num_replicas", 1)) <= 1:
+        if not kwargs:
             return None
         return int(kwargs["num_replicas"]), int(kwargs["rank"])
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from rlkl_lightning.kl import KL_ESTIMATORS
+from rlkl_lightning.rewards import InvalidRewardError, RewardShapeError, validate_scores
 from rlkl_lightning.trajectory import Trajectory
 
 
@@ -28,8 +29,9 @@ def batch_metrics(
 
     Args:
         traj: The batch's trajectory (``scores``, ``kl`` and ``response_mask`` are read).
-        diagnostics: Per-sequence KL ``[B]`` of every estimator (``kl_k1`` ... ``kl_exact``)
-            and the summed token entropy ``entropy_sum``, from the scoring phase.
+        diagnostics: Per-sequence KL ``[B]`` of every estimator (``kl_k1`` ... ``kl_exact``),
+            the summed token entropy ``entropy_sum`` and, with a gold reward, its ``[B]``
+            scores ``gold``, from the scoring phase.
         kl_estimator: The estimator of ``objective/kl``.
         kl_coef: The beta the batch's rewards or losses used.
         clock: ``perf_counter`` times at the start, after rollout, after shaping, at the end.
@@ -57,19 +59,49 @@ def batch_metrics(
     }
     for name in KL_ESTIMATORS:
         metrics[f"objective/kl_{name}"] = diagnostics[f"kl_{name}"].mean()
+    if "gold" in diagnostics:
+        metrics["objective/gold_score"] = diagnostics["gold"].mean()
     return metrics
 
 
-def samples_table(prompts: list[str], responses: list[str], scores: Tensor, rows: int) -> str:
-    """A markdown table of the first ``rows`` (prompt, response, score) triples."""
-    lines = ["| prompt | response | score |", "|---|---|---|"]
-    for prompt, response, score in list(zip(prompts, responses, scores.tolist()))[:rows]:
+def gold_scores(
+    gold_reward: Callable | None, prompts: list[str], responses: list[str], owner: str
+) -> dict[str, Tensor]:
+    """``{"gold": [B] scores}`` of a gold reward (``{}`` without one), for the log only.
+
+    The gold reward is never trained on, so its faults never skip a batch: non-finite scores
+    are logged as ``nan``. One that does not return a score per sample is broken: that stops.
+    """
+    if gold_reward is None:
+        return {}
+    try:
+        return {"gold": validate_scores(gold_reward(prompts, responses), len(prompts), gold_reward)}
+    except RewardShapeError as err:
+        raise ValueError(
+            f"{owner}: `gold_reward` must return one score per (prompt, response) pair, shape "
+            f"[{len(prompts)}]: {err}"
+        ) from err
+    except InvalidRewardError:
+        return {"gold": torch.full((len(prompts),), float("nan"))}
+
+
+def samples_table(
+    prompts: list[str], responses: list[str], scores: Tensor, rows: int, gold: Tensor | None = None
+) -> str:
+    """A markdown table of the first ``rows`` (prompt, response, score[, gold score]) rows."""
+    head = ["prompt", "response", "score"] + (["gold score"] if gold is not None else [])
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    golds = gold.tolist() if gold is not None else [None] * len(prompts)
+    for prompt, response, score, g in list(zip(prompts, responses, scores.tolist(), golds))[:rows]:
         cells = [s.replace("|", "\\|").replace("\n", " ") for s in (prompt, response)]
-        lines.append(f"| {cells[0]} | {cells[1]} | {score:.3f} |")
+        cells += [f"{score:.3f}"] + ([] if g is None else [f"{g:.3f}"])
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def log_samples_table(module, prompts: list[str], responses: list[str], scores: Tensor) -> None:
+def log_samples_table(
+    module, prompts: list[str], responses: list[str], scores: Tensor, gold: Tensor | None = None
+) -> None:
     """Write :func:`samples_table` to the module's TensorBoard every ``log_samples_every`` batches.
 
     Args:
@@ -77,6 +109,7 @@ def log_samples_table(module, prompts: list[str], responses: list[str], scores: 
         prompts: The batch's prompts.
         responses: Their decoded responses.
         scores: ``[B]`` their reward-model scores.
+        gold: ``[B]`` their gold scores, if a gold reward is logged.
     """
     every = module.hparams.log_samples_every
     if not every or (module.batches_seen - 1) % every:
@@ -84,5 +117,5 @@ def log_samples_table(module, prompts: list[str], responses: list[str], scores: 
     experiment = getattr(module.logger, "experiment", None)
     if experiment is None or not hasattr(experiment, "add_text"):
         return
-    table = samples_table(prompts, responses, scores, module.hparams.num_logged_samples)
+    table = samples_table(prompts, responses, scores, module.hparams.num_logged_samples, gold)
     experiment.add_text("samples", table, global_step=module.batches_seen)

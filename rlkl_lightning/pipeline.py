@@ -33,7 +33,7 @@ from rlkl_lightning.kl_loss import kl_loss
 from rlkl_lightning.logprobs import TokenScores, score_tokens
 from rlkl_lightning.lora import AdaptersOff
 from rlkl_lightning.masked import masked_sum
-from rlkl_lightning.metrics import batch_metrics, log_samples_table
+from rlkl_lightning.metrics import batch_metrics, gold_scores, log_samples_table
 from rlkl_lightning.models import (
     disable_dropout,
     freeze,
@@ -66,6 +66,9 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
             or with ``peft`` to the policy with its adapters switched off (no copy).
         reward: the reward model, called as ``reward(prompts, responses) -> [B]`` scores;
             defaults to the VADER sentiment of the response.
+        gold_reward: a second reward model, logged as ``objective/gold_score`` beside the
+            trained score and never trained on (the default world's gold sentiment:
+            ``rlkl_lightning.world.gold.GoldSentimentReward``); None: none.
         trust_remote_code: run code shipped with the policy, reference, value model or
             tokenizer (their own modelling files); off, such a model is refused with an error.
             Set it only for model directories and hub repositories you trust.
@@ -126,6 +129,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         tokenizer: str | None = None,
         reference: str | None = None,
         reward: RewardModel | None = None,
+        gold_reward: RewardModel | None = None,
         trust_remote_code: bool = False,
         init_kl_coef: float = 0.1,
         kl_estimator: str = "k1",
@@ -157,11 +161,12 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         super().__init__()
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         check_pipeline_args(self.owner, args)
-        self.save_hyperparameters(ignore=["reward"])
+        models = ("reward", "gold_reward")  # objects, not settings
+        self.save_hyperparameters(ignore=list(models))
         # LightningCLI saves a subclass's own arguments as the hyperparameters; the settings
         # read from `hparams` must be the ones this module was built with. Plain values (a
         # numpy lr would reach the optimizer's state): checkpoints load with weights_only=True.
-        self.hparams.update(plain({k: v for k, v in args.items() if k != "reward"}))
+        self.hparams.update(plain({k: v for k, v in args.items() if k not in models}))
         self.automatic_optimization = False
 
         trust = {"trust_remote_code": trust_remote_code}
@@ -179,6 +184,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
             )
         check_context(self.owner, self.policy, max_prompt_tokens, max_new_tokens)
         self.reward = reward if reward is not None else VaderSentimentReward()
+        self.gold_reward = gold_reward
         self.kl_coef = float(init_kl_coef)
 
     # ------------------------------------------------------------------ set-up
@@ -209,12 +215,13 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         return 1.0
 
     def on_fit_start(self) -> None:
-        """Keep the frozen models frozen and the reward on our device."""
+        """Keep the frozen models frozen and the rewards on our device."""
         if isinstance(self.reference, torch.nn.Module):  # else: the policy, adapters off
             freeze(self.reference)
         disable_dropout(self.policy)
-        if hasattr(self.reward, "to"):
-            self.reward.to(self.device)
+        for reward in (self.reward, self.gold_reward):
+            if hasattr(reward, "to"):
+                reward.to(self.device)
 
     # ------------------------------------------------------------------ the pipeline
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -226,14 +233,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
             clock.append(time.perf_counter())
             traj, responses, diagnostics = self.score(prompts, traj, policy_scores)  # 2. score
             traj = self.shape(traj)  # 3. shape
-            self._gate(
-                not all(
-                    bool(torch.isfinite(t[traj.response_mask.bool()]).all())
-                    for t in (traj.logprobs, traj.values, traj.advantages, traj.returns)
-                    if t is not None
-                ),
-                "log-probs, values, advantages or returns are not finite",
-            )
+            self._gate_trajectory(traj)  # log-probs, values, advantages, returns finite
             clock.append(time.perf_counter())
             stats = self.update(traj)  # 4. update
             clock.append(time.perf_counter())
@@ -266,9 +266,9 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
 
         Returns:
             The trajectory with ``ref_logprobs``, ``scores`` and ``kl`` set; the decoded
-            responses; and the per-sequence KL ``[B]`` of every estimator (``kl_k1``, ...)
-            plus the policy's summed token entropy (``entropy_sum``), taken from the full
-            logits that are dropped after this phase.
+            responses; and the per-sequence KL ``[B]`` of every estimator (``kl_k1``, ...),
+            the policy's summed token entropy (``entropy_sum``, from the full logits that are
+            dropped after this phase) and, with a ``gold_reward``, its scores (``gold``).
         """
         hp = self.hparams
         mask = traj.response_mask
@@ -292,6 +292,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
             "the KL to the reference is not finite (on this or another rank)",
         )
         diagnostics["entropy_sum"] = masked_sum(entropy_from_logits(policy_scores.logits), mask)
+        diagnostics.update(gold_scores(self.gold_reward, prompts, responses, self.owner))
         traj = traj._replace(ref_logprobs=ref_logprobs, kl=kl, scores=scores)
         return traj, responses, diagnostics
 
@@ -402,7 +403,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
             sync_dist=self.trainer.world_size > 1,
         )
         if self.global_rank == 0:
-            log_samples_table(self, prompts, responses, traj.scores)
+            log_samples_table(self, prompts, responses, traj.scores, diagnostics.get("gold"))
 
     # ------------------------------------------------------------------ pieces of the phases
     def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:

@@ -9,6 +9,13 @@ unit (and every decoder layer of them a unit of its own, from transformers'
 ``_no_split_modules``), with the strategy's sharding, precision, CPU-offload and extra options.
 The LightningModule itself holds no weight outside a unit, and each model is called through its
 unit's forward, which gathers its weights for that call.
+
+With one process (or ``sharding_strategy="NO_SHARD"``) nothing is sharded, and the frozen
+weights of a model that also trains (the base weights of a LoRA policy) stay outside its
+units. torch's FSDP does not put back the weights of a unit that holds only frozen ones (the
+root unit of a LoRA policy: the embeddings) after a backward pass under ``NO_SHARD``: they
+drop out of ``state_dict`` and ``named_parameters``, and the next forward without gradients
+fails.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ def shard_models(module: nn.Module, names: tuple[str, ...]) -> None:
     Does nothing unless the module is trained under ``FSDPStrategy``, or once it is sharded.
     """
     from lightning.pytorch.strategies import FSDPStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
     trainer = getattr(module, "_trainer", None)
     strategy = trainer.strategy if trainer is not None else None
@@ -42,11 +49,18 @@ def shard_models(module: nn.Module, names: tuple[str, ...]) -> None:
         return
     options = {k: v for k, v in strategy.kwargs.items() if k != "auto_wrap_policy"}
     device = strategy.root_device
+    unsharded = strategy.world_size == 1 or strategy.sharding_strategy == ShardingStrategy.NO_SHARD
+    user_ignores = "ignored_states" in options or "ignored_modules" in options
     for name in names:
         model = getattr(module, name, None)
         if not isinstance(model, nn.Module) or is_fsdp(model):
             continue
         policy = strategy.kwargs.get("auto_wrap_policy") or layer_wrap_policy(model)
+        extra = {}
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        if unsharded and not user_ignores and 0 < len(frozen) < len(list(model.parameters())):
+            extra["ignored_states"] = frozen  # FSDP moves all weights but these to the device
+            model.to(device)
         unit = FullyShardedDataParallel(
             model,
             auto_wrap_policy=policy,
@@ -55,5 +69,6 @@ def shard_models(module: nn.Module, names: tuple[str, ...]) -> None:
             cpu_offload=strategy.cpu_offload,
             device_id=device if device.type != "cpu" else torch.device("cpu"),
             **options,
+            **extra,
         )
         setattr(module, name, unit)

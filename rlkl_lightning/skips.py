@@ -43,6 +43,13 @@ class SkipGates(LightningModule):
                 self.optimizers().zero_grad(set_to_none=True)
             raise SkipBatch(why)
 
+    def _gate_trajectory(self, traj) -> None:
+        """Skip the batch if a log-prob, value, advantage or return of a response is not finite."""
+        valid = traj.response_mask.bool()
+        tensors = (traj.logprobs, traj.values, traj.advantages, traj.returns)
+        finite = all(bool(torch.isfinite(t[valid]).all()) for t in tensors if t is not None)
+        self._gate(not finite, "log-probs, values, advantages or returns are not finite")
+
     def _global_sum(self, values: Tensor) -> Tensor:
         """``values`` summed over all ranks (a collective under DDP: call it on every rank)."""
         if self._trainer is None or self.trainer.world_size == 1:

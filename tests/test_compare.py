@@ -70,6 +70,10 @@ def check_files_and_keys(out, summary):
     report = (out / "report.md").read_text()
     assert "| `adaptive` |" in report and "| `fixed` |" in report
     assert "Adaptive reached similar or better score with KL closer to target:" in report
+    # The configs log the world's gold score (compare/gold.py is tested in test_compare_gold.py).
+    assert (out / "gold_proxy.png").stat().st_size > 0 and "## Gold vs proxy" in report
+    assert set(summary["gold"]["runs"]) == {"fixed", "adaptive"}
+    assert all(len(summary[g]["per_seed"]["final_gold"]) == 2 for g in ("fixed", "adaptive"))
 
 
 def check_numbers_agree_with_the_event_files(out, summary):

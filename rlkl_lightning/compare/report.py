@@ -1,7 +1,9 @@
 """Aggregate the study's runs over seeds and write ``curves.png``, ``report.md``, ``summary.json``.
 
 With a beta sweep, ``frontier.png`` shows final score and held-out perplexity against final KL
-for every run, so one sees where the adaptive controller lands among the fixed betas.
+for every run, so one sees where the adaptive controller lands among the fixed betas. When the
+runs log a gold score, ``gold_proxy.png`` and the report's "Gold vs proxy" section come from
+:mod:`.gold`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import yaml
 
 from rlkl_lightning.compare.events import METRICS, Curves, read_curves, run_metrics
+from rlkl_lightning.compare.gold import gold_report
 
 if TYPE_CHECKING:
     from rlkl_lightning.compare import StudyConfig
@@ -167,6 +170,7 @@ def write_report(runs: list[Run], study: StudyConfig, out: Path, elapsed: float)
             "init_kl_coef": members[0].kl_coef,
         }
     refs = [c.reference_perplexity for c in curves.values() if c.reference_perplexity]
+    gold, gold_lines = gold_report(by_group, groups, out)  # adds final_gold to groups
     summary: dict[str, Any] = {
         **groups,
         "reference_perplexity": float(np.mean(refs)) if refs else None,
@@ -178,6 +182,7 @@ def write_report(runs: list[Run], study: StudyConfig, out: Path, elapsed: float)
         "samples_per_run": int(max(c.samples[-1] for c in curves.values())),
         "elapsed_s": round(elapsed, 1),
         "verdict": verdict(groups),
+        "gold": gold,
     }
     main_groups = [g for g in study.runs if g in by_group]
     if len(main_groups) >= 2:
@@ -193,12 +198,16 @@ def write_report(runs: list[Run], study: StudyConfig, out: Path, elapsed: float)
         (out / "frontier.png").unlink(missing_ok=True)  # from an earlier study
     first_runs = [members[0] for members in by_group.values()]
     (out / "report.md").write_text(
-        _markdown(summary, groups, len(runs), first_runs, study, kl, frontier, main_groups)
+        _markdown(
+            summary, groups, len(runs), first_runs, study, kl, frontier, main_groups, gold_lines
+        )
     )
     return summary
 
 
-def _markdown(summary, groups, n_runs, first_runs, study, kl, frontier: bool, main_groups) -> str:
+def _markdown(
+    summary, groups, n_runs, first_runs, study, kl, frontier: bool, main_groups, extra=()
+) -> str:
     unit = f"nats per {kl['unit']}"
     lines = [
         f"# Study: {' vs '.join(main_groups)}",
@@ -245,7 +254,7 @@ def _markdown(summary, groups, n_runs, first_runs, study, kl, frontier: bool, ma
         lines += _differences_table(d) + [""]
     if frontier:
         lines += ["![frontier](frontier.png)", ""]
-    lines += ["Repeat one run alone (the first seed of each):", "", "```"]
+    lines += [*extra, "Repeat one run alone (the first seed of each):", "", "```"]
     lines += [f"python train.py fit --config {r.config}" for r in first_runs]
     lines += ["```", ""]
     return "\n".join(lines)
