@@ -203,6 +203,12 @@ def test_same_seed_same_world_and_another_seed_another_world(world, sources, tmp
     weights = [load_file(w.model_dir / "model.safetensors") for w in (world, twin)]
     assert weights[0].keys() == weights[1].keys()
     assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
+    # another seed into the same --out: that world is replaced by another split of the texts
+    other = build_custom_world(
+        sources, tiny(seed=1), out=tmp_path / "twin", progress=False, num_threads=1
+    )
+    assert other.root == twin.root and set(other.texts("test")) != set(world.texts("test"))
+    assert json.loads((other.root / "world.json").read_text())["settings"]["seed"] == 1
     texts = read_corpus(sources)[0]
     settings = resolve(tiny(), len(texts), 10_000)
     assert world_key(texts, settings) != world_key(texts, resolve(tiny(seed=1), len(texts), 10_000))
