@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 class RunProgress(Callback):
-    """Write the number of finished training batches to a file (read by the study's progress bar).
+    """Write the number of finished training batches to a file (read by the study's progress).
 
     Args:
         path: File to (over)write after every training batch.
@@ -202,19 +202,12 @@ def uses_default_world(config: dict[str, Any]) -> bool:
 
 
 def run_all(runs: list[Run], study: StudyConfig) -> None:
-    """Run everything, ``study.workers`` at a time, behind one progress bar.
+    """Run everything, ``study.workers`` at a time, showing progress (:mod:`.progress`).
 
     Raises:
         RuntimeError: If a run fails (the others are stopped; its log is quoted).
     """
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from rlkl_lightning.compare.progress import study_progress
 
     if any(uses_default_world(yaml.safe_load(r.config.read_text())) for r in runs):
         from rlkl_lightning.world import build_world
@@ -227,22 +220,13 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
         "TOKENIZERS_PARALLELISM": "false",
     }
     pending, running = list(runs), {}
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("batches"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns) as progress:
-        task = progress.add_task(f"{len(runs)} runs", total=len(runs) * study.batches)
-        finished = 0
+    with study_progress(len(runs), study.batches) as progress:
         try:
             while pending or running:
                 while pending and len(running) < study.workers:
                     run = pending.pop(0)
                     running[run] = _start(run, env)
+                    progress.started(run.name)
                 for run, proc in list(running.items()):
                     if proc.poll() is None:
                         continue
@@ -253,13 +237,8 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
                             f"compare: run {run.name} failed (exit {proc.returncode}); "
                             f"end of {run.log_file}:\n{tail}"
                         )
-                    finished += 1
-                done = sum(r.batches_done() for r in running) + finished * study.batches
-                progress.update(
-                    task,
-                    completed=done,
-                    description=f"{finished}/{len(runs)} runs",
-                )
+                    progress.finished(run.name)
+                progress.update({r.name: r.batches_done() for r in running})
                 time.sleep(0.5)
         finally:
             for proc in running.values():
