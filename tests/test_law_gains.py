@@ -1,0 +1,48 @@
+"""scripts/law_gains.py: the plant fit and the SIMC gains of configs/ppo_exponential.yaml and
+configs/ppo_pi.yaml."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("law_gains", ROOT / "scripts" / "law_gains.py")
+law_gains = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(law_gains)
+
+
+def test_the_lag_fit_recovers_a_noiseless_lag_after_a_dead_time():
+    t = np.arange(1, 151)
+    kl = 4.0 * np.clip(1 - np.exp(-(t - 5.0) / 11.5), 0, None)
+    level, tau, theta = law_gains.fit_lag(kl)
+    assert (tau, theta) == (11.5, 5.0)
+    assert level == pytest.approx(4.0, rel=1e-12)
+
+
+def test_the_gains_put_the_loop_crossover_where_simc_asks():
+    """A second computation: the open loop |L(i w)| is 1 at w = 1 / (tau_c + delay)."""
+    g, tau, theta, target = 4.2, 11.5, 5.0, 6.0
+    found = law_gains.gains(g, tau, theta, target)
+    assert found["tau_c"] == theta + tau
+    # PI on e = (KL - target) / target, with the plant g e^{-theta s} / (tau s + 1):
+    w = 1 / (found["tau_c"] + theta)
+    s = 1j * w
+    pi = (found["kp"] + found["ki"] / s) / target  # log beta per nat
+    assert abs(pi * g * np.exp(-theta * s) / (tau * s + 1)) == pytest.approx(1.0, rel=1e-12)
+    # Integral-only (exponential law), the lag taken as a delay of theta + tau:
+    w = 1 / (found["tau_c"] + theta + tau)
+    assert abs(found["k"] / (1j * w) * g) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_the_law_configs_hold_the_derived_gains():
+    """The measured plant (calibration seed 10, README) gives the configs' gains, to 2 digits."""
+    found = law_gains.gains(g=4.19, tau=11.5, theta=5)
+    exponential = yaml.safe_load((ROOT / "configs" / "ppo_exponential.yaml").read_text())["kl"]
+    pi = yaml.safe_load((ROOT / "configs" / "ppo_pi.yaml").read_text())["kl"]
+    assert exponential["k"] == float(f"{found['k']:.2g}")
+    assert (pi["kp"], pi["ki"]) == (float(f"{found['kp']:.2g}"), float(f"{found['ki']:.2g}"))
