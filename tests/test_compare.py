@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +52,11 @@ def test_quick_study_end_to_end(tiny_lm_dir, tmp_path_factory, capsys):
     study = run_quick_study(tiny_lm_dir, tmp_path_factory)
     printed = capsys.readouterr().out  # not a terminal: a line per run as it starts and ends
     for run in ("fixed-seed0", "adaptive-seed0", "fixed-seed1", "adaptive-seed1"):
-        assert f"] start {run} (run " in printed and f"] done {run} in " in printed
-    assert "(4 of 4 runs done)" in printed
+        assert f"] start {run} (run " in printed
+        # Each run's own CPU time: a process that imports torch and trains takes seconds.
+        (cpu,) = re.findall(rf"\] done {run} in \d+ s \(CPU (\d+) s; ", printed)
+        assert int(cpu) >= 1
+    assert "4 of 4 runs done)" in printed
     check_files_and_keys(*study)
     check_numbers_agree_with_the_event_files(*study)
     check_each_run_is_a_reproducible_train_config(*study)
@@ -306,7 +310,7 @@ def test_progress_lines_off_a_terminal_say_each_start_end_and_every_period():
     lines.update({"fixed-seed0": 4, "adaptive-seed0": 2})  # 30 s: 6 of 30 batches
     lines.update({"fixed-seed0": 5, "adaptive-seed0": 2})  # the same second: no line
     now[0] += 20.0
-    lines.finished("fixed-seed0")  # 50 s after its start
+    lines.finished("fixed-seed0", 41.6)  # 50 s after its start
     lines.started("fixed-seed1")
     now[0] += 10.0
     lines.update({"adaptive-seed0": 9, "fixed-seed1": 0})  # 60 s: 19 of 30, 11 left at 19/60 s
@@ -315,7 +319,7 @@ def test_progress_lines_off_a_terminal_say_each_start_end_and_every_period():
         "[   0:00] start adaptive-seed0 (run 2 of 3)",
         "[   0:30] 6/30 batches (20%); running: fixed-seed0 4/10, adaptive-seed0 2/10; "
         "0 of 3 runs done; about 2:00 left",
-        "[   0:50] done fixed-seed0 in 50 s (1 of 3 runs done)",
+        "[   0:50] done fixed-seed0 in 50 s (CPU 42 s; 1 of 3 runs done)",
         "[   0:50] start fixed-seed1 (run 3 of 3)",
         "[   1:00] 19/30 batches (63%); running: adaptive-seed0 9/10, fixed-seed1 0/10; "
         "1 of 3 runs done; about 0:35 left",
@@ -337,7 +341,7 @@ def test_a_terminal_gets_the_bar():
     with study_progress(2, 10, stream=out) as chosen:
         assert isinstance(chosen, ProgressBar)
         chosen.started("fixed-seed0")
-        chosen.finished("fixed-seed0")
+        chosen.finished("fixed-seed0", 1.0)
         chosen.update({"fixed-seed1": 5})
         assert chosen.progress.tasks[0].completed == 15
     assert "15/20" in out.getvalue() and "1/2 runs" in out.getvalue()

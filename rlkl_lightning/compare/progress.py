@@ -9,6 +9,7 @@ left. :func:`study_progress` picks one of the two for the stream.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -24,8 +25,8 @@ class StudyProgress(Protocol):
     def started(self, name: str) -> None:
         """A run's process was started."""
 
-    def finished(self, name: str) -> None:
-        """A run ended successfully."""
+    def finished(self, name: str, cpu_s: float) -> None:
+        """A run ended successfully after ``cpu_s`` CPU seconds (user + system)."""
 
     def update(self, batches: dict[str, int]) -> None:
         """Batches done so far by each run in flight (called every half second or so)."""
@@ -77,11 +78,16 @@ class ProgressLines:
         self.started_at[name] = self.clock()
         self._write(f"start {name} (run {len(self.started_at)} of {self.runs})")
 
-    def finished(self, name: str) -> None:
-        """Write ``done <run> in <seconds> (k of n runs done)``."""
+    def finished(self, name: str, cpu_s: float) -> None:
+        """Write ``done <run> in <seconds> (CPU <seconds>; k of n runs done)``.
+
+        The CPU time (left out when NaN: unknown) is about what the run's one-thread process
+        takes on an idle machine, however busy this one is.
+        """
         self.done += 1
         seconds = self.clock() - self.started_at[name]
-        self._write(f"done {name} in {seconds:.0f} s ({self.done} of {self.runs} runs done)")
+        cpu = "" if math.isnan(cpu_s) else f"CPU {cpu_s:.0f} s; "
+        self._write(f"done {name} in {seconds:.0f} s ({cpu}{self.done} of {self.runs} runs done)")
 
     def update(self, batches: dict[str, int]) -> None:
         """Every ``every`` seconds: batches done of all, each run in flight, the time left."""
@@ -112,7 +118,7 @@ class ProgressBar:
     def started(self, name: str) -> None:
         """Nothing to show: the bar counts batches."""
 
-    def finished(self, name: str) -> None:
+    def finished(self, name: str, cpu_s: float) -> None:
         """Count the run."""
         self.done += 1
 

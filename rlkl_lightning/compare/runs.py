@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import math
 import os
 import shutil
 import subprocess
@@ -220,6 +221,7 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
         "TOKENIZERS_PARALLELISM": "false",
     }
     pending, running = list(runs), {}
+    cpu = children_cpu_s()
     with study_progress(len(runs), study.batches) as progress:
         try:
             while pending or running:
@@ -237,7 +239,9 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
                             f"compare: run {run.name} failed (exit {proc.returncode}); "
                             f"end of {run.log_file}:\n{tail}"
                         )
-                    progress.finished(run.name)
+                    # Children are reaped one poll at a time: the CPU added is this run's.
+                    cpu, before = children_cpu_s(), cpu
+                    progress.finished(run.name, cpu - before)
                 progress.update({r.name: r.batches_done() for r in running})
                 time.sleep(0.5)
         finally:
@@ -245,6 +249,19 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
                 proc.terminate()
             for proc in running.values():
                 proc.wait()
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's finished and reaped children so far.
+
+    NaN where the ``resource`` module is missing (Windows).
+    """
+    try:
+        import resource
+    except ImportError:
+        return math.nan
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _start(run: Run, env: dict[str, str]) -> subprocess.Popen:
