@@ -345,3 +345,18 @@ def test_a_terminal_gets_the_bar():
         chosen.update({"fixed-seed1": 5})
         assert chosen.progress.tasks[0].completed == 15
     assert "15/20" in out.getvalue() and "1/2 runs" in out.getvalue()
+
+
+def test_run_progress_replaces_its_count_file_whole(tmp_path):
+    from types import SimpleNamespace
+
+    from rlkl_lightning.compare.runs import Run, RunProgress
+
+    run = Run("fixed", 0, 0.1, tmp_path / "c.yaml", tmp_path / "log", tmp_path)
+    (tmp_path / "progress").mkdir()
+    assert run.batches_done() == 0  # before the first batch: no file
+    callback = RunProgress(str(run.progress_file))
+    for _ in range(3):
+        callback.on_train_batch_end(SimpleNamespace(is_global_zero=True), None, None, None, 0)
+    assert run.batches_done() == 3
+    assert [p.name for p in (tmp_path / "progress").iterdir()] == ["fixed-seed0.txt"]

@@ -42,10 +42,12 @@ class RunProgress(Callback):
         self.batches = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        """Count the batch and write the count."""
+        """Count the batch and write the count (replacing the file, so no reader sees it empty)."""
         self.batches += 1
         if trainer.is_global_zero:
-            self.path.write_text(str(self.batches))
+            partial = self.path.with_suffix(".partial")
+            partial.write_text(str(self.batches))
+            os.replace(partial, self.path)
 
 
 @dataclass(frozen=True)
