@@ -297,8 +297,8 @@ def _tracking(groups: dict[str, dict[str, Any]], main_groups: list[str]) -> str:
             else f"settled in {count} of {len(settled)} seeds"
         )
         parts.append(
-            f"`{g}` {groups[g]['kl_tracking_error']:.2f} ({when}, overshoot "
-            f"{groups[g]['overshoot']:.2f})"
+            f"`{g}` {groups[g]['kl_tracking_error']:.3f} ({when}, overshoot "
+            f"{groups[g]['overshoot']:.2f}, in band {groups[g]['in_band_fraction']:.0%})"
         )
     return f"KL tracking error, best first: {'; '.join(parts)}."
 
@@ -394,9 +394,10 @@ def plot_frontier(groups: dict[str, dict[str, Any]], kl: dict[str, Any], out: Pa
                 (groups[g]["final_kl"], groups[g][name]),
                 fontsize=8,
             )
-        for i, g in enumerate(x for x in groups if x not in fixed):
+        for g in (x for x in groups if x not in fixed):
             per = groups[g]["per_seed"]
-            ax.scatter(per["final_kl"], per[name], marker="*", s=120, color=f"C{i + 1}", label=g)
+            color = f"C{list(groups).index(g)}"  # the run's colour in curves.png
+            ax.scatter(per["final_kl"], per[name], marker="*", s=120, color=color, label=g)
         ax.set_xlabel(f"final KL (nats per {kl['unit']})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
