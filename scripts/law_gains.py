@@ -14,6 +14,9 @@ tuning", J. Process Control 13) then give, for a closed-loop time constant ``tau
   ``ki = kp / tau_I`` per batch.
 
 Both laws get ``tau_c = theta + tau``. The README ("Gains of the control laws") says why.
+Last, every law of ``rlkl_lightning.controllers`` with the configs' settings steers the fitted
+model (with the measured batch-to-batch noise, 20 seeds): the settle batch and overshoot it
+predicts for the law study.
 
     python scripts/law_gains.py                 # runs the two calibration runs (or reuses them)
     python scripts/law_gains.py --out DIR       # where their event files go (default below)
@@ -69,6 +72,33 @@ def gains(g: float, tau: float, theta: float, target: float = TARGET) -> dict[st
     return {"tau_c": tau_c, "k": k, "kp": kp, "ki": kp / min(tau, 4 * (tau_c + theta))}
 
 
+def simulate(
+    controller,
+    level: float,
+    g: float,
+    tau: float,
+    theta: int,
+    seed: int,
+    batches: int = 150,
+    noise: float = 0.15,
+) -> np.ndarray:
+    """The batch KL of ``controller`` steering the fitted model, one value per batch.
+
+    The model: the KL moves ``1 / tau`` of the way per batch towards
+    ``level - g ln(beta / 0.1)`` for the beta of ``theta`` batches before, and each batch
+    measures it with a scatter of ``noise`` times its value (at least ``noise / 2`` nats).
+    Updates count 32 samples, the configs' batch.
+    """
+    rng = np.random.default_rng(seed)
+    betas, x, kl = [controller.value], 0.0, []
+    for _ in range(batches):
+        beta = betas[max(0, len(betas) - 1 - theta)]
+        x += (max(0.0, level - g * math.log(beta / BETAS[0])) - x) / tau
+        kl.append(max(0.0, x + noise * max(x, 0.5) * rng.standard_normal()))
+        betas.append(controller.update(kl[-1], 32))
+    return np.array(kl)
+
+
 def calibrate(out: Path, batches: int = 150) -> dict[float, Path]:
     """Run the two fixed-beta runs (two processes, one thread each) unless their events exist."""
     dirs = {beta: out / f"fixed_{beta:g}" / f"seed{SEED}" for beta in BETAS}
@@ -98,7 +128,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/rlkl_law_calibration"))
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from rlkl_lightning.compare.events import read_curves
+    import yaml
+
+    from rlkl_lightning.cli import KLSettings
+    from rlkl_lightning.compare.events import overshoot, read_curves, settle_batch
 
     fits = {}
     for beta, log_dir in calibrate(args.out).items():
@@ -121,6 +154,21 @@ def main() -> None:
         f"tau_c = {found['tau_c']:g} batches: exponential k = {found['k']:.2g} per nat; "
         f"PI kp = {found['kp']:.2g}, ki = {found['ki']:.2g}"
     )
+    print("predicted on this model (20 seeds), with the configs' gains:")
+    for law in ("fixed", "adaptive", "exponential", "pi"):
+        config = yaml.safe_load((ROOT / "configs" / f"ppo_{law}.yaml").read_text())["kl"]
+        settings = KLSettings(**config)
+        runs = [
+            simulate(settings.kl_controller(BETAS[0]), hi, g, tau, theta, seed)
+            for seed in range(20)
+        ]
+        settle = [settle_batch(kl, TARGET) for kl in runs]
+        settled = [b for b in settle if b is not None]
+        when = f"median {np.median(settled):g}" if settled else "never"
+        print(
+            f"  {law:12s} settle batch {when} ({len(settled)} of 20 settled); overshoot "
+            f"{np.mean([overshoot(kl, TARGET) for kl in runs]):.2f} nats"
+        )
 
 
 if __name__ == "__main__":

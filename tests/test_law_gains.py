@@ -46,3 +46,19 @@ def test_the_law_configs_hold_the_derived_gains():
     pi = yaml.safe_load((ROOT / "configs" / "ppo_pi.yaml").read_text())["kl"]
     assert exponential["k"] == float(f"{found['k']:.2g}")
     assert (pi["kp"], pi["ki"]) == (float(f"{found['kp']:.2g}"), float(f"{found['ki']:.2g}"))
+
+
+def test_the_model_levels_where_the_fit_says_and_the_integral_laws_reach_the_target():
+    from rlkl_lightning.controllers import (
+        ExponentialKLController,
+        FixedKLController,
+        PIKLController,
+    )
+
+    model = {"level": 3.87, "g": 4.19, "tau": 11.5, "theta": 5, "seed": 0, "noise": 0.0}
+    kl = law_gains.simulate(FixedKLController(0.03), batches=400, **model)
+    assert kl[-1] == pytest.approx(3.87 - 4.19 * np.log(0.3), rel=1e-9)  # the level at 0.03
+    for law in (ExponentialKLController(0.1, 6.0, k=0.0072), PIKLController(0.1, 6.0, 0.77, 0.067)):
+        kl = law_gains.simulate(law, batches=400, **model)
+        assert kl[-1] == pytest.approx(6.0, rel=1e-6)  # no steady-state error
+        assert law.value == pytest.approx(0.1 * np.exp(-(6.0 - 3.87) / 4.19), rel=1e-6)
