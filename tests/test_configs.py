@@ -17,6 +17,7 @@ import yaml
 
 from rlkl_lightning.arguments import defaults_of
 from rlkl_lightning.cli import main
+from rlkl_lightning.controllers import KL_LAWS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -35,6 +36,7 @@ def scalar_tags(log_dir: Path) -> set[str]:
 def test_the_configs_are_all_here():
     names = {c.name for c in CONFIGS}
     assert {"ppo_adaptive.yaml", "ppo_fixed.yaml", "sft.yaml", "compare.yaml"} <= names
+    assert {"ppo_exponential.yaml", "ppo_pi.yaml", "compare_laws.yaml"} <= names
     assert {"rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml", "compare_algorithms.yaml"} <= names
     assert NEEDS_HUB <= names
 
@@ -89,9 +91,18 @@ def test_configs_write_no_default_again(config):
     assert not found, f"{config.name} repeats the defaults {found}"
 
 
+LAW_CLASSES = {
+    "fixed": "FixedKLController",
+    "adaptive": "AdaptiveKLController",
+    "exponential": "ExponentialKLController",
+    "pi": "PIKLController",
+}
+
+
 @pytest.mark.parametrize(
     "name",
-    ["ppo_adaptive.yaml", "ppo_fixed.yaml", "rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml"],
+    ["ppo_adaptive.yaml", "ppo_fixed.yaml", "ppo_exponential.yaml", "ppo_pi.yaml"]
+    + ["rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml"],
 )
 def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -113,8 +124,11 @@ def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeyp
     per_prompt = getattr(module.hparams, "responses_per_prompt", 1)
     assert controller.n_samples == monitor.n_samples == module.samples_seen == 2 * 4 * per_prompt
     assert monitor.target == config["kl"]["target"]  # given once, shared
+    law = controller.controller
+    assert type(law).__name__ == LAW_CLASSES[config["kl"]["controller"]]
+    for gain in ("k", "kp", "ki", "horizon"):  # the config's gains reach the law
+        assert getattr(law, gain, None) == config["kl"].get(gain, getattr(law, gain, None))
     if config["kl"]["controller"] == "fixed":
-        assert type(controller.controller).__name__ == "FixedKLController"
         assert module.kl_coef == module.hparams.init_kl_coef
     else:
         assert controller.controller.target == monitor.target
@@ -181,6 +195,16 @@ def test_study_config_parses_and_names_existing_run_configs(monkeypatch):
     study, _ = parse_args(["--config", "configs/compare.yaml"])
     assert set(study.runs) == {"fixed", "adaptive"}
     assert all((ROOT / path).is_file() for path in study.runs.values())
+    study, _ = parse_args(["--config", "configs/compare_laws.yaml"])
+    configs = {name: yaml.safe_load((ROOT / p).read_text()) for name, p in study.runs.items()}
+    assert {name: c["kl"]["controller"] for name, c in configs.items()} == {
+        law: law for law in KL_LAWS
+    }  # every law, once, each under its own name
+    # The law runs differ in their `kl` group alone (and the logger's name, for a run alone).
+    for config in configs.values():
+        config["trainer"]["logger"]["init_args"]["name"] = "-"
+        config.pop("kl")
+    assert all(config == configs["adaptive"] for config in configs.values())
     study, _ = parse_args(["--config", "configs/compare_algorithms.yaml"])
     assert study.runs == {
         "ppo": "configs/ppo_adaptive.yaml",

@@ -2,10 +2,11 @@
 
 ``python -m rlkl_lightning.compare --config configs/compare.yaml`` (or ``rlkl-compare``) runs
 every configured ``train.py`` config once per seed, each as its own process and TensorBoard run
-(:mod:`.runs`), reads the event files back (:mod:`.events`) and writes ``curves.png``,
-``report.md`` and ``summary.json`` into the output directory (:mod:`.report`).
-``configs/compare.yaml`` puts fixed and adaptive KL control side by side,
-``configs/compare_algorithms.yaml`` PPO and RLOO.
+(:mod:`.runs`, showing its progress with :mod:`.progress`), reads the event files back
+(:mod:`.events`) and writes ``curves.png``, ``report.md`` and ``summary.json`` into the output
+directory (:mod:`.report`). ``configs/compare.yaml`` puts fixed and adaptive KL control side by
+side, ``configs/compare_laws.yaml`` all four control laws, ``configs/compare_algorithms.yaml``
+PPO and RLOO.
 """
 
 from __future__ import annotations

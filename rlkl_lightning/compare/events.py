@@ -8,7 +8,14 @@ The metrics of one run (``n`` training batches, KL target ``T``, monitor band ``
 - ``in_band_fraction``: fraction of all batches with ``low * T <= objective/kl <= high * T``;
 - ``drift_warnings``: excursions the drift monitor warned about (``kl_monitor/warnings``);
 - ``final_kl_coef``: beta after the last batch (``objective/kl_coef``);
-- ``final_perplexity``: the last ``val/perplexity``.
+- ``final_perplexity``: the last ``val/perplexity``;
+- ``settle_batch``: the first batch after which the ``SETTLE_WINDOW``-batch mean KL (the mean
+  of that batch and the 9 before it) stays within ``SETTLE_TOLERANCE`` (25%) of ``T``: from
+  which on every such mean lies in ``[0.75 T, 1.25 T]``; None (never) when the last one lies
+  outside. The first mean is the one at batch ``SETTLE_WINDOW`` (a run shorter than that has
+  one mean, of all its batches, at its last batch);
+- ``overshoot``: the largest excursion of those means above ``T``, in the KL's unit (nats per
+  sequence or per token); 0 when they never exceed ``T``.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 FINAL_FRACTION = 0.2
+SETTLE_WINDOW = 10  # batches in the mean KL that settle_batch and overshoot judge
+SETTLE_TOLERANCE = 0.25  # settled: that mean within +-25% of the target
 METRICS = (
     "final_score",
     "kl_tracking_error",
@@ -28,6 +37,8 @@ METRICS = (
     "final_perplexity",
     "final_kl",
     "final_kl_coef",
+    "settle_batch",
+    "overshoot",
 )
 
 
@@ -99,7 +110,40 @@ def read_curves(log_dir: Path) -> Curves:
     )
 
 
-def run_metrics(curves: Curves, target: float, low: float, high: float) -> dict[str, float]:
+def window_means(kl: np.ndarray, window: int = SETTLE_WINDOW) -> np.ndarray:
+    """Trailing means of ``window`` batches: entry ``i`` is the mean of ``kl[i : i + window]``.
+
+    So entry ``i`` belongs to batch ``i + window`` (1-based). A series shorter than ``window``
+    has one mean, of all its values.
+    """
+    w = min(window, len(kl))
+    c = np.cumsum(np.insert(np.asarray(kl, dtype=float), 0, 0.0))
+    return (c[w:] - c[:-w]) / w
+
+
+def settle_batch(kl: np.ndarray, target: float, window: int = SETTLE_WINDOW) -> int | None:
+    """The first batch (1-based) from which every ``window``-batch mean KL stays settled.
+
+    Settled: within ``SETTLE_TOLERANCE * target`` of ``target``. None if the last mean is not.
+    """
+    means = window_means(kl, window)
+    outside = np.flatnonzero(np.abs(means - target) > SETTLE_TOLERANCE * target)
+    first_batch = len(kl) - len(means) + 1  # the batch of the first mean
+    if not len(outside):
+        return first_batch
+    if outside[-1] == len(means) - 1:
+        return None
+    return int(first_batch + outside[-1] + 1)
+
+
+def overshoot(kl: np.ndarray, target: float, window: int = SETTLE_WINDOW) -> float:
+    """The largest excursion of the ``window``-batch mean KL above ``target`` (0 if none)."""
+    return max(0.0, float(window_means(kl, window).max()) - target)
+
+
+def run_metrics(
+    curves: Curves, target: float, low: float, high: float
+) -> dict[str, float | int | None]:
     """The numbers of one run, defined in the module docstring."""
     n = len(curves.score)
     last = max(1, math.ceil(FINAL_FRACTION * n))
@@ -112,4 +156,6 @@ def run_metrics(curves: Curves, target: float, low: float, high: float) -> dict[
         "final_perplexity": float(curves.perplexity[-1]) if len(curves.perplexity) else math.nan,
         "final_kl": float(kl[-last:].mean()),
         "final_kl_coef": float(curves.kl_coef[-1]),
+        "settle_batch": settle_batch(kl, target),
+        "overshoot": overshoot(kl, target),
     }

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
-from rlkl_lightning.compare.events import METRICS, Curves, read_curves, run_metrics
+from rlkl_lightning.compare.events import (
+    METRICS,
+    SETTLE_TOLERANCE,
+    SETTLE_WINDOW,
+    Curves,
+    read_curves,
+    run_metrics,
+)
 from rlkl_lightning.compare.gold import gold_report
 
 if TYPE_CHECKING:
@@ -49,14 +56,23 @@ def kl_settings(runs: list[Run]) -> dict[str, Any]:
     return dict(zip(KL_FIELDS, seen.pop(), strict=True))
 
 
-def aggregate(per_seed: list[dict[str, float]]) -> dict[str, Any]:
-    """Mean over seeds of each metric, with the standard deviation and the per-seed values."""
-    values = {name: np.array([m[name] for m in per_seed], dtype=float) for name in METRICS}
-    return {
-        **{name: float(v.mean()) for name, v in values.items()},
-        "std": {name: float(v.std(ddof=1)) if len(v) > 1 else None for name, v in values.items()},
-        "per_seed": {name: v.tolist() for name, v in values.items()},
-    }
+def aggregate(per_seed: list[dict[str, float | None]]) -> dict[str, Any]:
+    """Mean over seeds of each metric, with the standard deviation and the per-seed values.
+
+    A metric that is None for some seed (``settle_batch`` of a run that never settled) has no
+    mean or standard deviation (None); its per-seed values keep the None.
+    """
+    out: dict[str, Any] = {"std": {}, "per_seed": {}}
+    for name in METRICS:
+        seeds = [m[name] for m in per_seed]
+        out["per_seed"][name] = [None if v is None else float(v) for v in seeds]
+        if any(v is None for v in seeds):
+            out[name] = out["std"][name] = None
+            continue
+        v = np.array(seeds, dtype=float)
+        out[name] = float(v.mean())
+        out["std"][name] = float(v.std(ddof=1)) if len(v) > 1 else None
+    return {name: out[name] for name in METRICS} | {"std": out["std"], "per_seed": out["per_seed"]}
 
 
 def verdict(groups: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
@@ -88,12 +104,16 @@ def differences(groups: dict[str, dict[str, Any]], first: str, second: str) -> d
 
     ``beyond_two_se`` says whether the difference of the means exceeds twice its standard
     error ``sqrt(s_a^2 / n_a + s_b^2 / n_b)`` (over seeds); with a single seed on either side
-    there is no error estimate (``two_se`` None, ``beyond_two_se`` False).
+    there is no error estimate (``two_se`` None, ``beyond_two_se`` False). A metric without a
+    mean on either side (a run that never settled) has no difference (None).
     """
     a, b = groups[first], groups[second]
     out: dict[str, Any] = {"first": first, "second": second}
     for name in METRICS:
         n_a, n_b = len(a["per_seed"][name]), len(b["per_seed"][name])
+        if a[name] is None or b[name] is None:  # a run that never settled: no mean
+            out[name] = {"difference": None, "two_se": None, "beyond_two_se": False}
+            continue
         diff = b[name] - a[name]
         two_se = None
         if n_a > 1 and n_b > 1:
@@ -116,9 +136,10 @@ def _differences_table(d: dict[str, Any]) -> list[str]:
     ]
     for name in METRICS:
         row = d[name]
+        diff = "-" if row["difference"] is None else f"{row['difference']:+.3g}"
         two_se = "-" if row["two_se"] is None else f"{row['two_se']:.3g}"
         beyond = "yes" if row["beyond_two_se"] else "no"
-        lines.append(f"| {name} | {row['difference']:+.3g} | {two_se} | {beyond} |")
+        lines.append(f"| {name} | {diff} | {two_se} | {beyond} |")
     return lines
 
 
@@ -222,21 +243,17 @@ def _markdown(
         "![curves](curves.png)",
         "",
         "| run | initial beta | final score | KL tracking error | in band | drift warnings "
-        "| final KL | final beta | held-out perplexity |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| final KL | final beta | held-out perplexity | settle batch | overshoot |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for group, g in groups.items():
-
-        def cell(name: str, fmt: str, g=g) -> str:
-            std = g["std"][name]
-            mean = format(g[name], fmt)
-            return mean if std is None or math.isnan(std) else f"{mean} ± {format(std, fmt)}"
-
+        overshoot = _cell(g, "overshoot", ".2f") + f" ({g['overshoot'] / kl['target']:.0%})"
         lines.append(
-            f"| `{group}` | {g['init_kl_coef']:g} | {cell('final_score', '.3f')} | "
-            f"{cell('kl_tracking_error', '.2f')} | {cell('in_band_fraction', '.2f')} | "
-            f"{cell('drift_warnings', '.1f')} | {cell('final_kl', '.2f')} | "
-            f"{cell('final_kl_coef', '.3f')} | {cell('final_perplexity', '.3f')} |"
+            f"| `{group}` | {g['init_kl_coef']:g} | {_cell(g, 'final_score', '.3f')} | "
+            f"{_cell(g, 'kl_tracking_error', '.2f')} | {_cell(g, 'in_band_fraction', '.2f')} | "
+            f"{_cell(g, 'drift_warnings', '.1f')} | {_cell(g, 'final_kl', '.2f')} | "
+            f"{_cell(g, 'final_kl_coef', '.3f')} | {_cell(g, 'final_perplexity', '.3f')} | "
+            f"{_cell(g, 'settle_batch', '.0f')} | {overshoot} |"
         )
     ref = summary["reference_perplexity"]
     lines += [
@@ -245,11 +262,17 @@ def _markdown(
         "Values are mean ± standard deviation over seeds. Final score and final KL: mean over "
         "the last 20% of batches; KL tracking error: mean |KL - target| / target over the "
         "second half; in band: fraction of all batches with the batch KL inside the band; "
-        "drift warnings: per run.",
+        "drift warnings: per run; settle batch: the first batch from which the "
+        f"{SETTLE_WINDOW}-batch mean KL stays within {SETTLE_TOLERANCE:.0%} of the target "
+        "(per seed, and never when it had not settled by the last batch); overshoot: the "
+        f"largest excursion of the {SETTLE_WINDOW}-batch mean KL above the target, {unit} (in "
+        "brackets: of the target).",
         "",
         _statement(summary["verdict"], groups, kl),
         "",
     ]
+    if len(main_groups) > 2:
+        lines += [_tracking(groups, main_groups), ""]
     for d in summary.get("differences", []):
         lines += _differences_table(d) + [""]
     if frontier:
@@ -258,6 +281,35 @@ def _markdown(
     lines += [f"python train.py fit --config {r.config}" for r in first_runs]
     lines += ["```", ""]
     return "\n".join(lines)
+
+
+def _cell(g: dict[str, Any], name: str, fmt: str) -> str:
+    """``mean ± std`` over seeds; the per-seed values where some seed has none ("never")."""
+    if g[name] is None:
+        return ", ".join("never" if v is None else format(v, fmt) for v in g["per_seed"][name])
+    std = g["std"][name]
+    mean = format(g[name], fmt)
+    return mean if std is None or math.isnan(std) else f"{mean} ± {format(std, fmt)}"
+
+
+def _tracking(groups: dict[str, dict[str, Any]], main_groups: list[str]) -> str:
+    """The runs ranked by KL tracking error, with when they settled and how far they overshot."""
+    parts = []
+    for g in sorted(main_groups, key=lambda g: groups[g]["kl_tracking_error"]):
+        settled = groups[g]["per_seed"]["settle_batch"]
+        count = sum(v is not None for v in settled)
+        when = (
+            f"settled at batch {_cell(groups[g], 'settle_batch', '.0f')}"
+            if count == len(settled)
+            else "never settled"
+            if count == 0
+            else f"settled in {count} of {len(settled)} seeds"
+        )
+        parts.append(
+            f"`{g}` {groups[g]['kl_tracking_error']:.3f} ({when}, overshoot "
+            f"{groups[g]['overshoot']:.2f}, in band {groups[g]['in_band_fraction']:.0%})"
+        )
+    return f"KL tracking error, best first: {'; '.join(parts)}."
 
 
 def _smooth(x: np.ndarray, k: int = SMOOTH) -> np.ndarray:
@@ -285,6 +337,9 @@ def plot_curves(groups: dict[str, list[Curves]], kl: dict[str, Any], out: Path) 
     target = kl["target"]
     ax_kl.axhspan(kl["low"] * target, kl["high"] * target, color="tab:green", alpha=0.08)
     ax_kl.axhline(target, color="black", linestyle="--", linewidth=1, label="target")
+    for edge in (1 - SETTLE_TOLERANCE, 1 + SETTLE_TOLERANCE):  # where settle_batch counts
+        label = f"target ± {SETTLE_TOLERANCE:.0%}" if edge < 1 else None
+        ax_kl.axhline(edge * target, color="black", linestyle=":", linewidth=0.8, label=label)
     for i, (group, runs) in enumerate(groups.items()):
         color = f"C{i}"
         samples = _stack([c.samples for c in runs])[0]
@@ -348,9 +403,10 @@ def plot_frontier(groups: dict[str, dict[str, Any]], kl: dict[str, Any], out: Pa
                 (groups[g]["final_kl"], groups[g][name]),
                 fontsize=8,
             )
-        for i, g in enumerate(x for x in groups if x not in fixed):
+        for g in (x for x in groups if x not in fixed):
             per = groups[g]["per_seed"]
-            ax.scatter(per["final_kl"], per[name], marker="*", s=120, color=f"C{i + 1}", label=g)
+            color = f"C{list(groups).index(g)}"  # the run's colour in curves.png
+            ax.scatter(per["final_kl"], per[name], marker="*", s=120, color=color, label=g)
         ax.set_xlabel(f"final KL (nats per {kl['unit']})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

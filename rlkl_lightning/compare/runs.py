@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import math
 import os
 import shutil
 import subprocess
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 
 class RunProgress(Callback):
-    """Write the number of finished training batches to a file (read by the study's progress bar).
+    """Write the number of finished training batches to a file (read by the study's progress).
 
     Args:
         path: File to (over)write after every training batch.
@@ -41,10 +42,12 @@ class RunProgress(Callback):
         self.batches = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        """Count the batch and write the count."""
+        """Count the batch and write the count (replacing the file, so no reader sees it empty)."""
         self.batches += 1
         if trainer.is_global_zero:
-            self.path.write_text(str(self.batches))
+            partial = self.path.with_suffix(".partial")
+            partial.write_text(str(self.batches))
+            os.replace(partial, self.path)
 
 
 @dataclass(frozen=True)
@@ -207,19 +210,12 @@ def uses_default_world(config: dict[str, Any]) -> bool:
 
 
 def run_all(runs: list[Run], study: StudyConfig) -> None:
-    """Run everything, ``study.workers`` at a time, behind one progress bar.
+    """Run everything, ``study.workers`` at a time, showing progress (:mod:`.progress`).
 
     Raises:
         RuntimeError: If a run fails (the others are stopped; its log is quoted).
     """
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from rlkl_lightning.compare.progress import study_progress
 
     if any(uses_default_world(yaml.safe_load(r.config.read_text())) for r in runs):
         from rlkl_lightning.world import build_world
@@ -232,22 +228,14 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
         "TOKENIZERS_PARALLELISM": "false",
     }
     pending, running = list(runs), {}
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("batches"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns) as progress:
-        task = progress.add_task(f"{len(runs)} runs", total=len(runs) * study.batches)
-        finished = 0
+    cpu = children_cpu_s()
+    with study_progress(len(runs), study.batches) as progress:
         try:
             while pending or running:
                 while pending and len(running) < study.workers:
                     run = pending.pop(0)
                     running[run] = _start(run, env)
+                    progress.started(run.name)
                 for run, proc in list(running.items()):
                     if proc.poll() is None:
                         continue
@@ -258,19 +246,29 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
                             f"compare: run {run.name} failed (exit {proc.returncode}); "
                             f"end of {run.log_file}:\n{tail}"
                         )
-                    finished += 1
-                done = sum(r.batches_done() for r in running) + finished * study.batches
-                progress.update(
-                    task,
-                    completed=done,
-                    description=f"{finished}/{len(runs)} runs",
-                )
+                    # Children are reaped one poll at a time: the CPU added is this run's.
+                    cpu, before = children_cpu_s(), cpu
+                    progress.finished(run.name, cpu - before)
+                progress.update({r.name: r.batches_done() for r in running})
                 time.sleep(0.5)
         finally:
             for proc in running.values():
                 proc.terminate()
             for proc in running.values():
                 proc.wait()
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's finished and reaped children so far.
+
+    NaN where the ``resource`` module is missing (Windows).
+    """
+    try:
+        import resource
+    except ImportError:
+        return math.nan
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _start(run: Run, env: dict[str, str]) -> subprocess.Popen:
