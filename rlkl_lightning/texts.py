@@ -2,7 +2,8 @@
 
 A source is a local file or list of files (``.txt``: one text per line, column ``text``;
 ``.csv``/``.tsv``; ``.json``/``.jsonl``: JSON lines or a JSON list of records; ``.parquet``),
-a local dataset directory, or any other string: a dataset on the Hugging Face hub
+a local directory (of such data files, or written by ``Dataset.save_to_disk`` /
+``DatasetDict.save_to_disk``), or any other string: a dataset on the Hugging Face hub
 (``"imdb"``), loaded with ``datasets.load_dataset(name, split=...)``. Both the PPO prompts
 (:mod:`rlkl_lightning.data`) and the SFT texts (:mod:`rlkl_lightning.world.sft`) come
 through :func:`load_texts`.
@@ -62,7 +63,7 @@ _MAX_REASON = 300  # characters of a parser's message quoted in an error
 
 def load_texts(
     source: str | Sequence[str],
-    column: str,
+    column: str | None,
     *,
     split: str = "train",
     owner: str = "PromptDataModule",
@@ -75,7 +76,8 @@ def load_texts(
 
     Args:
         source: File path, list of file paths, dataset directory or hub dataset name.
-        column: Name of the text column.
+        column: Name of the text column; ``None``: the first of :data:`TEXT_COLUMNS` that
+            the data has (any case), else its only text column (see :func:`pick_text_column`).
         split: Split to load from a directory or hub dataset (local files are one split).
         owner: Class name used in error messages.
         source_option: Option name of ``source`` used in error messages.
@@ -98,6 +100,8 @@ def load_texts(
 
     with tempfile.TemporaryDirectory(prefix="rlkl-texts-", ignore_cleanup_errors=True) as cache:
         dataset, where = _load_dataset(source, split, owner, source_option, cache)
+        if column is None:
+            column = pick_text_column(dataset, f"{owner}: {where}", column_option)
         if column not in dataset.column_names:
             raise ValueError(
                 f"{owner}: `{column_option}` {column!r} not found in {where}; "
@@ -135,6 +139,49 @@ def load_texts(
     return texts
 
 
+#: Column names taken as the text, in this order, when no column is given (any case).
+TEXT_COLUMNS = (
+    "text",
+    "review",
+    "content",
+    "body",
+    "sentence",
+    "document",
+    "comment",
+    "message",
+    "tweet",
+    "post",
+    "description",
+    "abstract",
+    "summary",
+)
+
+
+def pick_text_column(dataset: datasets.Dataset, where: str, column_option: str) -> str:
+    """The text column of ``dataset``: a name from :data:`TEXT_COLUMNS`, else the only text one.
+
+    Raises:
+        ValueError: If no column has such a name and the data has no or several text columns;
+            the message lists the columns and names ``column_option``.
+    """
+    by_lower = {name.lower(): name for name in dataset.column_names}
+    for name in TEXT_COLUMNS:
+        if name in by_lower:
+            return by_lower[name]
+    strings = [
+        name
+        for name, feature in dataset.features.items()
+        if getattr(feature, "dtype", None) in ("string", "large_string")
+    ]
+    if len(strings) == 1:
+        return strings[0]
+    raise ValueError(
+        f"{where}: no column named like text ({', '.join(TEXT_COLUMNS[:4])}, ...) and "
+        f"{len(strings) or 'no'} text columns among {dataset.column_names}; name the text "
+        f"column with `{column_option}`"
+    )
+
+
 def _load_dataset(
     source: str | Sequence[str], split: str, owner: str, option: str, cache: str
 ) -> tuple[datasets.Dataset, str]:
@@ -158,9 +205,11 @@ def _load_dataset(
         for path in paths:
             if not path.exists():
                 raise ValueError(f"{owner}: `{option}` file not found: {str(path)!r}")
+        if len(paths) == 1 and is_saved_dataset(paths[0]):
+            return _load_saved(paths[0], split, owner, option)
         if len(paths) == 1 and paths[0].is_dir():
             where = f"`{option}` directory {str(paths[0])!r}"
-            data_files = _check_directory(paths[0], owner, option)
+            data_files = check_directory(paths[0], owner, option)
             try:
                 return datasets.load_dataset(str(paths[0]), split=split, cache_dir=cache), where
             except Exception as error:
@@ -181,7 +230,7 @@ def _load_dataset(
                 f"{owner}: `{option}` mixes file types {sorted(suffixes)}; use one type"
             )
         for path in paths:
-            _check_text_file(path, owner, option)
+            check_text_file(path, owner, option)
         builder = builders.pop()
         kwargs = {"sep": "\t"} if suffixes == {".tsv"} else {}
         names = ", ".join(p.name for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
@@ -200,7 +249,35 @@ def _load_dataset(
         return data, where
 
 
-def _check_text_file(path: Path, owner: str, option: str) -> None:
+def is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a directory written by ``save_to_disk`` (a Dataset or DatasetDict)."""
+    return path.is_dir() and (
+        (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+    )
+
+
+def _load_saved(path: Path, split: str, owner: str, option: str) -> tuple[datasets.Dataset, str]:
+    """A ``save_to_disk`` directory: the Dataset, or the ``split`` of a DatasetDict.
+
+    Its Arrow files are memory-mapped where they are (no copy, no code runs).
+    """
+    import datasets
+
+    where = f"`{option}` dataset directory {str(path)!r}"
+    try:
+        data = datasets.load_from_disk(str(path))
+    except Exception as error:
+        raise ValueError(
+            f"{owner}: {where} could not be loaded (datasets.load_from_disk): {_reason(error)}"
+        ) from error
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise ValueError(f"{owner}: {where} has no split {split!r}; allowed: {sorted(data)}")
+        return data[split], f"{where} (split {split!r})"
+    return data, where
+
+
+def check_text_file(path: Path, owner: str, option: str) -> None:
     """Raise unless a text file (not ``.parquet``) is UTF-8 without NUL bytes; streamed.
 
     A JSON file must also hold JSON objects only (:func:`_check_json_file`).
@@ -302,7 +379,7 @@ def _one_object(path: Path) -> bool:
             return False
 
 
-def _check_directory(directory: Path, owner: str, option: str) -> list[Path]:
+def check_directory(directory: Path, owner: str, option: str) -> list[Path]:
     """The data files of a directory: one supported type, each checked; else a clear error.
 
     Hidden files and folders and ``*.md`` files (a dataset card) are not data. ``datasets``
@@ -329,7 +406,7 @@ def _check_directory(directory: Path, owner: str, option: str) -> list[Path]:
     if not files:
         raise ValueError(f"{where} holds no data files; allowed: {sorted(FILE_BUILDERS)}")
     for path in files:
-        _check_text_file(path, owner, option)
+        check_text_file(path, owner, option)
     return files
 
 

@@ -47,6 +47,9 @@ class StudyConfig:
         out: Output directory (event files under ``runs/``, derived configs, logs, report).
         overrides: Nested settings merged into every run's config, e.g.
             ``{"model": {"init_args": {"policy": "path/to/model"}}}``.
+        world: A world directory made by ``python -m rlkl_lightning.world --texts FILES``:
+            every run trains its model on that world's prompts and held-out text (its
+            ``study.yaml``, merged after ``overrides``); ``None``: the runs' own settings.
         quick_settings: Settings used instead with ``--quick`` (a short check of the whole
             pipeline): any of ``seeds``, ``batches``, ``val_every``, ``sweep_kl_coefs``,
             ``sweep_seeds``, ``workers``, and ``overrides`` (merged after the ones above).
@@ -67,6 +70,7 @@ class StudyConfig:
     threads: int = 1
     out: str = "study"
     overrides: dict[str, Any] = field(default_factory=dict)
+    world: str | None = None
     quick_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

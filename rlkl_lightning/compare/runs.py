@@ -130,11 +130,16 @@ def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
 
 def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
     """Write the derived config of every run; seeds outermost, so early results are balanced."""
+    from rlkl_lightning.world.custom import study_overrides, without_replaced_options
+
+    world = study_overrides(study.world) if study.world else None
     bases = {}
     for group, path in study.runs.items():
         if not Path(path).is_file():
             raise ValueError(f"compare: `runs.{group}` config not found: {path!r}")
         bases[group] = merge(yaml.safe_load(Path(path).read_text()) or {}, study.overrides)
+        if world is not None:  # a custom world: its model, prompts and held-out text
+            bases[group] = merge(without_replaced_options(bases[group]), world)
     plan: list[tuple[str, int, dict[str, Any]]] = []
     for seed in range(study.seeds):
         plan += [(group, seed, base) for group, base in bases.items()]

@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlkl_lightning.world.cache import (
     Corpus,
@@ -35,23 +36,26 @@ from rlkl_lightning.world.cache import (
 )
 from rlkl_lightning.world.config import WorldConfig
 
+if TYPE_CHECKING:
+    from rlkl_lightning.world.custom import CustomWorldConfig
+
 _WORLD_DONE = "report.json"
 
 
 @dataclass(frozen=True)
 class World:
-    """A built default world.
+    """A built world: the default one, or one made from a user's texts (:mod:`.custom`).
 
     Attributes:
         config: The settings that made it.
-        root: Directory of the model stage (``world-<hash>``).
+        root: Directory of the model stage (``world-<hash>``; a custom world's directory).
         model_dir: Reference model and tokenizer (``AutoModelForCausalLM`` /
             ``AutoTokenizer`` load it).
         corpus: The corpus stage (splits, prompts, tokenizer).
         report: Contents of ``report.json``: perplexities, unigram baseline, timings.
     """
 
-    config: WorldConfig
+    config: WorldConfig | CustomWorldConfig
     root: Path
     model_dir: Path
     corpus: Corpus
@@ -122,7 +126,7 @@ def build_world(
     build_stage(
         root,
         _WORLD_DONE,
-        lambda tmp: _make_model(config, corpus, tmp, progress, num_threads),
+        lambda tmp: make_reference_model(config, corpus, tmp, progress, num_threads),
         progress,
     )
     report = json.loads((root / _WORLD_DONE).read_text())
@@ -132,13 +136,32 @@ def build_world(
 # --- building ----------------------------------------------------------------------
 
 
-def _make_model(
-    config: WorldConfig, corpus: Corpus, out: Path, progress: bool, num_threads: int | None
+def make_reference_model(
+    config: WorldConfig | CustomWorldConfig,
+    corpus: Corpus,
+    out: Path,
+    progress: bool,
+    num_threads: int | None,
+    label: str = "Default world",
+    duration: str = "about 2-3 minutes on 2 CPU cores",
 ) -> None:
+    """Train the reference model on ``corpus`` into ``out/model``; write ``out/report.json``.
+
+    Args:
+        config: The model and SFT settings: ``seed``, ``n_layer``, ``n_head``, ``n_embd``,
+            ``n_positions``, ``sft_steps``, ``batch_size``, ``lr``, ``warmup_steps``,
+            ``weight_decay``, ``val_check_interval``.
+        corpus: Its train and validation splits train it; the test split is held out.
+        out: The stage's (temporary) directory.
+        progress: Show progress and messages.
+        num_threads: torch threads while training (see :func:`build_world`).
+        label: Names the world in messages.
+        duration: How long the training is expected to take, in messages.
+    """
     if progress:
         info(
-            f"Default world: training the reference model ({config.sft_steps} steps; "
-            f"about 2-3 minutes on 2 CPU cores, once) into {out.parent} ..."
+            f"{label}: training the reference model ({config.sft_steps} steps; "
+            f"{duration}, once) into {out.parent} ..."
         )
     with _quiet_lightning(progress), _torch_threads(num_threads):
         # In a fresh, empty context: when the world is built while LightningCLI instantiates a
@@ -148,12 +171,14 @@ def _make_model(
     (out / _WORLD_DONE).write_text(json.dumps(report, indent=2))
     if progress:
         info(
-            f"Default world: held-out perplexity {report['test_perplexity']:.2f} "
+            f"{label}: held-out perplexity {report['test_perplexity']:.2f} "
             f"(unigram baseline {report['unigram_test_perplexity']:.2f})"
         )
 
 
-def _train_and_evaluate(config: WorldConfig, corpus: Corpus, out: Path, progress: bool) -> dict:
+def _train_and_evaluate(
+    config: WorldConfig | CustomWorldConfig, corpus: Corpus, out: Path, progress: bool
+) -> dict:
     import torch
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import RichProgressBar

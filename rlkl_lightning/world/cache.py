@@ -80,17 +80,38 @@ def build_corpus(
     return Corpus.at(target)
 
 
-def build_stage(target: Path, marker: str, make: Callable[[Path], None], progress: bool) -> None:
-    """Build ``target`` with ``make(tmp_dir)`` unless it is complete; atomic rename."""
-    if (target / marker).is_file():
+def build_stage(
+    target: Path,
+    marker: str,
+    make: Callable[[Path], None],
+    progress: bool,
+    label: str = "Default world",
+    complete: Callable[[Path], bool] | None = None,
+) -> None:
+    """Build ``target`` with ``make(tmp_dir)`` unless it is complete; atomic rename.
+
+    Args:
+        target: The stage's directory.
+        marker: File that ``make`` writes last: its presence marks a complete stage.
+        make: Writes the stage into the temporary directory it is given.
+        progress: Print a message when built.
+        label: Names the world in the message.
+        complete: Whether a directory with the marker is the wanted stage (``None``: it is);
+            one that is not is replaced.
+    """
+
+    def done() -> bool:
+        return (target / marker).is_file() and (complete is None or complete(target))
+
+    if done():
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     with _lock(target.parent / f".{target.name}.lock"):
-        if (target / marker).is_file():  # another process finished it meanwhile
+        if done():  # another process finished it meanwhile
             return
         for stale in target.parent.glob(f".tmp-{target.name}-*"):  # left by a killed build
             shutil.rmtree(stale, ignore_errors=True)
-        if target.exists():  # incomplete (tampered with): rebuild
+        if target.exists():  # incomplete (tampered with) or another build: rebuild
             shutil.rmtree(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
         try:
@@ -101,7 +122,7 @@ def build_stage(target: Path, marker: str, make: Callable[[Path], None], progres
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     if progress:
-        info(f"Default world: built {target}")
+        info(f"{label}: built {target}")
 
 
 @contextlib.contextmanager

@@ -14,11 +14,13 @@ import random
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 from rlkl_lightning.world import lexicon as lx
 from rlkl_lightning.world.patterns import PATTERNS, Pattern
 
 SPLITS = ("train", "validation", "test")
+T = TypeVar("T")
 
 # Per rating: the review's opinion (0: either), the chance that an opinion sentence
 # agrees with it, the chance of a contrast sentence, and the weights of strength 1/2/3.
@@ -139,12 +141,24 @@ def split_reviews(
     """
     if len({r.text for r in reviews}) != len(reviews):
         raise ValueError("split_reviews: `reviews` must have distinct texts")
-    if validation < 1 or test < 1 or validation + test >= len(reviews):
+    return shuffle_split(reviews, validation, test, seed, owner="split_reviews")
+
+
+def shuffle_split(
+    items: Sequence[T], validation: int, test: int, seed: int = 0, owner: str = "shuffle_split"
+) -> dict[str, list[T]]:
+    """Shuffle ``items`` with ``seed`` and cut them into train / validation / test.
+
+    The first ``test`` of the shuffled items are the test split, the next ``validation`` the
+    validation split, the rest the training split. Used for the default world's reviews and
+    for a user's texts (:mod:`rlkl_lightning.world.custom`).
+    """
+    if validation < 1 or test < 1 or validation + test >= len(items):
         raise ValueError(
-            f"split_reviews: need validation >= 1, test >= 1 and validation + test < "
-            f"{len(reviews)} reviews; got validation={validation}, test={test}"
+            f"{owner}: need validation >= 1, test >= 1 and validation + test < "
+            f"{len(items)} items; got validation={validation}, test={test}"
         )
-    order = list(reviews)
+    order = list(items)
     random.Random(seed).shuffle(order)
     return {
         "test": order[:test],
