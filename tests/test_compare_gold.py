@@ -81,7 +81,7 @@ def write_run(log_dir: Path, kl, proxy, gold) -> None:
 
 def group(per_seed_metrics):
     names = ("in_band_fraction", "drift_warnings", "final_perplexity", "final_kl_coef")
-    names += ("kl_tracking_error",)
+    names += ("kl_tracking_error", "settle_batch", "overshoot")
     return aggregate([dict.fromkeys(names, 0.0) | m for m in per_seed_metrics])
 
 
