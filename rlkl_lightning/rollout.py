@@ -113,6 +113,32 @@ def draw(probs: Tensor) -> Tensor:
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
 
 
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator that ``torch.rand(..., device=device)`` draws from (None if unknown)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = getattr(torch, device.type, None)
+    generators = getattr(module, "default_generators", None)
+    if not generators:
+        return None
+    return generators[device.index if device.index is not None else module.current_device()]
+
+
+def _decode_masks(policy: nn.Module, mask: Tensor):
+    """``length -> attention mask`` of a decoding step over the first ``length`` positions.
+
+    ``mask [B, P + R]`` holds the prompts' padding and ones for the responses. For an SDPA
+    model the mask is handed over as the boolean ``[B, 1, 1, length]`` tensor that
+    transformers would build from it (a view: nothing is allocated per token), so no check
+    of the padding runs on the host at every token (on a GPU each such check waits for the
+    device). Other attention implementations get the plain 2D mask.
+    """
+    if getattr(getattr(policy, "config", None), "_attn_implementation", None) == "sdpa":
+        allowed = mask.bool()[:, None, None, :]
+        return lambda length: allowed[..., :length]
+    return lambda length: mask[:, :length]
+
+
 @torch.no_grad()
 def sample_and_score(
     policy: nn.Module,
@@ -126,12 +152,19 @@ def sample_and_score(
     eos_token_id: int | None,
     pad_token_id: int,
     stop_at_eos: bool = True,
+    stop_check_every: int | None = None,
 ) -> tuple[Trajectory, TokenScores]:
     """Sample responses with a KV cache and keep the policy's scores of them.
 
     Tokens are drawn from ``softmax(filter(logits / temperature))``; the returned scores use
     the unfiltered ``logits / temperature``, exactly like
     :func:`~rlkl_lightning.logprobs.score_tokens`.
+
+    Nothing in the loop reads a tensor back to the host except the check whether every row
+    has stopped, once every ``stop_check_every`` tokens. Checking less often changes nothing
+    in the result: the steps sampled after the last row stopped are dropped, and the random
+    generator is put back to its state after that row's last step, as if the loop had
+    stopped there.
 
     Args:
         policy: A causal LM.
@@ -144,6 +177,9 @@ def sample_and_score(
         eos_token_id: A row stops at this token.
         pad_token_id: Filler after EOS.
         stop_at_eos: If False, always generate exactly ``max_new_tokens`` (benchmarks).
+        stop_check_every: Tokens between two checks whether every row has stopped (each check
+            waits for the device); None: every token on the CPU, where a check costs nothing,
+            every 8 tokens elsewhere.
 
     Returns:
         ``(trajectory, scores)``: a :class:`Trajectory` with ids, masks and the policy's
@@ -151,13 +187,20 @@ def sample_and_score(
         and the policy's :class:`TokenScores` at its response positions (float32 logits).
     """
     eos = eos_token_id if stop_at_eos else None
+    device = prompt_ids.device
+    every = stop_check_every or (1 if device.type == "cpu" else 8)
+    generator = _default_generator(device) if eos is not None and every > 1 else None
+    if generator is None:
+        every = 1  # without the generator's state, stopping late could not be undone
     was_training = policy.training
     policy.eval()
     try:
-        batch = prompt_ids.shape[0]
+        batch, prompt_len = prompt_ids.shape
         mask = prompt_mask.long()
         positions = position_ids_from_mask(mask)
-        cache = _kv_cache(policy, prompt_ids.shape[1] + max_new_tokens)
+        cache = _kv_cache(policy, prompt_len + max_new_tokens)
+        full_mask = torch.cat([mask, mask.new_ones(batch, max_new_tokens)], dim=1)
+        decode_mask = _decode_masks(policy, full_mask)
 
         def forward(ids: Tensor, attention: Tensor, position_ids: Tensor, **extra):
             return policy(
@@ -172,10 +215,11 @@ def sample_and_score(
 
         out = forward(prompt_ids, mask, positions, logits_to_keep=1)
         next_position = positions[:, -1:] + 1
-        finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
         tokens: list[Tensor] = []
         logits_steps: list[Tensor] = []
         hidden_steps: list[Tensor] = []
+        states: list[Tensor] = []  # the generator's state after each step (every > 1)
         for step in range(max_new_tokens):
             logits = out.logits[:, -1].float() / temperature
             logits_steps.append(logits)
@@ -184,15 +228,24 @@ def sample_and_score(
             tokens.append(token)
             if eos is not None:
                 finished |= token[:, 0] == eos
-                if bool(finished.all()):
+                if generator is not None:
+                    states.append(generator.get_state())
+                if (step + 1) % every == 0 and bool(finished.all()):
                     break
             if step + 1 == max_new_tokens:
                 break  # the last token's own logits are never needed
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-            out = forward(token, mask, next_position)
+            out = forward(token, decode_mask(prompt_len + step + 1), next_position)
             next_position = next_position + 1
 
         response_ids = torch.cat(tokens, dim=1)
+        if generator is not None:  # every row may have stopped before the last check
+            stopped = (response_ids == eos).any(dim=1)
+            if bool(stopped.all()):
+                length = int((response_ids == eos).int().argmax(dim=1).max()) + 1
+                if length < len(tokens):
+                    response_ids = response_ids[:, :length]
+                    logits_steps, hidden_steps = logits_steps[:length], hidden_steps[:length]
+                    generator.set_state(states[length - 1])
         response_mask = response_mask_after_eos(response_ids, eos)
         # Tokens after EOS are filler: make them pad so no model ever conditions on them.
         response_ids = torch.where(response_mask.bool(), response_ids, pad_token_id)
