@@ -1,4 +1,4 @@
-"""PPO throughput: seconds per PPO iteration of rlkl_lightning, optionally against TRL.
+r"""PPO throughput: seconds per PPO iteration of rlkl_lightning, optionally against TRL.
 
 Configuration (fixed, offline, seeded; see ``bench_world.py`` and ``workers.py``): a preset
 fixes the models and the work of an iteration. The default, ``gpt2-4x256``: GPT-2 policy with
@@ -25,8 +25,8 @@ Usage::
     python benchmarks/ppo_throughput.py                              # ours only
     python benchmarks/ppo_throughput.py --vs-trl --json bench.json   # + TRL, and the ratio
     python benchmarks/ppo_throughput.py --vs-trl --precision bf16-mixed
-    python benchmarks/ppo_throughput.py --vs-trl --device cuda --precision bf16-mixed \\
-        --preset gpt2-124m
+    python benchmarks/ppo_throughput.py --vs-trl --device cuda --preset gpt2-124m \
+        --precision bf16-mixed
 
 ``--vs-trl`` needs TRL 1.12.0, the last release with a PPOTrainer (``pip install -e
 '.[bench]'``); where it cannot be imported the script says so and runs ours only. The JSON
