@@ -275,9 +275,10 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         with no_grad(self.reference):
             ref = score_tokens(self.reference, traj, hp.temperature)
         ref_logits, ref_logprobs = ref.logits.clone(), ref.logprobs.clone()
+        ids, valid = traj.response_ids.cpu(), mask.bool().cpu()  # one copy off a GPU, not B
         responses = [
-            self.tokenizer.decode(row[m.bool()], skip_special_tokens=True)
-            for row, m in zip(traj.response_ids, mask, strict=True)
+            self.tokenizer.decode(row[m], skip_special_tokens=True)
+            for row, m in zip(ids, valid, strict=True)
         ]
         scores = self._reward_scores(prompts, responses)
         per_token = {
