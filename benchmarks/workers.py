@@ -8,7 +8,8 @@ of them runs. Phase boundaries wait for the device (``torch.cuda.synchronize`` o
 each phase's time is the time of its own work.
 
 Run by ``ppo_throughput.py``: ``python workers.py SIDE WORLD_DIR RESULT_FD ITERATIONS SETTINGS``
-(``SETTINGS``: JSON with ``preset``, ``tiny``, ``device``, ``precision``, ``threads``).
+(``SETTINGS``: JSON with ``preset``, ``tiny``, ``device``, ``precision``, ``threads``,
+``cpu_matmul``).
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def run_ours(world: Path, pacer: Pacer, iterations: int, settings: dict, separat
                 tokenizer=str(world / "tokenizer"),
                 text="prompt+response",
                 batch_size=p.batch,
+                cpu_matmul=settings["cpu_matmul"],
             )
         ),
         init_kl_coef=KL_COEF,
@@ -160,6 +162,7 @@ def run_ours(world: Path, pacer: Pacer, iterations: int, settings: dict, separat
         num_minibatches=p.minibatches,
         lr=LR,
         log_samples_every=0,
+        cpu_matmul=settings["cpu_matmul"],
     )
     marks: dict[str, float] = {}
     module.rollout = pacer.timed(marks, None, "rollout_end", module.rollout)

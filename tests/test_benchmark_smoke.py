@@ -61,8 +61,11 @@ def test_preset_flop_counts_follow_the_models(throughput, name):
 
 def test_ppo_throughput_runs_tiny_presets_on_cpu(throughput, capsys, tmp_path):
     """Both sides of ours in worker processes, at a GPU preset's architecture, tiny."""
+    from rlkl_lightning import matmul
+
     bf16 = bool(throughput.cpu_flags() & set(throughput.BF16_FLAGS))
     args = ["--preset", "qwen2-0.5b", "--tiny", "--device", "cpu", "--threads", "1"]
+    args += ["--cpu-matmul", "onednn" if matmul.available() else "default"]
     args += ["--precision", "bf16-mixed" if bf16 else "32-true", "--iters", "1", "--warmup", "0"]
     results = throughput.main(args + ["--world", str(tmp_path / "world")])
     printed = capsys.readouterr().out

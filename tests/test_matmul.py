@@ -116,3 +116,42 @@ def test_ppo_module_and_reward_option(tiny_lm_dir, tmp_path):
     torch.testing.assert_close(fast(*pairs), plain(*pairs), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="cpu_matmul must be one of"):
         SequenceClassifierReward(str(tmp_path), label=1, cpu_matmul="fast")
+
+
+def test_a_training_batch_logs_what_the_default_logs(tiny_lm_dir):
+    """One PPO batch (separate value model) with and without oneDNN: the same numbers."""
+    from lightning.pytorch import Trainer, seed_everything
+    from torch.utils.data import DataLoader
+
+    metrics = {}
+    for cpu_matmul in ("default", "onednn"):
+        seed_everything(0, verbose=False)
+        module = PPOModule(
+            policy=str(tiny_lm_dir),
+            value_model=str(tiny_lm_dir),
+            reward=FunctionReward(lambda p, r: float(len(r.split()))),
+            max_prompt_tokens=16,
+            max_new_tokens=6,
+            ppo_epochs=2,
+            num_minibatches=2,
+            lr=1e-3,
+            log_samples_every=0,
+            cpu_matmul=cpu_matmul,
+        )
+        prompts = ["the film was", "this book is", "the food", "a story"] * 2
+        data = DataLoader(prompts, batch_size=8, collate_fn=lambda xs: {"prompt": xs})
+        trainer = Trainer(
+            accelerator="cpu",
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
+        trainer.fit(module, data)
+        metrics[cpu_matmul] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    default, onednn = metrics["default"], metrics["onednn"]
+    assert default["progress/skipped_batches"] == onednn["progress/skipped_batches"] == 0
+    for key in ("loss/policy", "loss/value", "objective/kl", "objective/score", "policy/grad_norm"):
+        assert onednn[key] == pytest.approx(default[key], rel=1e-4, abs=1e-6), key
