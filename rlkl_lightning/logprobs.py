@@ -113,8 +113,8 @@ class TokenLogProbs(torch.autograd.Function):
             else:
                 grad_hidden = (grad_logits @ weight).to(hidden.dtype)
         if ctx.needs_input_grad[1]:
-            if ctx.onednn:
-                grad_weight = product_t(grad_logits.t(), hidden.to(weight.dtype).t(), True)
+            if ctx.onednn:  # [H, V], transposed: the faster product (matmul.py)
+                grad_weight = product_t(hidden.to(weight.dtype).t(), grad_logits.t(), True).t()
             else:
                 grad_weight = grad_logits.t() @ hidden.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None

@@ -70,10 +70,23 @@ class _Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _product(grad, weight.t()).view(ctx.shape)
         if ctx.needs_input_grad[1]:
-            grad_w = _product(grad.t(), flat.t())
+            grad_w = _weight_gradient(grad, flat, weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.sum(0)
         return grad_x, grad_w, grad_b
+
+
+def _weight_gradient(grad: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+    """``grad [N, M].T @ x [N, K]``, laid out like ``weight [M, K]``.
+
+    oneDNN copies a transposed first operand; with many more rows than columns (an LM head)
+    that copy costs more than the product, and the transposed product ``x.T @ grad`` is
+    faster. A weight that is itself a transposed view (GPT-2's ``Conv1D``) gets its gradient
+    in that layout, so it needs no copy either.
+    """
+    if weight.shape[0] > weight.shape[1] or not weight.is_contiguous():
+        return _product(x.t(), grad.t()).t()
+    return _product(grad.t(), x.t())
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
