@@ -60,24 +60,31 @@ def test_preset_flop_counts_follow_the_models(throughput, name):
 
 
 def test_ppo_throughput_runs_tiny_presets_on_cpu(throughput, capsys, tmp_path):
-    """Both sides of ours in worker processes, at a GPU preset's architecture, tiny."""
+    """Our side in a worker process, at a GPU preset's architecture, tiny."""
+    # One worker: each costs an interpreter with torch, Lightning and transformers; a PPO
+    # batch with a separate value model runs in tests/test_matmul.py.
     from rlkl_lightning import matmul
 
     bf16 = bool(throughput.cpu_flags() & set(throughput.BF16_FLAGS))
     args = ["--preset", "qwen2-0.5b", "--tiny", "--device", "cpu", "--threads", "1"]
     args += ["--cpu-matmul", "onednn" if matmul.available() else "default"]
     args += ["--precision", "bf16-mixed" if bf16 else "32-true", "--iters", "1", "--warmup", "0"]
-    results = throughput.main(args + ["--world", str(tmp_path / "world")])
+    args += ["--no-separate-value", "--world", str(tmp_path / "world")]
+    results = throughput.main(args)
     printed = capsys.readouterr().out
     assert "CPU bfloat16 flags:" in printed and "preset qwen2-0.5b-tiny" in printed
-    for side in ("ours", "ours_separate_value"):
-        r = results[side]
-        assert r["optimizer_steps_per_iter"] == [4]  # 2 epochs x 2 minibatches
-        assert r["timed_iters"] == 1 and r["tokens_per_s"] > 0
-        assert all(r["phase_median_s"][p] > 0 and r["phase_mfu"][p] > 0 for p in throughput.PHASES)
+    r = results["ours"]
+    assert r["optimizer_steps_per_iter"] == [4]  # 2 epochs x 2 minibatches
+    assert r["timed_iters"] == 1 and r["tokens_per_s"] > 0
+    assert all(r["phase_median_s"][p] > 0 and r["phase_mfu"][p] > 0 for p in throughput.PHASES)
     assert results["config"]["precision"] == ("bf16-mixed" if bf16 else "32-true")
-    sep, own = results["ours_separate_value"], results["ours"]
-    assert sep["gflop_per_phase"]["update"] > own["gflop_per_phase"]["update"]
+    assert set(results) == {"ours", "machine", "config"}
+    # The FLOPs of a separate value model: one more trunk in scoring and in the update.
+    shape = throughput.flops.Shape.of(throughput.preset("qwen2-0.5b", tiny=True))
+    own, sep = (throughput.flops.phases(shape, s) for s in ("ours", "ours_separate_value"))
+    trunk = throughput.flops.trunk(shape, shape.batch, shape.seq)
+    assert sep["score"] - own["score"] == pytest.approx(trunk)
+    assert sep["update"] - own["update"] == pytest.approx(3 * shape.epochs * trunk)
 
 
 def test_bf16_is_skipped_where_the_cpu_has_no_bf16_units(throughput, capsys, monkeypatch):
