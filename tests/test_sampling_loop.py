@@ -10,6 +10,7 @@ changes no number.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -174,3 +175,24 @@ def test_eager_attention_and_grouped_query_models(tiny_lm_dir, tmp_path):
         plain = score_tokens(policy, traj, 0.7)
         valid = traj.response_mask.bool()
         torch.testing.assert_close(scores.logits[valid], plain.logits[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_weights_are_cast_once_per_rollout_and_never_after(tiny, monkeypatch):
+    """Under bf16 autocast (Lightning's: cache off) the loop casts each weight once."""
+    policy, tokenizer, ids, mask = tiny
+    policy = copy.deepcopy(policy)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        kept = _sample(policy, tokenizer, ids, mask)
+        assert kept[0][1].logits.dtype == torch.float32
+        with monkeypatch.context() as patch:  # a cast at every use, as without the cache
+            patch.setattr(rollout_module, "_weight_casts_kept", lambda device: nullcontext())
+            _assert_same(kept, _sample(policy, tokenizer, ids, mask))
+        # No cast outlives the rollout: after a change of the weights in place, even a
+        # cached autocast region computes with the new ones.
+        x = torch.randn(3, policy.config.n_embd)
+        with torch.no_grad():
+            policy.lm_head.weight.mul_(2.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=True):
+            cached = policy.lm_head(x)
+        torch.testing.assert_close(cached, policy.lm_head(x), rtol=0, atol=0)
+        assert not torch.is_autocast_cache_enabled()
