@@ -126,11 +126,10 @@ class SpacedPairReward:
         return self
 
 
-def run_ours(world: Path, pacer: Pacer, iterations: int, settings: dict, separate_value: bool):
-    """PPOModule's real training_step under a Lightning Trainer, one batch per iteration."""
-    import torch
+def ours(world: Path, settings: dict, separate_value: bool, iterations: int, callbacks=()):
+    """Our side: ``(trainer, module, data)``, PPOModule on the world as both sides configure it."""
     from bench_world import preset, prompts
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Trainer, seed_everything
     from torch.utils.data import DataLoader
 
     from rlkl_lightning import PPOModule
@@ -164,9 +163,31 @@ def run_ours(world: Path, pacer: Pacer, iterations: int, settings: dict, separat
         log_samples_every=0,
         cpu_matmul=settings["cpu_matmul"],
     )
+    data = DataLoader(
+        prompts(p, p.batch * iterations), batch_size=p.batch, collate_fn=lambda xs: {"prompt": xs}
+    )
+    trainer = Trainer(
+        accelerator="gpu" if settings["device"] == "cuda" else "cpu",
+        devices=1,
+        precision=settings["precision"],
+        max_epochs=1,
+        logger=False,
+        callbacks=list(callbacks),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    return trainer, module, data
+
+
+def run_ours(world: Path, pacer: Pacer, iterations: int, settings: dict, separate_value: bool):
+    """PPOModule's real training_step under a Lightning Trainer, one batch per iteration."""
+    import torch
+    from lightning.pytorch import Callback
+
     marks: dict[str, float] = {}
-    module.rollout = pacer.timed(marks, None, "rollout_end", module.rollout)
-    module.update = pacer.timed(marks, "update_start", "update_end", module.update)
 
     class Pace(Callback):
         def on_train_start(self, trainer, pl_module):
@@ -183,22 +204,9 @@ def run_ours(world: Path, pacer: Pacer, iterations: int, settings: dict, separat
             if batch_idx + 1 < iterations:
                 pacer.wait()
 
-    data = DataLoader(
-        prompts(p, p.batch * iterations), batch_size=p.batch, collate_fn=lambda xs: {"prompt": xs}
-    )
-    trainer = Trainer(
-        accelerator="gpu" if settings["device"] == "cuda" else "cpu",
-        devices=1,
-        precision=settings["precision"],
-        max_epochs=1,
-        logger=False,
-        callbacks=[Pace()],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    trainer, module, data = ours(world, settings, separate_value, iterations, [Pace()])
+    module.rollout = pacer.timed(marks, None, "rollout_end", module.rollout)
+    module.update = pacer.timed(marks, "update_start", "update_end", module.update)
     torch.set_num_threads(settings["threads"])
     pacer.send(ready=True)
     trainer.fit(module, data)
