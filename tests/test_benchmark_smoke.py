@@ -100,3 +100,16 @@ def test_cuda_without_a_gpu_is_refused(throughput, capsys):
     with pytest.raises(SystemExit) as exit_info:
         throughput.main(["--device", "cuda"])
     assert exit_info.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_profile_phases_runs_tiny(monkeypatch, capsys, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import profile_phases
+
+    args = ["--tiny", "--threads", "1", "--warmup", "0", "--iters", "1", "--profiled", "1"]
+    profile_phases.main(args + ["--separate-value", "--world", str(tmp_path / "world")])
+    printed = capsys.readouterr().out
+    assert "CPU seconds per iteration (median of 1): rollout" in printed
+    for phase in ("rollout", "score", "update"):
+        assert f"\n{phase}: operators by self time" in printed
+    assert "calls  aten::" in printed
