@@ -266,7 +266,8 @@ def plain_lm_head_weight(model: nn.Module) -> Tensor | None:
 @torch.no_grad()
 def _check_plain_head(model: nn.Module) -> bool:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not nn.Linear or head.bias is not None or not hasattr(model, "base_model"):
+    plain = type(head) in (nn.Linear, OneDNNLinear) and head.bias is None  # OneDNN: matmul.py
+    if not plain or not hasattr(model, "base_model"):
         return False
     device = head.weight.device
     ids = torch.arange(1, 6, device=device).remainder(head.weight.shape[0]).unsqueeze(0)

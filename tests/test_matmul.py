@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from rlkl_lightning import PPOModule
 from rlkl_lightning.logprobs import gather_logprobs, token_logprobs
 from rlkl_lightning.matmul import OneDNNConv1D, OneDNNLinear, available, linear, use_onednn
+from rlkl_lightning.models import plain_lm_head_weight
 from rlkl_lightning.rewards import FunctionReward, SequenceClassifierReward
 
 pytestmark = pytest.mark.skipif(not available(), reason="this PyTorch has no oneDNN kernel")
@@ -99,6 +100,7 @@ def test_ppo_module_and_reward_option(tiny_lm_dir, tmp_path):
     module = PPOModule(value_model=str(tiny_lm_dir), cpu_matmul="onednn", **kw)
     for model in (module.policy, module.reference, module.value_trunk):
         assert isinstance(model.lm_head, OneDNNLinear)
+        assert plain_lm_head_weight(model) is model.lm_head.weight  # the fused head's path
     assert module.hparams.cpu_matmul == "onednn"
     assert isinstance(PPOModule(**kw).policy.lm_head, torch.nn.Linear)
     assert not isinstance(PPOModule(**kw).policy.lm_head, OneDNNLinear)
