@@ -1,10 +1,12 @@
-"""Analytic FLOP counts of one PPO iteration, and the machine's measured fp32 matmul peak.
+"""Analytic FLOP counts of one PPO iteration, and the device's measured matmul peak.
 
 Counting convention (multiply-add = 2 FLOPs; matmuls only, element-wise ops ignored). For a
-GPT-2 with ``L`` layers, width ``d``, vocabulary ``V``:
+model with ``L`` layers, width ``d``, vocabulary ``V`` and ``W`` weights in each layer's
+matrix products (GPT-2: ``12 d^2``; Qwen2: Q, K, V, O projections and a 3-matrix MLP):
 
-- trunk, per token and forward: ``24 L d^2`` (QKV ``6 d^2``, attention output ``2 d^2``,
-  MLP ``16 d^2``, per layer), i.e. ``2 x (trunk parameters without embeddings) x tokens``;
+- trunk, per token and forward: ``2 L W`` (GPT-2: ``24 L d^2``: QKV ``6 d^2``, attention
+  output ``2 d^2``, MLP ``16 d^2``, per layer), i.e. ``2 x (trunk parameters without
+  embeddings) x tokens``;
 - attention, per sequence of ``T`` tokens and forward: ``4 L d T^2`` (``Q K^T`` and
   ``softmax x V`` over the full ``T x T`` score matrix, as the masked kernel computes it);
   one decoding step against ``t`` cached positions costs ``4 L d t``;
@@ -37,6 +39,21 @@ class Shape:
     prompt: int
     response: int
     epochs: int
+    layer_weights: int = 0  # weights of one layer's matrix products; 0: GPT-2's 12 width^2
+
+    @classmethod
+    def of(cls, preset) -> Shape:
+        """The shape of a ``bench_world.Preset``."""
+        return cls(
+            preset.layers,
+            preset.width,
+            preset.vocab,
+            preset.batch,
+            preset.prompt,
+            preset.response,
+            preset.epochs,
+            preset.layer_weights,
+        )
 
     @property
     def seq(self) -> int:
@@ -45,7 +62,8 @@ class Shape:
 
 
 def _trunk(s: Shape, tokens: int) -> float:
-    return 24.0 * s.layers * s.width**2 * tokens
+    weights = s.layer_weights or 12 * s.width**2
+    return 2.0 * s.layers * weights * tokens
 
 
 def _attn(s: Shape, seqs: int, length: int) -> float:
@@ -107,22 +125,43 @@ def phases(s: Shape, side: str) -> dict[str, float]:
 
 
 def matmul_peak(
-    threads: int, sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 5
+    threads: int,
+    sizes: tuple[int, ...] | None = None,
+    repeats: int = 5,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> float:
-    """The machine's fp32 matmul peak: the best GFLOP/s of square ``torch.mm`` over a few sizes.
+    """The device's matmul peak in ``dtype``: the best GFLOP/s of square products.
 
     The best of several sizes and runs, because on a shared machine any single timing may be
-    slowed down by other processes, never sped up.
+    slowed down by other processes, never sped up. On a CPU in float32 the products are taken
+    both by ``torch.mm`` (MKL) and by oneDNN (``rlkl_lightning.matmul``), which is twice as
+    fast where MKL lacks AVX-512 kernels: the peak is the faster one's. On a GPU each timing
+    waits for the device (``torch.cuda.synchronize``) and the products are larger.
     """
+    cuda = device.startswith("cuda")
     torch.set_num_threads(threads)
+    sizes = sizes or ((4096, 8192) if cuda else (512, 1024, 2048))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    runs = 10 if cuda else 1
+    products = [lambda a, b, out: torch.mm(a, b, out=out)]
+    if not cuda and dtype == torch.float32:
+        from rlkl_lightning import matmul
+
+        if matmul.available():
+            products.append(lambda a, b, out: matmul.product_t(a, b, onednn=True))
     best = 0.0
     for size in sizes:
-        a = torch.randn(size, size)
-        b = torch.randn(size, size)
-        out = torch.empty(size, size)
-        torch.mm(a, b, out=out)
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, b, out=out)
-            best = max(best, 2.0 * size**3 / (time.perf_counter() - start) / 1e9)
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        out = torch.empty(size, size, device=device, dtype=dtype)
+        for product in products:
+            product(a, b, out)
+            for _ in range(repeats):
+                sync()
+                start = time.perf_counter()
+                for _ in range(runs):
+                    product(a, b, out)
+                sync()
+                best = max(best, 2.0 * size**3 * runs / (time.perf_counter() - start) / 1e9)
     return best

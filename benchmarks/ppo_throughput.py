@@ -1,25 +1,37 @@
-"""PPO throughput: seconds per PPO iteration of rlkl_lightning, optionally against TRL.
+r"""PPO throughput: seconds per PPO iteration of rlkl_lightning, optionally against TRL.
 
-Configuration (fixed, offline, seeded; see ``bench_world.py`` and ``workers.py``): GPT-2
-policy with 4 layers, width 256, 4 heads, vocabulary 4096, 256 positions; frozen reference
-copy; a GPT-2 sequence classifier of the same size as reward model; 32 prompts of 16 tokens
-per iteration; exactly 32 sampled tokens at temperature 0.7; 4 PPO epochs x 4 minibatches
-(16 optimizer steps); fp32; 2 threads.
+Configuration (fixed, offline, seeded; see ``bench_world.py`` and ``workers.py``): a preset
+fixes the models and the work of an iteration. The default, ``gpt2-4x256``: GPT-2 policy with
+4 layers, width 256, 4 heads, vocabulary 4096, 256 positions; frozen reference copy; a GPT-2
+sequence classifier of the same size as reward model; 32 prompts of 16 tokens per iteration;
+exactly 32 sampled tokens at temperature 0.7; 4 PPO epochs x 4 minibatches (16 optimizer
+steps); 2 threads. ``gpt2-124m`` and ``qwen2-0.5b`` have the shapes of those models (random
+weights, built from configs) and a GPU-sized batch.
 
 Each side runs in its own worker process (so its peak memory is its own), paced by this
 process one iteration at a time: the sides alternate iteration by iteration, so all of them
 meet the same machine conditions. After ``--warmup`` iterations each, ``--iters`` iterations
-are timed. The fp32 matmul peak is measured by this script on this machine (``flops.py``), and
-the FLOPs of an iteration are counted with the analytic model-FLOPs formula of ``flops.py``.
+are timed. The matmul peak of the device in the run's precision is measured by this script
+(``flops.py``), and the FLOPs of each phase are counted with the analytic model-FLOPs formula
+of ``flops.py``: their ratio is the model FLOPs utilisation (MFU) of the phase.
+
+``--precision bf16-mixed`` runs both sides in bfloat16 autocast (ours: Lightning's
+``bf16-mixed``; TRL: its own ``bf16=True``). On a CPU it needs bfloat16 matrix units
+(``avx512_bf16`` or ``amx_bf16`` in ``/proc/cpuinfo``); without them the script says so and
+exits 0 without running.
 
 Usage::
 
     python benchmarks/ppo_throughput.py                              # ours only
     python benchmarks/ppo_throughput.py --vs-trl --json bench.json   # + TRL, and the ratio
+    python benchmarks/ppo_throughput.py --vs-trl --precision bf16-mixed
+    python benchmarks/ppo_throughput.py --vs-trl --device cuda --preset gpt2-124m \
+        --precision bf16-mixed
 
-``--vs-trl`` needs the ``bench`` extra (``pip install -e '.[bench]'``: TRL 1.12.0, the last
-release with a PPOTrainer). The JSON holds ``{"ours": {...}, "ours_separate_value": {...},
-"trl": {...}, "speedup": TRL median / ours median, "machine": {...}}``.
+``--vs-trl`` needs TRL 1.12.0, the last release with a PPOTrainer (``pip install -e
+'.[bench]'``); where it cannot be imported the script says so and runs ours only. The JSON
+holds ``{"ours": {...}, "ours_separate_value": {...}, "trl": {...}, "speedup": TRL median /
+ours median, "machine": {...}, "config": {...}}``.
 """
 
 from __future__ import annotations
@@ -39,38 +51,36 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import flops  # noqa: E402
-from bench_world import N_EMBD, N_LAYER, PROMPT_TOKENS, VOCAB, build  # noqa: E402
-from workers import BATCH, EPOCHS, MINIBATCHES, RESPONSE, THREADS  # noqa: E402
+from bench_world import PRESETS, build, preset  # noqa: E402
 
-SHAPE = flops.Shape(N_LAYER, N_EMBD, VOCAB, BATCH, PROMPT_TOKENS, RESPONSE, EPOCHS)
 LABELS = {
     "ours": "rlkl_lightning (value head on the policy trunk)",
     "ours_separate_value": "rlkl_lightning (separate value model)",
     "trl": "TRL 1.12.0 PPOTrainer (separate value model)",
 }
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+PHASES = ("rollout", "score", "update")
 
 
 class Worker:
     """A worker process running one side, driven one iteration at a time."""
 
-    def __init__(
-        self, side: str, world: Path, iterations: int, log_dir: Path, omp_wait_policy: str
-    ):
+    def __init__(self, side: str, world: Path, iterations: int, log_dir: Path, settings: dict):
         read_fd, write_fd = os.pipe()
         self.side = side
         self.log = log_dir / f"{side}.log"
         env = {
             **os.environ,
-            "OMP_NUM_THREADS": str(THREADS),
+            "OMP_NUM_THREADS": str(settings["threads"]),
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1",
         }
-        if omp_wait_policy != "default":
-            env["OMP_WAIT_POLICY"] = omp_wait_policy.upper()
+        if settings["omp_wait_policy"] != "default":
+            env["OMP_WAIT_POLICY"] = settings["omp_wait_policy"].upper()
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(HERE / "workers.py"), side, str(world), str(write_fd)]
-                + [str(iterations)],
+                + [str(iterations), json.dumps(settings)],
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -104,30 +114,35 @@ class Worker:
         self.proc.wait(timeout=300)
 
 
-def summarize(side: str, runs: list[dict], peak_gflops: float) -> dict:
-    """Median, min and max seconds per iteration, throughput, FLOPs and peak fractions."""
-    phase_flops = flops.phases(SHAPE, side)
+def summarize(side: str, runs: list[dict], shape: flops.Shape, peak_gflops: float) -> dict:
+    """Median, min and max seconds per iteration, throughput, FLOPs and MFU per phase."""
+    phase_flops = flops.phases(shape, side)
     seconds = [r["seconds"] for r in runs]
     median = statistics.median(seconds)
     gflop = sum(phase_flops.values()) / 1e9
-    phases = {p: statistics.median(r[p] for r in runs) for p in ("rollout", "score", "update")}
-    return {
+    phases = {p: statistics.median(r[p] for r in runs) for p in PHASES}
+    mfu = {p: phase_flops[p] / 1e9 / phases[p] / peak_gflops for p in PHASES}
+    summary = {
         "median_s_per_iter": median,
         "min_s_per_iter": min(seconds),
         "max_s_per_iter": max(seconds),
         "iters_per_s": 1.0 / median,
-        "tokens_per_s": BATCH * RESPONSE / median,
+        "tokens_per_s": shape.batch * shape.response / median,
         "gflop_per_iter": gflop,
         "gflop_per_phase": {p: f / 1e9 for p, f in phase_flops.items()},
         "phase_median_s": phases,
         "peak_fraction": gflop / median / peak_gflops,
-        "update_peak_fraction": phase_flops["update"] / 1e9 / phases["update"] / peak_gflops,
+        "phase_mfu": mfu,
+        "update_peak_fraction": mfu["update"],
         "max_rss_mib": max(r["max_rss_mib"] for r in runs),
         "optimizer_steps_per_iter": sorted({r["optimizer_steps"] for r in runs}),
         "optimizer": runs[0].get("optimizer"),
         "timed_iters": len(runs),
         "seconds": seconds,
     }
+    if "max_gpu_mib" in runs[0]:
+        summary["max_gpu_mib"] = max(r["max_gpu_mib"] for r in runs)
+    return summary
 
 
 def load_average() -> list[float]:
@@ -138,31 +153,83 @@ def load_average() -> list[float]:
         return []
 
 
-def report(side: str, s: dict) -> None:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def device_name(device: str) -> str:
+    """The CPU model and its core count, or the GPU's name."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def report(side: str, s: dict, cpu_matmul: str = "default") -> None:
     """Print one side's summary."""
-    ph, gf = s["phase_median_s"], s["gflop_per_phase"]
+    label = LABELS[side] + (f", cpu_matmul={cpu_matmul}" if side.startswith("ours") else "")
+    ph, gf, mfu = s["phase_median_s"], s["gflop_per_phase"], s["phase_mfu"]
+    memory = f"max RSS {s['max_rss_mib']:.0f} MiB"
+    if "max_gpu_mib" in s:
+        memory += f", peak GPU memory {s['max_gpu_mib']:.0f} MiB (max_memory_allocated)"
     print(
-        f"{LABELS[side]}\n"
+        f"{label}\n"
         f"  {s['median_s_per_iter']:.3f} s/iter median (min {s['min_s_per_iter']:.3f}, "
         f"max {s['max_s_per_iter']:.3f}, {s['timed_iters']} iterations), "
         f"{s['tokens_per_s']:.0f} generated tokens/s\n"
         f"  phases (medians): rollout {ph['rollout']:.3f} s, scoring {ph['score']:.3f} s, "
         f"update {ph['update']:.3f} s\n"
         f"  {s['gflop_per_iter']:.1f} GFLOP/iter (rollout {gf['rollout']:.1f}, scoring "
-        f"{gf['score']:.1f}, update {gf['update']:.1f}); {100 * s['peak_fraction']:.0f}% of the "
-        f"matmul peak overall, {100 * s['update_peak_fraction']:.0f}% in the update\n"
-        f"  max RSS {s['max_rss_mib']:.0f} MiB; optimizer steps per iteration "
+        f"{gf['score']:.1f}, update {gf['update']:.1f}); MFU {100 * s['peak_fraction']:.0f}% "
+        f"overall, rollout {100 * mfu['rollout']:.0f}%, scoring {100 * mfu['score']:.0f}%, "
+        f"update {100 * mfu['update']:.0f}%\n"
+        f"  {memory}; optimizer steps per iteration "
         f"{s['optimizer_steps_per_iter']}, {s['optimizer']}"
     )
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark; returns the results that ``--json`` writes."""
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vs-trl", action="store_true", help="also run TRL's PPOTrainer")
     parser.add_argument("--json", type=Path, help="write the results to this file")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per side")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per side")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="gpt2-4x256", help="models and batch"
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="the preset's architecture at smoke-test size"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--precision",
+        choices=("32-true", "bf16-mixed"),
+        default="32-true",
+        help="fp32, or bfloat16 autocast on both sides (on a CPU: where it has bf16 units)",
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every worker")
+    parser.add_argument(
+        "--cpu-matmul",
+        choices=("default", "onednn"),
+        default="default",
+        help="our side's cpu_matmul option (policy, reference, value and reward models): "
+        "onednn takes oneDNN's float32 kernels, twice as fast as MKL's on AMD CPUs",
+    )
     parser.add_argument(
         "--no-separate-value",
         action="store_true",
@@ -179,21 +246,58 @@ def main(argv: list[str] | None = None) -> dict:
         "every side on a quiet machine)",
     )
     args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0:
-        parser.error("--iters must be >= 1 and --warmup >= 0")
-    if args.vs_trl and importlib.util.find_spec("trl") is None:
-        parser.error("--vs-trl needs TRL 1.12.0: pip install -e '.[bench]'")
+    if args.iters < 1 or args.warmup < 0 or args.threads < 1:
+        parser.error("--iters and --threads must be >= 1 and --warmup >= 0")
+    if args.device == "cuda":
+        import torch
 
-    tmp = Path(tempfile.mkdtemp(prefix="rlkl-bench-"))
-    world = build(args.world or tmp / "world")
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here; allowed: --device cpu")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; returns the results that ``--json`` writes ({} when skipped)."""
+    import torch
+
+    args = parse(argv)
+    flags = sorted(cpu_flags() & set(BF16_FLAGS))
+    print(f"CPU bfloat16 flags: {', '.join(flags) or 'none'} (of {', '.join(BF16_FLAGS)})")
+    if args.precision == "bf16-mixed" and args.device == "cpu" and not flags:
+        print(
+            "skipped: --precision bf16-mixed on this CPU, which has no bfloat16 matrix units "
+            f"({' / '.join(BF16_FLAGS)} not in /proc/cpuinfo): bfloat16 would be emulated, "
+            "slower than fp32, and say nothing about either library"
+        )
+        return {}
     sides = ["ours"] + ([] if args.no_separate_value else ["ours_separate_value"])
-    sides += ["trl"] if args.vs_trl else []
+    if args.vs_trl:
+        if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
+            print("TRL cannot be imported here (pip install trl==1.12.0): ours only")
+        else:
+            sides.append("trl")
+
+    chosen = preset(args.preset, args.tiny)
+    shape = flops.Shape.of(chosen)
+    settings = {
+        "preset": args.preset,
+        "tiny": args.tiny,
+        "device": args.device,
+        "precision": args.precision,
+        "threads": args.threads,
+        "omp_wait_policy": args.omp_wait_policy,
+        "cpu_matmul": args.cpu_matmul,
+    }
+    tmp = Path(tempfile.mkdtemp(prefix="rlkl-bench-"))
+    world = build(args.world or tmp / "world", chosen)
     total = args.warmup + args.iters
     load_before = load_average()
-    workers = {side: Worker(side, world, total, tmp, args.omp_wait_policy) for side in sides}
+    workers = {side: Worker(side, world, total, tmp, settings) for side in sides}
     for w in workers.values():
         w.receive()  # ready: models loaded, trainer built
-    peak = flops.matmul_peak(THREADS)  # workers are idle: only this process computes
+    dtype = torch.bfloat16 if args.precision == "bf16-mixed" else torch.float32
+    peak_kw = {"device": args.device, "dtype": dtype}
+    peak = flops.matmul_peak(args.threads, **peak_kw)  # workers are idle: only we compute
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for i in range(total):
         times = {}
@@ -210,57 +314,55 @@ def main(argv: list[str] | None = None) -> dict:
         )
     for w in workers.values():
         w.close()
-    peak = max(peak, flops.matmul_peak(THREADS))
+    peak = max(peak, flops.matmul_peak(args.threads, **peak_kw))
 
-    results: dict = {side: summarize(side, runs[side], peak) for side in sides}
+    results: dict = {side: summarize(side, runs[side], shape, peak) for side in sides}
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
     results["machine"] = {
-        "cpu": _cpu_name(),
-        "threads": THREADS,
+        "device": device_name(args.device),
+        "cpu_bf16_flags": flags,
+        "threads": args.threads,
         "omp_wait_policy": args.omp_wait_policy,
-        "fp32_matmul_peak_gflops": peak,
+        f"{precision}_matmul_peak_gflops": peak,
         "load_average_before": load_before,
         "load_average_after": load_average(),
+        "torch": torch.__version__,
     }
     results["config"] = {
-        "prompts": BATCH,
-        "prompt_tokens": PROMPT_TOKENS,
-        "generated_tokens": RESPONSE,
-        "ppo_epochs": EPOCHS,
-        "minibatches": MINIBATCHES,
+        "preset": chosen.name,
+        "device": args.device,
+        "precision": args.precision,
+        "cpu_matmul": args.cpu_matmul,
+        "prompts": chosen.batch,
+        "prompt_tokens": chosen.prompt,
+        "generated_tokens": chosen.response,
+        "ppo_epochs": chosen.epochs,
+        "minibatches": chosen.minibatches,
         "warmup_iters": args.warmup,
         "timed_iters": args.iters,
     }
-    if args.vs_trl:
+    if "trl" in sides:
         trl_median = results["trl"]["median_s_per_iter"]
         results["speedup"] = trl_median / results["ours"]["median_s_per_iter"]
         if "ours_separate_value" in results:
             sep = results["ours_separate_value"]["median_s_per_iter"]
             results["speedup_separate_value"] = trl_median / sep
     print(
-        f"\nmachine: {results['machine']['cpu']}, {THREADS} threads, OMP_WAIT_POLICY "
-        f"{args.omp_wait_policy}; measured fp32 matmul peak "
-        f"{peak:.1f} GFLOP/s; load average before {load_before}, after "
+        f"\nmachine: {results['machine']['device']}, {args.threads} threads, OMP_WAIT_POLICY "
+        f"{args.omp_wait_policy}; preset {chosen.name}, {args.precision}, our cpu_matmul "
+        f"{args.cpu_matmul}; measured {precision} "
+        f"matmul peak {peak:.1f} GFLOP/s; load average before {load_before}, after "
         f"{results['machine']['load_average_after']}"
     )
     for side in sides:
-        report(side, results[side])
-    if args.vs_trl:
+        report(side, results[side], args.cpu_matmul)
+    if "trl" in sides:
         print(f"speedup (TRL median / ours median): {results['speedup']:.2f}x")
         if "speedup_separate_value" in results:
             print(f"speedup with a separate value model: {results['speedup_separate_value']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

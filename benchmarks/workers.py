@@ -2,10 +2,14 @@
 
 A worker loads its library, builds its trainer on the benchmark world and starts training.
 Before every iteration it blocks until the parent writes ``go`` on its stdin; after the
-iteration it writes one JSON line (wall time, phase split, max RSS) to the result pipe. So the
-parent can alternate the libraries iteration by iteration while only one of them runs.
+iteration it writes one JSON line (wall time, phase split, max RSS, peak GPU memory) to the
+result pipe. So the parent can alternate the libraries iteration by iteration while only one
+of them runs. Phase boundaries wait for the device (``torch.cuda.synchronize`` on a GPU), so
+each phase's time is the time of its own work.
 
-Run by ``ppo_throughput.py``: ``python workers.py SIDE WORLD_DIR RESULT_FD ITERATIONS``.
+Run by ``ppo_throughput.py``: ``python workers.py SIDE WORLD_DIR RESULT_FD ITERATIONS SETTINGS``
+(``SETTINGS``: JSON with ``preset``, ``tiny``, ``device``, ``precision``, ``threads``,
+``cpu_matmul``).
 """
 
 from __future__ import annotations
@@ -17,8 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-BATCH, RESPONSE, EPOCHS, MINIBATCHES, TEMPERATURE = 32, 32, 4, 4, 0.7
-KL_COEF, LR, SEED, THREADS = 0.05, 3e-6, 0, 2
+TEMPERATURE, KL_COEF, LR, SEED = 0.7, 0.05, 3e-6, 0
 
 
 class StepCounter:
@@ -42,11 +45,15 @@ class StepCounter:
 class Pacer:
     """Blocks before each iteration until told to go; reports each iteration's timings."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, device: str):
+        import torch
+
         self.out = os.fdopen(fd, "w", buffering=1)
         self.start = 0.0
         self.counter = StepCounter()
         self.info: dict = {}
+        self.cuda = device == "cuda"
+        self.sync = torch.cuda.synchronize if self.cuda else (lambda: None)
 
     def send(self, **message) -> None:
         """Write one JSON line to the parent."""
@@ -58,14 +65,38 @@ class Pacer:
         if line != "go":
             raise SystemExit(0)
         self.counter.take()
+        self.sync()
         self.start = time.perf_counter()
 
     def done(self, **phases: float) -> None:
         """Report the iteration that just ended."""
+        self.sync()
         seconds = time.perf_counter() - self.start
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
         steps = self.counter.take()
-        self.send(seconds=seconds, max_rss_mib=rss, optimizer_steps=steps, **self.info, **phases)
+        gpu = {}
+        if self.cuda:
+            import torch
+
+            gpu["max_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        self.send(
+            seconds=seconds, max_rss_mib=rss, optimizer_steps=steps, **gpu, **self.info, **phases
+        )
+
+    def timed(self, marks: dict, start: str | None, end: str | None, fn):
+        """``fn`` with the device-synchronised clock written to ``marks[start]``/``[end]``."""
+
+        def wrapper(*args, **kwargs):
+            if start is not None:
+                self.sync()
+                marks.setdefault(start, time.perf_counter())
+            out = fn(*args, **kwargs)
+            if end is not None:
+                self.sync()
+                marks[end] = time.perf_counter()
+            return out
+
+        return wrapper
 
 
 def describe_optimizer(optimizer) -> dict:
@@ -79,7 +110,7 @@ class SpacedPairReward:
 
     The benchmark tokenizer is word level and decodes a response without a leading space, so
     the plain concatenation would glue the last prompt word to the first response word; with
-    the space the classifier sees the same 48 tokens that TRL gives its reward model.
+    the space the classifier sees the same tokens that TRL gives its reward model.
     """
 
     def __init__(self, classifier):
@@ -95,36 +126,68 @@ class SpacedPairReward:
         return self
 
 
-def run_ours(world: Path, pacer: Pacer, iterations: int, separate_value: bool) -> None:
-    """PPOModule's real training_step under a Lightning Trainer, one batch per iteration."""
-    import torch
-    from bench_world import prompts
-    from lightning.pytorch import Callback, Trainer, seed_everything
+def ours(world: Path, settings: dict, separate_value: bool, iterations: int, callbacks=()):
+    """Our side: ``(trainer, module, data)``, PPOModule on the world as both sides configure it."""
+    from bench_world import preset, prompts
+    from lightning.pytorch import Trainer, seed_everything
     from torch.utils.data import DataLoader
 
     from rlkl_lightning import PPOModule
     from rlkl_lightning.rewards import SequenceClassifierReward
 
+    p = preset(settings["preset"], settings["tiny"])
     seed_everything(SEED, verbose=False)
     module = PPOModule(
         policy=str(world / "policy"),
+        tokenizer=str(world / "tokenizer"),
         value_model=str(world / "policy") if separate_value else None,
         reward=SpacedPairReward(
             SequenceClassifierReward(
-                str(world / "reward"), label=0, text="prompt+response", batch_size=BATCH
+                str(world / "reward"),
+                label=0,
+                tokenizer=str(world / "tokenizer"),
+                text="prompt+response",
+                batch_size=p.batch,
+                cpu_matmul=settings["cpu_matmul"],
             )
         ),
         init_kl_coef=KL_COEF,
         kl_estimator="k1",
-        max_prompt_tokens=16,
-        max_new_tokens=RESPONSE,
+        max_prompt_tokens=p.prompt,
+        max_new_tokens=p.response,
         temperature=TEMPERATURE,
         stop_at_eos=False,
-        ppo_epochs=EPOCHS,
-        num_minibatches=MINIBATCHES,
+        ppo_epochs=p.epochs,
+        num_minibatches=p.minibatches,
         lr=LR,
         log_samples_every=0,
+        cpu_matmul=settings["cpu_matmul"],
     )
+    data = DataLoader(
+        prompts(p, p.batch * iterations), batch_size=p.batch, collate_fn=lambda xs: {"prompt": xs}
+    )
+    trainer = Trainer(
+        accelerator="gpu" if settings["device"] == "cuda" else "cpu",
+        devices=1,
+        precision=settings["precision"],
+        max_epochs=1,
+        logger=False,
+        callbacks=list(callbacks),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    return trainer, module, data
+
+
+def run_ours(world: Path, pacer: Pacer, iterations: int, settings: dict, separate_value: bool):
+    """PPOModule's real training_step under a Lightning Trainer, one batch per iteration."""
+    import torch
+    from lightning.pytorch import Callback
+
+    marks: dict[str, float] = {}
 
     class Pace(Callback):
         def on_train_start(self, trainer, pl_module):
@@ -132,41 +195,30 @@ def run_ours(world: Path, pacer: Pacer, iterations: int, separate_value: bool) -
             pacer.wait()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            m = trainer.callback_metrics
             pacer.done(
-                rollout=float(m["perf/rollout_s"]),
-                score=float(m["perf/score_s"]),
-                update=float(m["perf/update_s"]),
+                rollout=marks["rollout_end"] - pacer.start,
+                score=marks["update_start"] - marks["rollout_end"],
+                update=marks["update_end"] - marks["update_start"],
             )
+            marks.clear()
             if batch_idx + 1 < iterations:
                 pacer.wait()
 
-    data = DataLoader(
-        prompts(BATCH * iterations), batch_size=BATCH, collate_fn=lambda xs: {"prompt": xs}
-    )
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        callbacks=[Pace()],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    torch.set_num_threads(THREADS)
+    trainer, module, data = ours(world, settings, separate_value, iterations, [Pace()])
+    module.rollout = pacer.timed(marks, None, "rollout_end", module.rollout)
+    module.update = pacer.timed(marks, "update_start", "update_end", module.update)
+    torch.set_num_threads(settings["threads"])
     pacer.send(ready=True)
     trainer.fit(module, data)
 
 
-def run_trl(world: Path, pacer: Pacer, iterations: int) -> None:
+def run_trl(world: Path, pacer: Pacer, iterations: int, settings: dict) -> None:
     """TRL's PPOTrainer.train() on the same world and the same work per iteration."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import tempfile
 
     import torch
-    from bench_world import prompts
+    from bench_world import preset, prompts
     from datasets import Dataset
     from transformers import (
         AutoModelForCausalLM,
@@ -178,9 +230,10 @@ def run_trl(world: Path, pacer: Pacer, iterations: int) -> None:
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     from trl.experimental.ppo import ppo_trainer as trl_ppo
 
+    p = preset(settings["preset"], settings["tiny"])
     set_seed(SEED)
-    tokenizer = AutoTokenizer.from_pretrained(world / "policy")
-    ids = tokenizer(prompts(BATCH * iterations))["input_ids"]
+    tokenizer = AutoTokenizer.from_pretrained(world / "tokenizer")
+    ids = tokenizer(prompts(p, p.batch * iterations))["input_ids"]
     dataset = Dataset.from_dict({"input_ids": ids})
     policy = AutoModelForCausalLM.from_pretrained(world / "policy")
     reference = AutoModelForCausalLM.from_pretrained(world / "policy")
@@ -188,24 +241,24 @@ def run_trl(world: Path, pacer: Pacer, iterations: int) -> None:
     value = AutoModelForSequenceClassification.from_pretrained(world / "value")
     config = PPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
-        per_device_train_batch_size=BATCH,  # with 1 accumulation step: 32 prompts per iteration
+        per_device_train_batch_size=p.batch,  # with 1 accumulation step: p.batch prompts per iter
         gradient_accumulation_steps=1,  # so every minibatch is one optimizer step (16 per iter)
-        num_mini_batches=MINIBATCHES,
-        num_ppo_epochs=EPOCHS,
-        local_rollout_forward_batch_size=BATCH,  # one generation / scoring batch
-        total_episodes=BATCH * iterations,
-        response_length=RESPONSE,
+        num_mini_batches=p.minibatches,
+        num_ppo_epochs=p.epochs,
+        local_rollout_forward_batch_size=p.batch,  # one generation / scoring batch
+        total_episodes=p.batch * iterations,
+        response_length=p.response,
         temperature=TEMPERATURE,
-        stop_token=None,  # exactly 32 new tokens, like stop_at_eos=False on our side
+        stop_token=None,  # exactly p.response new tokens, like stop_at_eos=False on our side
         missing_eos_penalty=None,
         kl_coef=KL_COEF,
         kl_estimator="k1",
         learning_rate=LR,
         num_sample_generations=0,  # no extra sampling for logs
-        bf16=False,  # fp32, as the benchmark prescribes (TRL's default is bf16)
+        bf16=settings["precision"] == "bf16-mixed",  # TRL's own mixed precision
         fp16=False,
         gradient_checkpointing=False,  # TRL's default recomputes activations: off, it only slows
-        use_cpu=True,
+        use_cpu=settings["device"] == "cpu",
         seed=SEED,
         report_to=[],
         save_strategy="no",
@@ -216,21 +269,16 @@ def run_trl(world: Path, pacer: Pacer, iterations: int) -> None:
     )
 
     marks: dict[str, float] = {}
-    generate = trl_ppo.batch_generation
     forward = trl_ppo.forward
-
-    def timed_generation(*args, **kwargs):
-        out = generate(*args, **kwargs)
-        marks["rollout_end"] = time.perf_counter()
-        return out
 
     def timed_forward(model, *args, **kwargs):
         # The update loop forwards the policy+value wrapper; scoring forwards the reference.
         if isinstance(model, trl_ppo.PolicyAndValueWrapper) and "update_start" not in marks:
+            pacer.sync()
             marks["update_start"] = time.perf_counter()
         return forward(model, *args, **kwargs)
 
-    trl_ppo.batch_generation = timed_generation
+    trl_ppo.batch_generation = pacer.timed(marks, None, "rollout_end", trl_ppo.batch_generation)
     trl_ppo.forward = timed_forward
 
     class Pace(TrainerCallback):
@@ -242,6 +290,7 @@ def run_trl(world: Path, pacer: Pacer, iterations: int) -> None:
             pacer.wait()
 
         def on_step_end(self, args, state, control, **kwargs):
+            pacer.sync()
             end = time.perf_counter()
             pacer.done(
                 rollout=marks["rollout_end"] - pacer.start,
@@ -263,22 +312,24 @@ def run_trl(world: Path, pacer: Pacer, iterations: int) -> None:
         value_model=value,
         callbacks=[Pace()],
     )
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(settings["threads"])
     pacer.send(ready=True)
     trainer.train()
 
 
 def main() -> None:
     side, world, fd, iterations = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    settings = json.loads(sys.argv[5])
     sys.path.insert(0, str(Path(__file__).parent))
     import torch
 
-    torch.set_num_threads(THREADS)
-    pacer = Pacer(fd)
+    torch.set_num_threads(settings["threads"])
+    pacer = Pacer(fd, settings["device"])
     if side == "trl":
-        run_trl(world, pacer, iterations)
+        run_trl(world, pacer, iterations, settings)
     else:
-        run_ours(world, pacer, iterations, separate_value=side == "ours_separate_value")
+        separate = side == "ours_separate_value"
+        run_ours(world, pacer, iterations, settings, separate_value=separate)
 
 
 if __name__ == "__main__":

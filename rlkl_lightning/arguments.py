@@ -13,6 +13,7 @@ from torch import nn
 from rlkl_lightning.advantages import GROUP_ADVANTAGES
 from rlkl_lightning.kl import KL_ESTIMATORS
 from rlkl_lightning.kl_loss import KL_LOSS_ESTIMATORS, KL_PLACEMENTS
+from rlkl_lightning.matmul import CPU_MATMULS, available
 
 LR_SCHEDULES = ("constant", "linear")
 
@@ -87,6 +88,12 @@ PIPELINE_RULES = [
         "None or a finite number >= 1",
     ),
     ("lr_schedule", lambda x: x in LR_SCHEDULES, f"one of {LR_SCHEDULES}"),
+    ("cpu_matmul", lambda x: x in CPU_MATMULS, f"one of {CPU_MATMULS}"),
+    (
+        "cpu_matmul",
+        lambda x: x != "onednn" or available(),
+        "'default' (this PyTorch has no oneDNN float32 linear kernel)",
+    ),
     ("init_kl_coef", _finite_above(0, strict=False), "a finite number >= 0"),
     *[
         (name, _int_at_least(1), "an integer >= 1")
@@ -143,6 +150,16 @@ def context_of(model: nn.Module) -> int | None:
     """The model's context length in tokens (``n_positions`` or ``max_position_embeddings``)."""
     config = model.config
     return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+
+
+def check_vocabulary(owner: str, policy: nn.Module, reference: Any) -> None:
+    """The reference must score the policy's tokens: the same vocabulary size."""
+    vocab = [getattr(m.config, "vocab_size", None) for m in (reference, policy)]
+    if vocab[0] != vocab[1]:
+        raise ValueError(
+            f"{owner}: `reference` must share the policy's vocabulary: vocab_size "
+            f"{vocab[0]} != the policy's {vocab[1]}"
+        )
 
 
 def check_context(owner: str, policy: nn.Module, max_prompt_tokens: int, max_new_tokens: int):

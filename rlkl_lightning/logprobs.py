@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from rlkl_lightning.matmul import head_uses_onednn, product_t
 from rlkl_lightning.models import lm_forward, plain_lm_head_weight, trunk_forward
 from rlkl_lightning.trajectory import Trajectory
 
@@ -67,9 +68,9 @@ def score_tokens(
     weight = None if logits else plain_lm_head_weight(model)
     if weight is not None:
         hidden = trunk_forward(model, traj.input_ids, traj.attention_mask, keep)[:, :-1]
-        return TokenScores(
-            None, token_logprobs(hidden, weight, traj.response_ids, temperature), hidden
-        )
+        onednn = head_uses_onednn(model)
+        logprobs = token_logprobs(hidden, weight, traj.response_ids, temperature, onednn)
+        return TokenScores(None, logprobs, hidden)
     out = lm_forward(model, traj.input_ids, traj.attention_mask, keep)
     scaled = out.logits[:, :-1].float() / temperature
     return TokenScores(scaled, gather_logprobs(scaled, traj.response_ids), out.hidden[:, :-1])
@@ -79,14 +80,19 @@ class TokenLogProbs(torch.autograd.Function):
     """``log_softmax(hidden @ weight.T / temperature)`` gathered at ``tokens``: ``[N]``."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float) -> Tensor:
-        """``hidden [N, H]``, ``weight [V, H]``, ``tokens [N]`` -> log-probabilities ``[N]``."""
-        logits = (hidden @ weight.t()).float()  # log-probs always in float32
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, onednn: bool
+    ) -> Tensor:
+        """``hidden [N, H]``, ``weight [V, H]``, ``tokens [N]`` -> log-probabilities ``[N]``.
+
+        ``onednn``: float32 CPU products by oneDNN (:mod:`rlkl_lightning.matmul`).
+        """
+        logits = product_t(hidden, weight, onednn).float()  # log-probs always in float32
         logits.mul_(1.0 / temperature)
         logz = torch.logsumexp(logits, dim=-1)
         out = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
         ctx.save_for_backward(hidden, weight, tokens, logits, logz)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.onednn = temperature, onednn
         return out
 
     @staticmethod
@@ -102,18 +108,31 @@ class TokenLogProbs(torch.autograd.Function):
         grad_logits = grad_logits.to(weight.dtype)
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_hidden = (grad_logits @ weight).to(hidden.dtype)
+            if ctx.onednn:
+                grad_hidden = product_t(grad_logits, weight.t(), True).to(hidden.dtype)
+            else:
+                grad_hidden = (grad_logits @ weight).to(hidden.dtype)
         if ctx.needs_input_grad[1]:
-            grad_weight = grad_logits.t() @ hidden.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+            if ctx.onednn:  # [H, V], transposed: the faster product (matmul.py)
+                grad_weight = product_t(hidden.to(weight.dtype).t(), grad_logits.t(), True).t()
+            else:
+                grad_weight = grad_logits.t() @ hidden.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
 
 
-def token_logprobs(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+def token_logprobs(
+    hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, onednn: bool = False
+) -> Tensor:
     """Log-probabilities of ``tokens [B, R]`` under ``softmax(hidden [B, R, H] @ weight.T / T)``.
 
-    Equal to ``gather_logprobs((hidden @ weight.T).float() / T, tokens)``, float32.
+    Equal to ``gather_logprobs((hidden @ weight.T).float() / T, tokens)``, float32. ``onednn``:
+    float32 CPU products by oneDNN (:mod:`rlkl_lightning.matmul`).
     """
     flat = TokenLogProbs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, tokens.reshape(-1), float(temperature)
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        tokens.reshape(-1),
+        float(temperature),
+        onednn,
     )
     return flat.view(tokens.shape)

@@ -16,6 +16,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from rlkl_lightning.matmul import OneDNNLinear, use_onednn
+from rlkl_lightning.matmul import linear as onednn_linear
+
 
 def resolve_model_path(name_or_path: str, option: str = "policy") -> str:
     """Map ``"default"`` to the default world's SFT model (built on first use); else pass through.
@@ -200,7 +203,11 @@ def lm_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, keep
     weight = plain_lm_head_weight(model)
     if weight is not None:
         hidden = trunk_forward(model, input_ids, attention_mask, keep)
-        logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if isinstance(model.get_output_embeddings(), OneDNNLinear):  # cpu_matmul="onednn"
+            logits = onednn_linear(flat, weight)
+        else:
+            logits = flat @ weight.t()
         return LMOutput(logits.view(*hidden.shape[:2], -1), hidden)
     return _own_forward(model, input_ids, attention_mask, keep)
 
@@ -259,7 +266,8 @@ def plain_lm_head_weight(model: nn.Module) -> Tensor | None:
 @torch.no_grad()
 def _check_plain_head(model: nn.Module) -> bool:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not nn.Linear or head.bias is not None or not hasattr(model, "base_model"):
+    plain = type(head) in (nn.Linear, OneDNNLinear) and head.bias is None  # OneDNN: matmul.py
+    if not plain or not hasattr(model, "base_model"):
         return False
     device = head.weight.device
     ids = torch.arange(1, 6, device=device).remainder(head.weight.shape[0]).unsqueeze(0)
@@ -337,6 +345,7 @@ def policy_and_reference(
     reference: str | None = None,
     peft: Any = None,
     gradient_checkpointing: bool = False,
+    cpu_matmul: str = "default",
     trust_remote_code: bool = False,
 ) -> tuple[nn.Module, Any]:
     """Load the policy and build its reference.
@@ -352,10 +361,14 @@ def policy_and_reference(
             (:func:`~rlkl_lightning.lora.attach_adapters`), or None.
         gradient_checkpointing: Recompute the policy's activations in the backward pass
             (:func:`enable_gradient_checkpointing`).
+        cpu_matmul: ``onednn``: float32 CPU products of both through oneDNN
+            (:func:`~rlkl_lightning.matmul.use_onednn`); ``default``: PyTorch's.
         trust_remote_code: Run modelling code shipped with the models (off: refused).
     """
     trust = {"trust_remote_code": trust_remote_code}
     model = load_causal_lm(policy, option="policy", **trust)
+    if cpu_matmul == "onednn":  # before the copy: a frozen copy is switched with it
+        use_onednn(model)
     if peft is not None:
         from rlkl_lightning.lora import AdaptersOff, attach_adapters
 
@@ -365,5 +378,8 @@ def policy_and_reference(
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if reference:
-        return model, freeze(load_causal_lm(reference, option="reference", **trust))
+        frozen = freeze(load_causal_lm(reference, option="reference", **trust))
+        if cpu_matmul == "onednn":
+            use_onednn(frozen)
+        return model, frozen
     return model, own_reference

@@ -24,6 +24,7 @@ from rlkl_lightning.advantages import gae, shape_rewards
 from rlkl_lightning.arguments import PPO_RULES, check_all
 from rlkl_lightning.logprobs import TokenScores, score_tokens
 from rlkl_lightning.masked import masked_mean, masked_whiten
+from rlkl_lightning.matmul import use_onednn
 from rlkl_lightning.models import ValueHead, hidden_size_of, load_causal_lm, trunk_forward
 from rlkl_lightning.pipeline import RLPipeline
 from rlkl_lightning.ppo_loss import entropy_from_logits, policy_loss, value_loss
@@ -75,6 +76,8 @@ class PPOModule(RLPipeline):
                 value_model, option="value_model", trust_remote_code=self.hparams.trust_remote_code
             )
             self.value_head = ValueHead(hidden_size_of(self.value_trunk))
+            if self.hparams.cpu_matmul == "onednn":
+                use_onednn(self.value_trunk)
 
     def values(self, traj: Trajectory, policy_hidden: Tensor) -> Tensor:
         """Value estimates ``[B, R]`` (float32) at the positions that predict each token."""

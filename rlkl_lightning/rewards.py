@@ -184,6 +184,8 @@ class SequenceClassifierReward:
             concatenated (the response continues the prompt).
         trust_remote_code: Run code shipped with the classifier or its tokenizer; off, such a
             model is refused with an error. Set it only for models you trust.
+        cpu_matmul: ``default`` or ``onednn``: the classifier's float32 CPU matrix products
+            through oneDNN, as the pipeline's option of that name (:mod:`rlkl_lightning.matmul`).
     """
 
     def __init__(
@@ -196,7 +198,13 @@ class SequenceClassifierReward:
         max_length: int = 512,
         text: Literal["response", "prompt+response"] = "response",
         trust_remote_code: bool = False,
+        cpu_matmul: str = "default",
     ) -> None:
+        from rlkl_lightning.matmul import CPU_MATMULS, available, use_onednn
+
+        if cpu_matmul not in CPU_MATMULS or (cpu_matmul == "onednn" and not available()):
+            allowed = CPU_MATMULS if available() else ("default",)
+            raise ValueError(f"cpu_matmul must be one of {allowed}, got {cpu_matmul!r}")
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         if text not in TEXTS:
@@ -239,6 +247,8 @@ class SequenceClassifierReward:
                 f"`model` {self.name!r}: {type(err).__name__}: {err}"
             ) from err
         fuse_tanh_gelu(self.model)  # same activation in one kernel (models.fuse_tanh_gelu)
+        if cpu_matmul == "onednn":
+            use_onednn(self.model)
         self.model.eval()
         self.model.requires_grad_(False)
         if self.model.config.pad_token_id is None:

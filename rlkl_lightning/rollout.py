@@ -15,6 +15,8 @@ padded after the first EOS), ``V`` vocabulary.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
@@ -113,6 +115,52 @@ def draw(probs: Tensor) -> Tensor:
     return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
 
 
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator that ``torch.rand(..., device=device)`` draws from (None if unknown)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = getattr(torch, device.type, None)
+    generators = getattr(module, "default_generators", None)
+    if not generators:
+        return None
+    return generators[device.index if device.index is not None else module.current_device()]
+
+
+def _decode_masks(policy: nn.Module, mask: Tensor):
+    """``length -> attention mask`` of a decoding step over the first ``length`` positions.
+
+    ``mask [B, P + R]`` holds the prompts' padding and ones for the responses. For an SDPA
+    model the mask is handed over as the boolean ``[B, 1, 1, length]`` tensor that
+    transformers would build from it (a view: nothing is allocated per token), so no check
+    of the padding runs on the host at every token (on a GPU each such check waits for the
+    device). Other attention implementations get the plain 2D mask.
+    """
+    if getattr(getattr(policy, "config", None), "_attn_implementation", None) == "sdpa":
+        allowed = mask.bool()[:, None, None, :]
+        return lambda length: allowed[..., :length]
+    return lambda length: mask[:, :length]
+
+
+@contextlib.contextmanager
+def _weight_casts_kept(device_type: str):
+    """Under autocast, cast each weight to the low precision once for the whole loop.
+
+    Lightning's mixed precision autocasts with its cache off, which is right across optimizer
+    steps (a cached cast would outlive the weight's update) but casts every weight again at
+    every token of the rollout, where the weights never change. Here the cache is on for the
+    loop and emptied after it: the same low-precision values, computed once.
+    """
+    if not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    dtype = torch.get_autocast_dtype(device_type)
+    try:
+        with torch.autocast(device_type, dtype=dtype, cache_enabled=True):
+            yield
+    finally:
+        torch.clear_autocast_cache()
+
+
 @torch.no_grad()
 def sample_and_score(
     policy: nn.Module,
@@ -126,12 +174,19 @@ def sample_and_score(
     eos_token_id: int | None,
     pad_token_id: int,
     stop_at_eos: bool = True,
+    stop_check_every: int | None = None,
 ) -> tuple[Trajectory, TokenScores]:
     """Sample responses with a KV cache and keep the policy's scores of them.
 
     Tokens are drawn from ``softmax(filter(logits / temperature))``; the returned scores use
     the unfiltered ``logits / temperature``, exactly like
     :func:`~rlkl_lightning.logprobs.score_tokens`.
+
+    Nothing in the loop reads a tensor back to the host except the check whether every row
+    has stopped, once every ``stop_check_every`` tokens. Checking less often changes nothing
+    in the result: the steps sampled after the last row stopped are dropped, and the random
+    generator is put back to its state after that row's last step, as if the loop had
+    stopped there.
 
     Args:
         policy: A causal LM.
@@ -144,6 +199,9 @@ def sample_and_score(
         eos_token_id: A row stops at this token.
         pad_token_id: Filler after EOS.
         stop_at_eos: If False, always generate exactly ``max_new_tokens`` (benchmarks).
+        stop_check_every: Tokens between two checks whether every row has stopped (each check
+            waits for the device); None: every token on the CPU, where a check costs nothing,
+            every 8 tokens elsewhere.
 
     Returns:
         ``(trajectory, scores)``: a :class:`Trajectory` with ids, masks and the policy's
@@ -151,58 +209,99 @@ def sample_and_score(
         and the policy's :class:`TokenScores` at its response positions (float32 logits).
     """
     eos = eos_token_id if stop_at_eos else None
+    device = prompt_ids.device
+    every = stop_check_every or (1 if device.type == "cpu" else 8)
+    generator = _default_generator(device) if eos is not None and every > 1 else None
     was_training = policy.training
     policy.eval()
     try:
-        batch = prompt_ids.shape[0]
-        mask = prompt_mask.long()
-        positions = position_ids_from_mask(mask)
-        cache = _kv_cache(policy, prompt_ids.shape[1] + max_new_tokens)
-
-        def forward(ids: Tensor, attention: Tensor, position_ids: Tensor, **extra):
-            return policy(
-                input_ids=ids,
-                attention_mask=attention,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-                output_hidden_states=True,
-                **extra,
+        with _weight_casts_kept(device.type):
+            response_ids, logits, hidden = _decode(
+                policy,
+                prompt_ids,
+                prompt_mask,
+                max_new_tokens,
+                (temperature, top_k, top_p),
+                eos,
+                every if generator is not None else 1,  # no state: stopping late is final
+                generator,
             )
-
-        out = forward(prompt_ids, mask, positions, logits_to_keep=1)
-        next_position = positions[:, -1:] + 1
-        finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
-        tokens: list[Tensor] = []
-        logits_steps: list[Tensor] = []
-        hidden_steps: list[Tensor] = []
-        for step in range(max_new_tokens):
-            logits = out.logits[:, -1].float() / temperature
-            logits_steps.append(logits)
-            hidden_steps.append(out.hidden_states[-1][:, -1])
-            token = draw(torch.softmax(filter_logits(logits, top_k, top_p), dim=-1))
-            tokens.append(token)
-            if eos is not None:
-                finished |= token[:, 0] == eos
-                if bool(finished.all()):
-                    break
-            if step + 1 == max_new_tokens:
-                break  # the last token's own logits are never needed
-            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
-            out = forward(token, mask, next_position)
-            next_position = next_position + 1
-
-        response_ids = torch.cat(tokens, dim=1)
-        response_mask = response_mask_after_eos(response_ids, eos)
-        # Tokens after EOS are filler: make them pad so no model ever conditions on them.
-        response_ids = torch.where(response_mask.bool(), response_ids, pad_token_id)
-        attention_mask = torch.cat(
-            [prompt_mask.to(response_mask.dtype), response_mask], dim=1
-        ).long()
-        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-        logits = torch.stack(logits_steps, dim=1)
-        logprobs = gather_logprobs(logits, response_ids)
-        traj = Trajectory(input_ids, attention_mask, response_ids, response_mask, logprobs)
-        return traj, TokenScores(logits, logprobs, torch.stack(hidden_steps, dim=1))
     finally:
         policy.train(was_training)
+    response_mask = response_mask_after_eos(response_ids, eos)
+    # Tokens after EOS are filler: make them pad so no model ever conditions on them.
+    response_ids = torch.where(response_mask.bool(), response_ids, pad_token_id)
+    attention_mask = torch.cat([prompt_mask.to(response_mask.dtype), response_mask], dim=1).long()
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    logprobs = gather_logprobs(logits, response_ids)
+    traj = Trajectory(input_ids, attention_mask, response_ids, response_mask, logprobs)
+    return traj, TokenScores(logits, logprobs, hidden)
+
+
+def _decode(
+    policy: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    max_new_tokens: int,
+    sampling: tuple[float, int, float],
+    eos: int | None,
+    every: int,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The KV-cache loop: ``[B, R]`` tokens, ``[B, R, V]`` float32 logits / T, ``[B, R, H]``.
+
+    ``sampling``: temperature, top-k and top-p. Stops once every row has drawn ``eos``,
+    looking every ``every`` tokens; steps drawn after that are dropped and ``generator`` is
+    put back to its state after the last one kept.
+    """
+    temperature, top_k, top_p = sampling
+    batch, prompt_len = prompt_ids.shape
+    mask = prompt_mask.long()
+    positions = position_ids_from_mask(mask)
+    cache = _kv_cache(policy, prompt_len + max_new_tokens)
+    decode_mask = _decode_masks(policy, torch.cat([mask, mask.new_ones(batch, max_new_tokens)], 1))
+
+    def forward(ids: Tensor, attention: Tensor, position_ids: Tensor, **extra):
+        return policy(
+            input_ids=ids,
+            attention_mask=attention,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=True,
+            **extra,
+        )
+
+    out = forward(prompt_ids, mask, positions, logits_to_keep=1)
+    next_position = positions[:, -1:] + 1
+    finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
+    tokens: list[Tensor] = []
+    logits_steps: list[Tensor] = []
+    hidden_steps: list[Tensor] = []
+    states: list[Tensor] = []  # the generator's state after each step
+    for step in range(max_new_tokens):
+        logits = out.logits[:, -1].float() / temperature
+        logits_steps.append(logits)
+        hidden_steps.append(out.hidden_states[-1][:, -1])
+        token = draw(torch.softmax(filter_logits(logits, top_k, top_p), dim=-1))
+        tokens.append(token)
+        if eos is not None:
+            finished |= token[:, 0] == eos
+            if generator is not None:
+                states.append(generator.get_state())
+            if (step + 1) % every == 0 and bool(finished.all()):
+                break
+        if step + 1 == max_new_tokens:
+            break  # the last token's own logits are never needed
+        out = forward(token, decode_mask(prompt_len + step + 1), next_position)
+        next_position = next_position + 1
+
+    response_ids = torch.cat(tokens, dim=1)
+    if every > 1 and bool((response_ids == eos).any(dim=1).all()):
+        # Every row stopped, maybe before the last check: keep the steps up to the last stop.
+        length = int((response_ids == eos).int().argmax(dim=1).max()) + 1
+        if length < len(tokens):
+            response_ids = response_ids[:, :length]
+            logits_steps, hidden_steps = logits_steps[:length], hidden_steps[:length]
+            generator.set_state(states[length - 1])
+    return response_ids, torch.stack(logits_steps, dim=1), torch.stack(hidden_steps, dim=1)

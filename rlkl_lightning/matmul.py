@@ -1,0 +1,146 @@
+"""Float32 matrix products on the CPU through oneDNN: the ``cpu_matmul="onednn"`` option.
+
+PyTorch computes a float32 ``Linear`` on the CPU with its BLAS, Intel MKL in the x86 wheels.
+Where MKL does not take its AVX-512 kernels (on an AMD EPYC with AVX-512 we measured 99
+GFLOP/s per core for MKL and 215 for oneDNN, with the update's shapes), oneDNN's own float32
+kernels, which PyTorch's wheels also carry (``torch.ops.mkldnn._linear_pointwise``), are about
+twice as fast. With the option, every ``nn.Linear`` and GPT-2 ``Conv1D`` of the models, and the
+LM head products of :mod:`rlkl_lightning.logprobs`, compute their three products (forward,
+input gradient, weight gradient) there.
+
+Everything stays float32, but oneDNN adds the products in another order than MKL, so results
+differ from the default at float32 rounding (``tests/test_matmul.py`` bounds the difference).
+Whatever is not a float32 CPU product outside autocast (a GPU, ``bf16-mixed``, bf16 weights)
+takes PyTorch's own path, as without the option.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+from transformers.pytorch_utils import Conv1D
+
+CPU_MATMULS = ("default", "onednn")
+
+
+def available() -> bool:
+    """True if this PyTorch has oneDNN's float32 linear kernel for the CPU."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(
+            torch.ops.mkldnn, "_linear_pointwise"
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x [N, K] @ weight [M, K].T (+ bias)`` by oneDNN; any strides."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+
+
+def _takes(x: Tensor, weight: Tensor) -> bool:
+    """Whether the product of ``x`` and ``weight`` is one that oneDNN computes here."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+class _Linear(torch.autograd.Function):
+    """``x @ weight.T + bias`` with all three products by oneDNN."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """``x [..., K]``, ``weight [M, K]`` (any strides), ``bias [M]`` -> ``[..., M]``."""
+        flat = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(flat, weight)
+        ctx.shape, ctx.has_bias = x.shape, bias is not None
+        return _product(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        """Input, weight and bias gradients."""
+        flat, weight = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _product(grad, weight.t()).view(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = _weight_gradient(grad, flat, weight)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def _weight_gradient(grad: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+    """``grad [N, M].T @ x [N, K]``, laid out like ``weight [M, K]``.
+
+    oneDNN copies a transposed first operand; with many more rows than columns (an LM head)
+    that copy costs more than the product, and the transposed product ``x.T @ grad`` is
+    faster. A weight that is itself a transposed view (GPT-2's ``Conv1D``) gets its gradient
+    in that layout, so it needs no copy either.
+    """
+    if weight.shape[0] > weight.shape[1] or not weight.is_contiguous():
+        return _product(x.t(), grad.t()).t()
+    return _product(grad.t(), x.t())
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``torch.nn.functional.linear`` with float32 CPU products by oneDNN."""
+    if _takes(x, weight):
+        return _Linear.apply(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
+
+
+def product_t(a: Tensor, b: Tensor, onednn: bool) -> Tensor:
+    """``a [N, K] @ b [M, K].T``: by oneDNN if ``onednn`` and it takes them (no autograd)."""
+    if onednn and _takes(a, b):
+        return _product(a, b)
+    return a @ b.t()
+
+
+class OneDNNLinear(nn.Linear):
+    """``nn.Linear`` whose float32 CPU products run through oneDNN (same parameters)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x @ weight.T + bias``."""
+        return linear(x, self.weight, self.bias)
+
+
+class OneDNNConv1D(Conv1D):
+    """GPT-2's ``Conv1D`` (``x @ weight + bias``, weight ``[in, out]``) through oneDNN."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x @ weight + bias``."""
+        return linear(x, self.weight.t(), self.bias)
+
+
+def use_onednn(model: nn.Module) -> int:
+    """Compute the float32 CPU products of ``model``'s linear layers with oneDNN, in place.
+
+    Each ``nn.Linear`` and GPT-2 ``Conv1D`` becomes its subclass above: the same module with
+    the same parameters (state dicts, checkpoints and ``save_pretrained`` are unchanged).
+
+    Returns:
+        The number of layers changed.
+    """
+    changed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = OneDNNLinear
+        elif type(module) is Conv1D:
+            module.__class__ = OneDNNConv1D
+        else:
+            continue
+        changed += 1
+    return changed
+
+
+def head_uses_onednn(model: nn.Module) -> bool:
+    """Whether ``model``'s LM head was switched to oneDNN by :func:`use_onednn`."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return isinstance(head, OneDNNLinear)

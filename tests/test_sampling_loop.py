@@ -1,0 +1,198 @@
+"""The sampling loop reads nothing back from the device per token, and stays exact.
+
+On a GPU every read of a tensor's value by the host (``bool(t)``, ``t.item()``, ...) waits
+for the device to finish its queue. The test counts such reads on the CPU with a
+``TorchFunctionMode`` and shows that they do not grow with the number of tokens, and that
+checking for the end of every row less often, or handing transformers a prepared mask,
+changes no number.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from rlkl_lightning import rollout as rollout_module
+from rlkl_lightning.logprobs import score_tokens
+from rlkl_lightning.models import load_causal_lm, load_tokenizer, trunk_forward
+from rlkl_lightning.rollout import sample_and_score
+
+PROMPTS = ["the film was", "this book is really very", "the food", "a"]  # left padding
+HOST_READS = {
+    "__bool__",
+    "__contains__",
+    "__float__",
+    "__index__",
+    "__int__",
+    "allclose",
+    "cpu",
+    "equal",
+    "item",
+    "masked_select",
+    "nonzero",
+    "numpy",
+    "tolist",
+    "unique",
+}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the torch calls that read a tensor's value on the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_lm_dir):
+    policy = load_causal_lm(str(tiny_lm_dir))
+    tokenizer = load_tokenizer(str(tiny_lm_dir))
+    enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    return policy, tokenizer, enc["input_ids"], enc["attention_mask"]
+
+
+def _sample(policy, tokenizer, ids, mask, seed=0, **kw):
+    args = dict(
+        max_new_tokens=12,
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    out = sample_and_score(policy, ids, mask, **{**args, **kw})
+    return out, torch.get_rng_state()
+
+
+def _eos_likely(policy, eos, ids, mask):
+    """A copy whose EOS logit follows the mean hidden state: rows stop within a few tokens."""
+    policy = copy.deepcopy(policy)
+    with torch.no_grad():
+        mean = trunk_forward(policy, ids, mask, ids.shape[1]).reshape(-1, policy.config.n_embd)
+        mean = mean.mean(0)
+        policy.lm_head.weight[eos] = 4 * mean / mean.norm() ** 2
+    return policy
+
+
+def _assert_same(a, b):
+    (traj_a, scores_a), rng_a = a
+    (traj_b, scores_b), rng_b = b
+    for x, y in zip((*traj_a, *scores_a), (*traj_b, *scores_b), strict=True):
+        assert (x is None and y is None) or torch.equal(x, y)
+    assert torch.equal(rng_a, rng_b)  # the random stream goes on identically
+
+
+def test_host_reads_do_not_grow_with_the_tokens(tiny):
+    policy, tokenizer, ids, mask = tiny
+    counts = {}
+    for every in (1, 8):
+        for tokens in (8, 32):
+            kw = dict(max_new_tokens=tokens, stop_check_every=every, eos_token_id=10**6)
+            with HostReads() as reads:  # an EOS that is never drawn: no row stops
+                _sample(policy, tokenizer, ids, mask, **kw)
+            counts[every, tokens] = reads.names
+    # Checking every token reads once per token; every 8 tokens, once per 8 tokens: the
+    # 24 more tokens add 24 and 3 reads, all of them the stop check (`bool`).
+    for every, extra in ((1, 24), (8, 3)):
+        short, long = counts[every, 8], counts[every, 32]
+        assert len(long) - len(short) == extra and set(long) == {"__bool__"}
+    # transformers' 2 padding checks of the prefill, 4 stop checks, 1 after the loop
+    assert len(counts[8, 32]) == 7
+
+
+def test_checking_less_often_gives_the_same_rollout_and_random_stream(tiny):
+    policy, tokenizer, ids, mask = tiny
+    policy = _eos_likely(policy, tokenizer.eos_token_id, ids, mask)
+    every_token = _sample(policy, tokenizer, ids, mask, max_new_tokens=20, stop_check_every=1)
+    traj = every_token[0][0]
+    assert traj.response_ids.shape[1] < 8  # every row stopped before the first check at 8
+    assert bool((traj.response_mask == 0).any())  # and at different tokens
+    for every in (3, 8, 50):
+        _assert_same(
+            every_token,
+            _sample(policy, tokenizer, ids, mask, max_new_tokens=20, stop_check_every=every),
+        )
+
+
+def test_checking_less_often_without_early_stop(tiny):
+    policy, tokenizer, ids, mask = tiny
+    for stop_at_eos in (True, False):
+        kw = dict(max_new_tokens=10, stop_at_eos=stop_at_eos)
+        _assert_same(
+            _sample(policy, tokenizer, ids, mask, stop_check_every=1, **kw),
+            _sample(policy, tokenizer, ids, mask, stop_check_every=4, **kw),
+        )
+
+
+def test_prepared_masks_give_the_numbers_of_transformers_own(tiny, monkeypatch):
+    """The boolean 4D masks of SDPA models equal transformers' masks built from the 2D one."""
+    policy, tokenizer, ids, mask = tiny
+    prepared = _sample(policy, tokenizer, ids, mask, max_new_tokens=10)
+    monkeypatch.setattr(
+        rollout_module, "_decode_masks", lambda policy, full: lambda n: full[:, :n].clone()
+    )
+    _assert_same(prepared, _sample(policy, tokenizer, ids, mask, max_new_tokens=10))
+
+
+def test_eager_attention_and_grouped_query_models(tiny_lm_dir, tmp_path):
+    """The 2D-mask path (eager attention) and a grouped-query model score like a full pass."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = load_tokenizer(str(tiny_lm_dir))
+    enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    eager = load_causal_lm(str(tiny_lm_dir))
+    eager.config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    qwen = load_causal_lm(str(tmp_path))
+    for policy in (eager, qwen):
+        (traj, scores), _ = _sample(
+            policy, tokenizer, enc["input_ids"], enc["attention_mask"], stop_check_every=4
+        )
+        plain = score_tokens(policy, traj, 0.7)
+        valid = traj.response_mask.bool()
+        torch.testing.assert_close(scores.logits[valid], plain.logits[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_weights_are_cast_once_per_rollout_and_never_after(tiny, monkeypatch):
+    """Under bf16 autocast (Lightning's: cache off) the loop casts each weight once."""
+    policy, tokenizer, ids, mask = tiny
+    policy = copy.deepcopy(policy)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        kept = _sample(policy, tokenizer, ids, mask)
+        assert kept[0][1].logits.dtype == torch.float32
+        with monkeypatch.context() as patch:  # a cast at every use, as without the cache
+            patch.setattr(rollout_module, "_weight_casts_kept", lambda device: nullcontext())
+            _assert_same(kept, _sample(policy, tokenizer, ids, mask))
+        # No cast outlives the rollout: after a change of the weights in place, even a
+        # cached autocast region computes with the new ones.
+        x = torch.randn(3, policy.config.n_embd)
+        with torch.no_grad():
+            policy.lm_head.weight.mul_(2.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=True):
+            cached = policy.lm_head(x)
+        torch.testing.assert_close(cached, policy.lm_head(x), rtol=0, atol=0)
+        assert not torch.is_autocast_cache_enabled()
