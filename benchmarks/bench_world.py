@@ -92,10 +92,10 @@ PRESETS = {
 }
 
 
-def preset(name: str, tiny: bool = False) -> Preset:
-    """The preset ``name`` (``tiny``: its smoke-test size)."""
-    chosen = PRESETS[name]
-    return chosen.tiny() if tiny else chosen
+def preset(name: str, tiny: bool = False, batch: int | None = None) -> Preset:
+    """The preset ``name`` (``tiny``: its smoke-test size; ``batch``: other prompts/iteration)."""
+    chosen = PRESETS[name].tiny() if tiny else PRESETS[name]
+    return dataclasses.replace(chosen, batch=batch) if batch else chosen
 
 
 def _words(count: int) -> list[str]:
@@ -153,7 +153,9 @@ def build(root: Path, p: Preset) -> Path:
 
     root = Path(root)
     stamp = root / "world.json"
-    wanted = {"version": VERSION, "preset": dataclasses.asdict(p)}
+    work = ("batch", "prompt", "response", "epochs", "minibatches")  # not in the files
+    shapes = {k: v for k, v in dataclasses.asdict(p).items() if k not in work}
+    wanted = {"version": VERSION, "models": shapes}
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return root
     root.mkdir(parents=True, exist_ok=True)

@@ -215,6 +215,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tiny", action="store_true", help="the preset's architecture at smoke-test size"
     )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        help="prompts per iteration instead of the preset's (a multiple of its 4 minibatches)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--precision",
@@ -248,6 +253,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--iters and --threads must be >= 1 and --warmup >= 0")
+    minibatches = preset(args.preset, args.tiny).minibatches
+    if args.batch is not None and (args.batch < 1 or args.batch % minibatches):
+        parser.error(f"--batch must be a positive multiple of the {minibatches} minibatches")
     if args.device == "cuda":
         import torch
 
@@ -277,11 +285,12 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             sides.append("trl")
 
-    chosen = preset(args.preset, args.tiny)
+    chosen = preset(args.preset, args.tiny, args.batch)
     shape = flops.Shape.of(chosen)
     settings = {
         "preset": args.preset,
         "tiny": args.tiny,
+        "batch": args.batch,
         "device": args.device,
         "precision": args.precision,
         "threads": args.threads,

@@ -135,7 +135,7 @@ def ours(world: Path, settings: dict, separate_value: bool, iterations: int, cal
     from rlkl_lightning import PPOModule
     from rlkl_lightning.rewards import SequenceClassifierReward
 
-    p = preset(settings["preset"], settings["tiny"])
+    p = preset(settings["preset"], settings["tiny"], settings.get("batch"))
     seed_everything(SEED, verbose=False)
     module = PPOModule(
         policy=str(world / "policy"),
@@ -230,7 +230,7 @@ def run_trl(world: Path, pacer: Pacer, iterations: int, settings: dict) -> None:
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     from trl.experimental.ppo import ppo_trainer as trl_ppo
 
-    p = preset(settings["preset"], settings["tiny"])
+    p = preset(settings["preset"], settings["tiny"], settings.get("batch"))
     set_seed(SEED)
     tokenizer = AutoTokenizer.from_pretrained(world / "tokenizer")
     ids = tokenizer(prompts(p, p.batch * iterations))["input_ids"]

@@ -69,18 +69,19 @@ def test_ppo_throughput_runs_tiny_presets_on_cpu(throughput, capsys, tmp_path):
     args = ["--preset", "qwen2-0.5b", "--tiny", "--device", "cpu", "--threads", "1"]
     args += ["--cpu-matmul", "onednn" if matmul.available() else "default"]
     args += ["--precision", "bf16-mixed" if bf16 else "32-true", "--iters", "1", "--warmup", "0"]
-    args += ["--no-separate-value", "--world", str(tmp_path / "world")]
+    args += ["--no-separate-value", "--batch", "6", "--world", str(tmp_path / "world")]
     results = throughput.main(args)
     printed = capsys.readouterr().out
     assert "CPU bfloat16 flags:" in printed and "preset qwen2-0.5b-tiny" in printed
     r = results["ours"]
     assert r["optimizer_steps_per_iter"] == [4]  # 2 epochs x 2 minibatches
     assert r["timed_iters"] == 1 and r["tokens_per_s"] > 0
+    assert results["config"]["prompts"] == 6  # --batch, instead of the tiny preset's 4
     assert all(r["phase_median_s"][p] > 0 and r["phase_mfu"][p] > 0 for p in throughput.PHASES)
     assert results["config"]["precision"] == ("bf16-mixed" if bf16 else "32-true")
     assert set(results) == {"ours", "machine", "config"}
     # The FLOPs of a separate value model: one more trunk in scoring and in the update.
-    shape = throughput.flops.Shape.of(throughput.preset("qwen2-0.5b", tiny=True))
+    shape = throughput.flops.Shape.of(throughput.preset("qwen2-0.5b", tiny=True, batch=6))
     own, sep = (throughput.flops.phases(shape, s) for s in ("ours", "ours_separate_value"))
     trunk = throughput.flops.trunk(shape, shape.batch, shape.seq)
     assert sep["score"] - own["score"] == pytest.approx(trunk)
