@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from rlkl_lightning.matmul import OneDNNLinear, use_onednn
+from rlkl_lightning.matmul import OneDNNLinear, head_uses_onednn, use_onednn
 from rlkl_lightning.matmul import linear as onednn_linear
 
 
@@ -204,7 +204,7 @@ def lm_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, keep
     if weight is not None:
         hidden = trunk_forward(model, input_ids, attention_mask, keep)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if isinstance(model.get_output_embeddings(), OneDNNLinear):  # cpu_matmul="onednn"
+        if head_uses_onednn(model):  # cpu_matmul="onednn"
             logits = onednn_linear(flat, weight)
         else:
             logits = flat @ weight.t()
