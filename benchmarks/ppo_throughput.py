@@ -179,9 +179,10 @@ def device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def report(side: str, s: dict, cpu_matmul: str = "default") -> None:
+def report(side: str, s: dict, cpu_matmul: str = "default", thread: bool = False) -> None:
     """Print one side's summary."""
     label = LABELS[side] + (f", cpu_matmul={cpu_matmul}" if side.startswith("ours") else "")
+    label += ", value_model_thread" if thread and side == "ours_separate_value" else ""
     ph, gf, mfu = s["phase_median_s"], s["gflop_per_phase"], s["phase_mfu"]
     memory = f"max RSS {s['max_rss_mib']:.0f} MiB"
     if "max_gpu_mib" in s:
@@ -234,6 +235,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="default",
         help="our side's cpu_matmul option (policy, reference, value and reward models): "
         "onednn takes oneDNN's float32 kernels, twice as fast as MKL's on AMD CPUs",
+    )
+    parser.add_argument(
+        "--value-model-thread",
+        action="store_true",
+        help="our separate-value side runs its value model in a second thread beside the "
+        "policy (PPOModule's value_model_thread option)",
     )
     parser.add_argument(
         "--no-separate-value",
@@ -296,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
         "threads": args.threads,
         "omp_wait_policy": args.omp_wait_policy,
         "cpu_matmul": args.cpu_matmul,
+        "value_model_thread": args.value_model_thread,
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlkl-bench-"))
     world = build(args.world or tmp / "world", chosen)
@@ -342,6 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": args.device,
         "precision": args.precision,
         "cpu_matmul": args.cpu_matmul,
+        "value_model_thread": args.value_model_thread,
         "prompts": chosen.batch,
         "prompt_tokens": chosen.prompt,
         "generated_tokens": chosen.response,
@@ -364,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{results['machine']['load_average_after']}"
     )
     for side in sides:
-        report(side, results[side], args.cpu_matmul)
+        report(side, results[side], args.cpu_matmul, args.value_model_thread)
     if "trl" in sides:
         print(f"speedup (TRL median / ours median): {results['speedup']:.2f}x")
         if "speedup_separate_value" in results:

@@ -11,6 +11,7 @@ Usage::
 
     python benchmarks/profile_phases.py                           # value head, fp32, 2 threads
     python benchmarks/profile_phases.py --separate-value --cpu-matmul onednn --threads 1
+    python benchmarks/profile_phases.py --separate-value --value-model-thread --cpu-matmul onednn
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
     parser.add_argument("--cpu-matmul", choices=("default", "onednn"), default="default")
     parser.add_argument("--separate-value", action="store_true")
+    parser.add_argument(
+        "--value-model-thread", action="store_true", help="with --separate-value: in a thread"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations")
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         "precision": args.precision,
         "threads": args.threads,
         "cpu_matmul": args.cpu_matmul,
+        "value_model_thread": args.value_model_thread,
     }
     chosen = preset(args.preset, args.tiny)
     world = build(args.world or Path(tempfile.mkdtemp(prefix="rlkl-profile-")), chosen)
@@ -119,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(module, data)
     print(
         f"\npreset {chosen.name}, {args.precision}, cpu_matmul {args.cpu_matmul}, "
-        f"{'separate value model' if args.separate_value else 'value head on the trunk'}, "
+        f"{'separate value model' if args.separate_value else 'value head on the trunk'}"
+        f"{' in a second thread' if args.separate_value and args.value_model_thread else ''}, "
         f"{args.threads} threads"
     )
     profiler.report()

@@ -141,6 +141,7 @@ def ours(world: Path, settings: dict, separate_value: bool, iterations: int, cal
         policy=str(world / "policy"),
         tokenizer=str(world / "tokenizer"),
         value_model=str(world / "policy") if separate_value else None,
+        value_model_thread=separate_value and settings.get("value_model_thread", False),
         reward=SpacedPairReward(
             SequenceClassifierReward(
                 str(world / "reward"),

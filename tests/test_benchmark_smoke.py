@@ -108,9 +108,11 @@ def test_profile_phases_runs_tiny(monkeypatch, capsys, tmp_path):
     import profile_phases
 
     args = ["--tiny", "--threads", "1", "--warmup", "0", "--iters", "1", "--profiled", "1"]
-    profile_phases.main(args + ["--separate-value", "--world", str(tmp_path / "world")])
+    args += ["--separate-value", "--value-model-thread"]
+    profile_phases.main(args + ["--world", str(tmp_path / "world")])
     printed = capsys.readouterr().out
     assert "CPU seconds per iteration (median of 1): rollout" in printed
+    assert "separate value model in a second thread" in printed
     for phase in ("rollout", "score", "update"):
         assert f"\n{phase}: operators by self time" in printed
     assert "calls  aten::" in printed

@@ -1,0 +1,105 @@
+"""The separate value model in a second thread: ``PPOModule(value_model_thread=True)``.
+
+With a separate value model, PPO's update runs two networks that share nothing until the loss
+adds their terms: the policy (log-probs) and the value model (values). With the option, each
+(micro-)minibatch's value forward runs in a helper thread while the calling thread runs the
+policy's, each with half of torch's threads (``torch.get_num_threads()``). The value loss
+enters the loss through :meth:`ValueThread.handoff`, a leaf copy of it: the calling thread's
+backward pass ends there, and the gradient that reaches the leaf is back-propagated through
+the value model by the helper while the calling thread goes on through the policy.
+``PPOModule.backward`` waits for the helper and takes all threads back, so every gradient is
+complete before Lightning's ``on_after_backward``, the clipping and the optimizer step (which
+run with all threads). The skip gate sees the whole loss before any backward pass starts.
+Scoring stays as it is: there the value model is one forward pass among four.
+
+Why it pays on a CPU: a small model's step is in good part work that does not spread over
+threads (Python, element-wise passes over small tensors, transposing copies); two streams of
+it side by side keep both cores busy. Every operation is the one the plain path runs, in the
+same order per network, so the numbers are those of the plain path run with the same number
+of threads per network (``tests/test_value_thread.py`` checks it bit for bit with one thread).
+A single process only (no DDP or FSDP: their gradient hooks expect one backward pass).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class ValueThread:
+    """A helper thread for the value model during an update; a context manager.
+
+    Args:
+        device_type: The device the models run on (``"cpu"``, ``"cuda"``); the helper enters
+            the caller's autocast state for it.
+    """
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self.threads = torch.get_num_threads()
+        self.helper_threads = max(1, self.threads // 2)
+        self.pending: Future | None = None
+        self.pool: ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> ValueThread:
+        """Start the helper; this thread keeps the other half of the threads."""
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rlkl-value")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """Wait for the helper's work (its error is raised unless one is on its way already)."""
+        try:
+            if exc[0] is None:
+                self.wait()
+            elif self.pending is not None:
+                with contextlib.suppress(Exception):
+                    self.pending.result()
+        finally:
+            self.pool.shutdown(wait=True)
+            torch.set_num_threads(self.threads)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` in the helper, under this thread's grad mode and autocast state.
+
+        This thread keeps the other half of the threads until :meth:`wait`.
+        """
+        torch.set_num_threads(max(1, self.threads - self.helper_threads))
+        grad = torch.is_grad_enabled()
+        kind = self.device_type
+        autocast = torch.is_autocast_enabled(kind)
+        dtype = torch.get_autocast_dtype(kind) if autocast else None
+
+        def run() -> Any:
+            torch.set_num_threads(self.helper_threads)
+            cast = torch.autocast(kind, dtype=dtype) if autocast else contextlib.nullcontext()
+            with torch.set_grad_enabled(grad), cast:
+                return fn(*args)
+
+        return self.pool.submit(run)
+
+    def handoff(self, tensor: Tensor) -> Tensor:
+        """A leaf copy of ``tensor``; what reaches it is back-propagated through ``tensor``.
+
+        The calling thread's backward pass ends at the leaf; the helper takes the gradient
+        that arrives there and runs ``tensor``'s own backward pass with it, concurrently.
+        """
+        leaf = tensor.detach().requires_grad_()
+        leaf.register_hook(lambda grad: self._backward(tensor, grad))
+        return leaf
+
+    def _backward(self, tensor: Tensor, grad: Tensor) -> None:
+        if self.pending is not None:
+            self.pending.result()
+        self.pending = self.submit(torch.autograd.backward, tensor, grad)
+
+    def wait(self) -> None:
+        """Wait for the helper's backward pass, if any (raise its error); take all threads back."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+        torch.set_num_threads(self.threads)
