@@ -60,3 +60,23 @@ def make_tiny_lm(
 def tiny_lm_dir(tmp_path_factory) -> Path:
     """A tiny GPT-2 and its tokenizer, saved with ``save_pretrained``."""
     return make_tiny_lm(tmp_path_factory.mktemp("tiny_lm"))
+
+
+def fit_on_prompts(module, prompts: list[str], batch_size: int = 8, callbacks=()):
+    """Train ``module`` one epoch over ``prompts`` on the CPU, without logs or checkpoints."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    data = DataLoader(prompts, batch_size=batch_size, collate_fn=lambda xs: {"prompt": xs})
+    trainer = Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(module, data)
+    return trainer

@@ -122,8 +122,8 @@ def test_ppo_module_and_reward_option(tiny_lm_dir, tmp_path):
 
 def test_a_training_batch_logs_what_the_default_logs(tiny_lm_dir):
     """One PPO batch (separate value model) with and without oneDNN: the same numbers."""
-    from lightning.pytorch import Trainer, seed_everything
-    from torch.utils.data import DataLoader
+    from conftest import fit_on_prompts
+    from lightning.pytorch import seed_everything
 
     metrics = {}
     for cpu_matmul in ("default", "onednn"):
@@ -141,17 +141,7 @@ def test_a_training_batch_logs_what_the_default_logs(tiny_lm_dir):
             cpu_matmul=cpu_matmul,
         )
         prompts = ["the film was", "this book is", "the food", "a story"] * 2
-        data = DataLoader(prompts, batch_size=8, collate_fn=lambda xs: {"prompt": xs})
-        trainer = Trainer(
-            accelerator="cpu",
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-        )
-        trainer.fit(module, data)
+        trainer = fit_on_prompts(module, prompts)
         metrics[cpu_matmul] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     default, onednn = metrics["default"], metrics["onednn"]
     assert default["progress/skipped_batches"] == onednn["progress/skipped_batches"] == 0

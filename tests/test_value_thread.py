@@ -13,9 +13,9 @@ import threading
 
 import pytest
 import torch
+from conftest import fit_on_prompts
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import DataLoader
 
 from rlkl_lightning import PPOModule
 from rlkl_lightning.rewards import FunctionReward
@@ -57,19 +57,8 @@ def _train(tiny_lm_dir, value_model_thread: bool, batches: int = 2, patch=None):
         patch(module)
     before = {k: v.detach().clone() for k, v in module.state_dict().items()}
     prompts = ["the film was", "this book is", "the food", "a story"] * (2 * batches)
-    data = DataLoader(prompts, batch_size=8, collate_fn=lambda xs: {"prompt": xs})
     record = Record()
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[record],
-    )
-    trainer.fit(module, data)
+    fit_on_prompts(module, prompts, callbacks=[record])
     return module, record.batches, threads, before
 
 
