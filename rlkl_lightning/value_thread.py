@@ -44,6 +44,7 @@ class ValueThread:
         self.threads = torch.get_num_threads()
         self.helper_threads = max(1, self.threads // 2)
         self.pending: Future | None = None
+        self.deferred: list[tuple[Tensor, Future]] = []
         self.pool: ThreadPoolExecutor | None = None
 
     def __enter__(self) -> ValueThread:
@@ -56,9 +57,11 @@ class ValueThread:
         try:
             if exc[0] is None:
                 self.wait()
-            elif self.pending is not None:
-                with contextlib.suppress(Exception):
-                    self.pending.result()
+            else:
+                for future in [self.pending] + [f for _, f in self.deferred]:
+                    if future is not None:
+                        with contextlib.suppress(Exception):
+                            future.result()
         finally:
             self.pool.shutdown(wait=True)
             torch.set_num_threads(self.threads)
@@ -97,9 +100,29 @@ class ValueThread:
             self.pending.result()
         self.pending = self.submit(torch.autograd.backward, tensor, grad)
 
+    def defer(self, param: Tensor, fn: Callable[..., Tensor], *args: Any) -> Tensor | None:
+        """A gradient for ``param``, ``fn(*args)``, computed by the helper (``logprobs.Defer``).
+
+        Returns None and adds it to ``param.grad`` in :meth:`wait`, if ``param.grad`` is None
+        now: the backward pass then accumulates at most one more term into it, and ``a + b``
+        is ``b + a`` in floating point, so the sum is the one autograd forms. Else (a second
+        micro-batch: three terms, whose sum depends on their order) returns ``fn(*args)``.
+        """
+        if param.grad is not None:
+            return fn(*args)
+        self.deferred.append((param, self.submit(fn, *args)))
+        return None
+
     def wait(self) -> None:
-        """Wait for the helper's backward pass, if any (raise its error); take all threads back."""
+        """Wait for the helper's work, if any (raise its error); take all threads back."""
         pending, self.pending = self.pending, None
+        deferred, self.deferred = self.deferred, []
         if pending is not None:
             pending.result()
+        for param, future in deferred:
+            grad = future.result()
+            if param.grad is None:
+                param.grad = torch.empty_like(param).copy_(grad)
+            else:
+                param.grad.add_(grad)
         torch.set_num_threads(self.threads)
