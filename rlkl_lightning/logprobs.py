@@ -36,7 +36,6 @@ from rlkl_lightning.trajectory import Trajectory
 Defer = Callable[..., Tensor | None]
 
 
-
 class TokenScores(NamedTuple):
     """Per-token quantities of the responses under one model.
 

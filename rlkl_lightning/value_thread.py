@@ -6,11 +6,15 @@ adds their terms: the policy (log-probs) and the value model (values). With the 
 policy's, each with half of torch's threads (``torch.get_num_threads()``). The value loss
 enters the loss through :meth:`ValueThread.handoff`, a leaf copy of it: the calling thread's
 backward pass ends there, and the gradient that reaches the leaf is back-propagated through
-the value model by the helper while the calling thread goes on through the policy.
-``PPOModule.backward`` waits for the helper and takes all threads back, so every gradient is
-complete before Lightning's ``on_after_backward``, the clipping and the optimizer step (which
-run with all threads). The skip gate sees the whole loss before any backward pass starts.
-Scoring stays as it is: there the value model is one forward pass among four.
+the value model by the helper while the calling thread goes on through the policy. The
+policy's side is the longer by its LM head, so the helper also computes the head's weight
+gradient, a product that nothing in the calling thread's backward pass waits for
+(:meth:`ValueThread.defer`, ``logprobs.Defer``), and adds it to the weight's ``.grad``
+afterwards, in the sum that autograd forms. ``PPOModule.backward`` waits for the helper and
+takes all threads back, so every gradient is complete before Lightning's
+``on_after_backward``, the clipping and the optimizer step (which run with all threads). The
+skip gate sees the whole loss before any backward pass starts. Scoring stays as it is: there
+the value model is one forward pass among four.
 
 Why it pays on a CPU: a small model's step is in good part work that does not spread over
 threads (Python, element-wise passes over small tensors, transposing copies); two streams of
