@@ -19,6 +19,7 @@ gradients. ``tests/test_fast_path.py`` compares values and gradients with autogr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -28,6 +29,11 @@ from torch.autograd.function import once_differentiable
 from rlkl_lightning.matmul import head_uses_onednn, product_t
 from rlkl_lightning.models import lm_forward, plain_lm_head_weight, trunk_forward
 from rlkl_lightning.trajectory import Trajectory
+
+#: ``defer(weight, fn, *args)``: either returns ``fn(*args)``, the gradient for ``weight``, or
+#: arranges for it to be computed elsewhere and added to ``weight.grad`` before the backward
+#: pass counts as done, and returns None (value_thread.py: the helper thread computes it).
+Defer = Callable[..., Tensor | None]
 
 
 class TokenScores(NamedTuple):
@@ -52,7 +58,11 @@ def gather_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
 
 
 def score_tokens(
-    model: nn.Module, traj: Trajectory, temperature: float, logits: bool = True
+    model: nn.Module,
+    traj: Trajectory,
+    temperature: float,
+    logits: bool = True,
+    defer: Defer | None = None,
 ) -> TokenScores:
     """Forward the whole sequences once and read the response positions off.
 
@@ -63,13 +73,14 @@ def score_tokens(
         logits: Also return the ``[B, R, V]`` logits. Without them, a model whose logits are
             ``hidden @ W.T`` gets its log-probs from :func:`token_logprobs` (no logits
             tensor, a cheaper backward).
+        defer: Where the fused head may hand its weight gradient off (:data:`Defer`).
     """
     keep = traj.response_ids.shape[1] + 1
     weight = None if logits else plain_lm_head_weight(model)
     if weight is not None:
         hidden = trunk_forward(model, traj.input_ids, traj.attention_mask, keep)[:, :-1]
         onednn = head_uses_onednn(model)
-        logprobs = token_logprobs(hidden, weight, traj.response_ids, temperature, onednn)
+        logprobs = token_logprobs(hidden, weight, traj.response_ids, temperature, onednn, defer)
         return TokenScores(None, logprobs, hidden)
     out = lm_forward(model, traj.input_ids, traj.attention_mask, keep)
     scaled = out.logits[:, :-1].float() / temperature
@@ -81,18 +92,25 @@ class TokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, onednn: bool
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        tokens: Tensor,
+        temperature: float,
+        onednn: bool,
+        defer: Defer | None = None,
     ) -> Tensor:
         """``hidden [N, H]``, ``weight [V, H]``, ``tokens [N]`` -> log-probabilities ``[N]``.
 
-        ``onednn``: float32 CPU products by oneDNN (:mod:`rlkl_lightning.matmul`).
+        ``onednn``: float32 CPU products by oneDNN (:mod:`rlkl_lightning.matmul`). ``defer``:
+        where the weight gradient may be handed off (:data:`Defer`; None: computed here).
         """
         logits = product_t(hidden, weight, onednn).float()  # log-probs always in float32
         logits.mul_(1.0 / temperature)
         logz = torch.logsumexp(logits, dim=-1)
         out = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
         ctx.save_for_backward(hidden, weight, tokens, logits, logz)
-        ctx.temperature, ctx.onednn = temperature, onednn
+        ctx.temperature, ctx.onednn, ctx.defer = temperature, onednn, defer
         return out
 
     @staticmethod
@@ -113,20 +131,34 @@ class TokenLogProbs(torch.autograd.Function):
             else:
                 grad_hidden = (grad_logits @ weight).to(hidden.dtype)
         if ctx.needs_input_grad[1]:
-            if ctx.onednn:  # [H, V], transposed: the faster product (matmul.py)
-                grad_weight = product_t(hidden.to(weight.dtype).t(), grad_logits.t(), True).t()
+            args = (grad_logits, hidden.to(weight.dtype), ctx.onednn)
+            if ctx.defer is None:
+                grad_weight = _weight_gradient(*args)
             else:
-                grad_weight = grad_logits.t() @ hidden.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+                grad_weight = ctx.defer(weight, _weight_gradient, *args)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _weight_gradient(grad_logits: Tensor, hidden: Tensor, onednn: bool) -> Tensor:
+    """``grad_logits [N, V].T @ hidden [N, H]``: the head weight's gradient ``[V, H]``."""
+    if onednn:  # [H, V], transposed: the faster product (matmul.py)
+        return product_t(hidden.t(), grad_logits.t(), True).t()
+    return grad_logits.t() @ hidden
 
 
 def token_logprobs(
-    hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float, onednn: bool = False
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    temperature: float,
+    onednn: bool = False,
+    defer: Defer | None = None,
 ) -> Tensor:
     """Log-probabilities of ``tokens [B, R]`` under ``softmax(hidden [B, R, H] @ weight.T / T)``.
 
     Equal to ``gather_logprobs((hidden @ weight.T).float() / T, tokens)``, float32. ``onednn``:
-    float32 CPU products by oneDNN (:mod:`rlkl_lightning.matmul`).
+    float32 CPU products by oneDNN (:mod:`rlkl_lightning.matmul`). ``defer``: where the
+    weight gradient may be handed off (:data:`Defer`).
     """
     flat = TokenLogProbs.apply(
         hidden.reshape(-1, hidden.shape[-1]),
@@ -134,5 +166,6 @@ def token_logprobs(
         tokens.reshape(-1),
         float(temperature),
         onednn,
+        defer,
     )
     return flat.view(tokens.shape)

@@ -157,7 +157,8 @@ class PPOModule(RLPipeline):
         if helper is not None:  # value_model_thread: the value loss comes from the helper
             value_side = helper.submit(self._value_loss, mb, None)
         # Without an entropy bonus no [B, R, V] logits are needed: the fused head (logprobs.py).
-        new = score_tokens(self.policy, mb, hp.temperature, logits=bool(hp.ent_coef))
+        defer = helper.defer if helper is not None else None  # the head's weight gradient
+        new = score_tokens(self.policy, mb, hp.temperature, bool(hp.ent_coef), defer)
         mask = mb.response_mask
         pg_loss, pg_stats = policy_loss(
             new.logprobs, mb.logprobs, mb.advantages, mask, hp.cliprange

@@ -50,6 +50,7 @@ from rlkl_lightning.rewards import (
     validate_scores,
 )
 from rlkl_lightning.rollout import sample_and_score
+from rlkl_lightning.rowwise import in_row_blocks
 from rlkl_lightning.sharding import shard_models
 from rlkl_lightning.skips import SkipBatch, SkipGates
 from rlkl_lightning.trajectory import Trajectory
@@ -284,14 +285,15 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
             name: klmod.per_token_kl(traj.logprobs, ref_logprobs, name)
             for name in ("k1", "k2", "k3")
         }
-        per_token["exact"] = klmod.exact_kl(policy_scores.logits, ref_logits)
+        per_token["exact"] = in_row_blocks(klmod.exact_kl, policy_scores.logits, ref_logits)
         kl = per_token[hp.kl_estimator]
         diagnostics = {f"kl_{k}": klmod.sequence_kl(v, mask) for k, v in per_token.items()}
         self._gate(
             not bool(torch.isfinite(diagnostics[f"kl_{hp.kl_estimator}"]).all()),
             "the KL to the reference is not finite (on this or another rank)",
         )
-        diagnostics["entropy_sum"] = masked_sum(entropy_from_logits(policy_scores.logits), mask)
+        entropy = in_row_blocks(entropy_from_logits, policy_scores.logits)
+        diagnostics["entropy_sum"] = masked_sum(entropy, mask)
         diagnostics.update(gold_scores(self.gold_reward, prompts, responses, self.owner))
         traj = traj._replace(ref_logprobs=ref_logprobs, kl=kl, scores=scores)
         return traj, responses, diagnostics

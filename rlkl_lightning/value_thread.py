@@ -6,11 +6,15 @@ adds their terms: the policy (log-probs) and the value model (values). With the 
 policy's, each with half of torch's threads (``torch.get_num_threads()``). The value loss
 enters the loss through :meth:`ValueThread.handoff`, a leaf copy of it: the calling thread's
 backward pass ends there, and the gradient that reaches the leaf is back-propagated through
-the value model by the helper while the calling thread goes on through the policy.
-``PPOModule.backward`` waits for the helper and takes all threads back, so every gradient is
-complete before Lightning's ``on_after_backward``, the clipping and the optimizer step (which
-run with all threads). The skip gate sees the whole loss before any backward pass starts.
-Scoring stays as it is: there the value model is one forward pass among four.
+the value model by the helper while the calling thread goes on through the policy. The
+policy's side is the longer by its LM head, so the helper also computes the head's weight
+gradient, a product that nothing in the calling thread's backward pass waits for
+(:meth:`ValueThread.defer`, ``logprobs.Defer``), and adds it to the weight's ``.grad``
+afterwards, in the sum that autograd forms. ``PPOModule.backward`` waits for the helper and
+takes all threads back, so every gradient is complete before Lightning's
+``on_after_backward``, the clipping and the optimizer step (which run with all threads). The
+skip gate sees the whole loss before any backward pass starts. Scoring stays as it is: there
+the value model is one forward pass among four.
 
 Why it pays on a CPU: a small model's step is in good part work that does not spread over
 threads (Python, element-wise passes over small tensors, transposing copies); two streams of
@@ -44,6 +48,7 @@ class ValueThread:
         self.threads = torch.get_num_threads()
         self.helper_threads = max(1, self.threads // 2)
         self.pending: Future | None = None
+        self.deferred: list[tuple[Tensor, Future]] = []
         self.pool: ThreadPoolExecutor | None = None
 
     def __enter__(self) -> ValueThread:
@@ -56,9 +61,11 @@ class ValueThread:
         try:
             if exc[0] is None:
                 self.wait()
-            elif self.pending is not None:
-                with contextlib.suppress(Exception):
-                    self.pending.result()
+            else:
+                for future in [self.pending] + [f for _, f in self.deferred]:
+                    if future is not None:
+                        with contextlib.suppress(Exception):
+                            future.result()
         finally:
             self.pool.shutdown(wait=True)
             torch.set_num_threads(self.threads)
@@ -97,9 +104,29 @@ class ValueThread:
             self.pending.result()
         self.pending = self.submit(torch.autograd.backward, tensor, grad)
 
+    def defer(self, param: Tensor, fn: Callable[..., Tensor], *args: Any) -> Tensor | None:
+        """A gradient for ``param``, ``fn(*args)``, computed by the helper (``logprobs.Defer``).
+
+        Returns None and adds it to ``param.grad`` in :meth:`wait`, if ``param.grad`` is None
+        now: the backward pass then accumulates at most one more term into it, and ``a + b``
+        is ``b + a`` in floating point, so the sum is the one autograd forms. Else (a second
+        micro-batch: three terms, whose sum depends on their order) returns ``fn(*args)``.
+        """
+        if param.grad is not None:
+            return fn(*args)
+        self.deferred.append((param, self.submit(fn, *args)))
+        return None
+
     def wait(self) -> None:
-        """Wait for the helper's backward pass, if any (raise its error); take all threads back."""
+        """Wait for the helper's work, if any (raise its error); take all threads back."""
         pending, self.pending = self.pending, None
+        deferred, self.deferred = self.deferred, []
         if pending is not None:
             pending.result()
+        for param, future in deferred:
+            grad = future.result()
+            if param.grad is None:
+                param.grad = torch.empty_like(param).copy_(grad)
+            else:
+                param.grad.add_(grad)
         torch.set_num_threads(self.threads)

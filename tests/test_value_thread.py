@@ -1,7 +1,8 @@
 """value_model_thread: the separate value model in a second thread, the same numbers.
 
 The option runs the value model's forward and backward passes in a helper thread beside the
-policy's (rlkl_lightning/value_thread.py). The tests run with one torch thread (conftest.py),
+policy's, and the product for the policy's LM head weight gradient there too
+(rlkl_lightning/value_thread.py). The tests run with one torch thread (conftest.py),
 so both paths compute every operation with one thread: every logged number and every weight
 must then be the same bit for bit, and the value model must really have run in the helper.
 """
@@ -17,7 +18,7 @@ from conftest import fit_on_prompts
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 
-from rlkl_lightning import PPOModule
+from rlkl_lightning import PPOModule, logprobs
 from rlkl_lightning.rewards import FunctionReward
 from rlkl_lightning.value_thread import ValueThread
 
@@ -32,7 +33,7 @@ class Record(Callback):
         self.batches.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def _train(tiny_lm_dir, value_model_thread: bool, batches: int = 2, patch=None):
+def _train(tiny_lm_dir, value_model_thread: bool, batches=2, patch=None, grad_accum_steps=2):
     seed_everything(0, verbose=False)
     module = PPOModule(
         policy=str(tiny_lm_dir),
@@ -43,7 +44,7 @@ def _train(tiny_lm_dir, value_model_thread: bool, batches: int = 2, patch=None):
         max_new_tokens=6,
         ppo_epochs=2,
         num_minibatches=2,
-        grad_accum_steps=2,
+        grad_accum_steps=grad_accum_steps,
         lr=1e-2,
         log_samples_every=0,
     )
@@ -62,13 +63,27 @@ def _train(tiny_lm_dir, value_model_thread: bool, batches: int = 2, patch=None):
     return module, record.batches, threads, before
 
 
-def test_training_logs_the_same_numbers_bit_for_bit(tiny_lm_dir):
-    plain, plain_logs, plain_threads, _ = _train(tiny_lm_dir, False)
-    threaded, logs, threads, _ = _train(tiny_lm_dir, True)
-    # 2 batches x 2 epochs x 2 minibatches x 2 micro-batches value forwards with gradients
-    assert len(threads) == len(plain_threads) == 16
-    assert set(threads) != set(plain_threads)
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_training_logs_the_same_numbers_bit_for_bit(tiny_lm_dir, monkeypatch, grad_accum_steps):
+    head: list[str] = []  # where the LM head's weight gradients were computed
+    product = logprobs._weight_gradient
+
+    def recorded(*args):
+        head.append(threading.current_thread().name)
+        return product(*args)
+
+    monkeypatch.setattr(logprobs, "_weight_gradient", recorded)
+    plain, plain_logs, plain_threads, _ = _train(tiny_lm_dir, False, 2, None, grad_accum_steps)
+    plain_head, head[:] = head[:], []
+    threaded, logs, threads, _ = _train(tiny_lm_dir, True, 2, None, grad_accum_steps)
+    # 2 batches x 2 epochs x 2 minibatches x micro-batches: value forwards with gradients
+    steps = 8 * grad_accum_steps
+    assert len(threads) == len(plain_threads) == len(head) == len(plain_head) == steps
+    assert set(plain_threads) == set(plain_head) == {"MainThread"}
     assert all(name.startswith("rlkl-value") for name in threads)
+    # The head's product goes to the helper where the sum it enters does not depend on the
+    # order (the first micro-batch of each minibatch); else it is computed in place.
+    assert head == ["rlkl-value_0", "MainThread"][:grad_accum_steps] * 8
     assert len(logs) == len(plain_logs) == 2
     for ours, theirs in zip(logs, plain_logs, strict=True):
         assert ours.keys() == theirs.keys()
@@ -126,6 +141,35 @@ def test_handoff_gives_the_gradients_of_one_backward_pass():
     got = [p.grad for p in (*a.parameters(), *b.parameters())]
     for g, e in zip(got, expected, strict=True):
         assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_deferred_head_gradient_equals_autograd(tied):
+    """The head's weight gradient from the helper sums into ``.grad`` as autograd sums it."""
+    torch.manual_seed(0)
+    weight = torch.randn(11, 4, requires_grad=True)
+    hidden, tokens = torch.randn(2, 3, 4, requires_grad=True), torch.randint(11, (2, 3))
+
+    def loss(defer):
+        head = logprobs.token_logprobs(hidden, weight, tokens, 0.7, False, defer)
+        return head.square().sum() + (weight.sin().sum() if tied else 0.0)
+
+    grads = {}
+    for name, threaded, runs in [("plain", False, 1), ("helper", True, 1), ("twice", True, 2)]:
+        weight.grad = hidden.grad = None
+        with ValueThread("cpu") as helper:
+            for _ in range(runs):  # the second run finds .grad set: computed in place
+                loss(helper.defer if threaded else None).backward()
+                helper.wait()
+        grads[name] = (weight.grad.clone(), hidden.grad.clone())
+    weight.grad = hidden.grad = None
+    for _ in range(2):
+        loss(None).backward()
+    grads["plain twice"] = (weight.grad, hidden.grad)
+    for a, b in zip(grads["helper"], grads["plain"], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(grads["twice"], grads["plain twice"], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_helper_errors_reach_the_caller_and_threads_are_restored():
