@@ -298,7 +298,11 @@ def enable_gradient_checkpointing(model: nn.Module, option: str = "gradient_chec
             "allowed: a transformers model with `supports_gradient_checkpointing`, or "
             f"`{option}: false`"
         )
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     # transformers checkpoints only in training mode, and `from_pretrained` returns a model in
     # eval mode (which Lightning keeps); dropout is off either way (`disable_dropout`).
     model.train()

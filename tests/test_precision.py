@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from rlkl_lightning import PPOModule
 from rlkl_lightning.data import PromptDataModule
 from rlkl_lightning.logprobs import score_tokens
+from rlkl_lightning.models import enable_gradient_checkpointing, load_causal_lm
 from rlkl_lightning.rewards import FunctionReward
 
 PROMPTS = ["the film was", "this book is", "the food", "it was really", "a story", "not a"]
@@ -144,6 +146,15 @@ def test_16_mixed_overflow_is_left_to_the_grad_scaler(tiny_lm_dir, tmp_path):
     fit(mod, tmp_path, plugins=[plugin])
     assert mod.batches_seen == 2 and mod.skipped_batches == 0
     assert plugin.scaler.get_scale() < 2.0**60
+
+
+def test_gradient_checkpointing_uses_transformers_current_api(tiny_lm_dir):
+    """No deprecated call: ``gradient_checkpointing_enable`` goes away in transformers v6."""
+    model = load_causal_lm(str(tiny_lm_dir))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*gradient_checkpointing_enable.*deprecated")
+        enable_gradient_checkpointing(model)
+    assert model.training  # the recomputation itself: the test below
 
 
 @pytest.mark.parametrize("peft", [None, LORA], ids=["full", "lora"])
