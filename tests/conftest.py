@@ -56,6 +56,22 @@ def make_tiny_lm(
     return path
 
 
+def assert_same_loss_and_grads(plain, other, loss_tol: dict, grad_tol: dict) -> None:
+    """The LM losses of two models on one random batch agree, and so do all their gradients."""
+    import torch
+
+    torch.manual_seed(0)
+    ids = torch.randint(4, plain.config.vocab_size, (3, 12))
+    losses = []
+    for model in (plain, other):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], **loss_tol)
+    for (name, p), q in zip(plain.named_parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **grad_tol, msg=name)
+
+
 @pytest.fixture(scope="session")
 def tiny_lm_dir(tmp_path_factory) -> Path:
     """A tiny GPT-2 and its tokenizer, saved with ``save_pretrained``."""
