@@ -56,27 +56,60 @@ def make_tiny_lm(
     return path
 
 
+def assert_same_loss_and_grads(plain, other, loss_tol: dict, grad_tol: dict) -> None:
+    """The LM losses of two models on one random batch agree, and so do all their gradients."""
+    import torch
+
+    torch.manual_seed(0)
+    ids = torch.randint(4, plain.config.vocab_size, (3, 12))
+    losses = []
+    for model in (plain, other):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], **loss_tol)
+    for (name, p), q in zip(plain.named_parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, **grad_tol, msg=name)
+
+
 @pytest.fixture(scope="session")
 def tiny_lm_dir(tmp_path_factory) -> Path:
     """A tiny GPT-2 and its tokenizer, saved with ``save_pretrained``."""
     return make_tiny_lm(tmp_path_factory.mktemp("tiny_lm"))
 
 
-def fit_on_prompts(module, prompts: list[str], batch_size: int = 8, callbacks=()):
-    """Train ``module`` one epoch over ``prompts`` on the CPU, without logs or checkpoints."""
-    from lightning.pytorch import Trainer
-    from torch.utils.data import DataLoader
+def cpu_trainer(callbacks=(), **settings):
+    """A quiet Trainer for one epoch on the CPU.
 
-    data = DataLoader(prompts, batch_size=batch_size, collate_fn=lambda xs: {"prompt": xs})
-    trainer = Trainer(
+    No logger, progress bar, model summary or validation, and no checkpoints but those of a
+    ``ModelCheckpoint`` among ``callbacks``; ``settings`` (``max_steps``, ``precision``,
+    ``logger``, ...) replace these defaults.
+    """
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    defaults = dict(
         accelerator="cpu",
         max_epochs=1,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
-        callbacks=list(callbacks),
+        num_sanity_val_steps=0,
     )
-    trainer.fit(module, data)
+    return Trainer(callbacks=list(callbacks), **{**defaults, **settings})
+
+
+def fit_on_prompts(module, prompts, batch_size=8, callbacks=(), ckpt_path=None, **settings):
+    """Train ``module`` over ``prompts`` with ``cpu_trainer(callbacks, **settings)``.
+
+    ``prompts`` is a list of prompts (in batches of ``batch_size``) or a data module.
+    """
+    from torch.utils.data import DataLoader
+
+    if isinstance(prompts, list):
+        prompts = DataLoader(prompts, batch_size=batch_size, collate_fn=lambda xs: {"prompt": xs})
+    trainer = cpu_trainer(callbacks, **settings)
+    trainer.fit(module, prompts, ckpt_path=ckpt_path)
     return trainer

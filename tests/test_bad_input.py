@@ -15,7 +15,8 @@ import warnings
 import pytest
 import torch
 import yaml
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from conftest import cpu_trainer, fit_on_prompts
+from lightning.pytorch import LightningModule, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -64,25 +65,9 @@ def ppo_args(path, **overrides):
     return args
 
 
-def prompt_loader(n_batches: int, prompts=PROMPTS) -> DataLoader:
+def fit(module, n_batches, callbacks=(), prompts=PROMPTS, **settings):
     data = [prompts[i % len(prompts)] for i in range(n_batches * BATCH)]
-    return DataLoader(data, batch_size=BATCH, collate_fn=lambda xs: {"prompt": xs})
-
-
-def fit(module, n_batches, callbacks=(), ckpt_path=None, loader=None, max_epochs=1):
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=max_epochs,
-        limit_train_batches=n_batches,
-        logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=list(callbacks),
-    )
-    trainer.fit(module, loader or prompt_loader(n_batches), ckpt_path=ckpt_path)
-    return trainer
+    return fit_on_prompts(module, data, BATCH, callbacks, **settings)
 
 
 def adaptive():
@@ -218,7 +203,7 @@ class LogsKL(LightningModule):
 def unit_warnings(module, callbacks) -> list[str]:
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(module, 4, callbacks=callbacks, loader=module.train_dataloader())
+        cpu_trainer(callbacks).fit(module)
     return [str(w.message) for w in record if "with unit=" in str(w.message)]
 
 
@@ -301,7 +286,7 @@ def test_prompts_longer_than_max_prompt_tokens_are_cut_on_the_left_and_warn(tiny
     long_prompts = ["the film was very good and the plot was nice", "a story"]
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        fit(module, 2, loader=prompt_loader(2, long_prompts))
+        fit(module, 2, prompts=long_prompts)
     cut = [w for w in record if "longer than `max_prompt_tokens`=3" in str(w.message)]
     assert len(cut) == 1 and cut[0].category is RuntimeWarning  # warned once
     assert module.batches_seen == 2 and module.skipped_batches == 0

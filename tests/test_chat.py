@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from lightning.pytorch import Callback, Trainer
+from conftest import fit_on_prompts
+from lightning.pytorch import Callback
 from transformers import AutoTokenizer
 
 from rlkl_lightning import PPOModule
@@ -76,17 +77,7 @@ def test_a_run_trains_on_chat_prompts_with_the_modules_tokenizer(chat_lm_dir, tm
         log_samples_every=0,
     )
     seen = SeenPrompts()
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        callbacks=[seen],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
-    trainer.fit(module, datamodule=data)
+    fit_on_prompts(module, data, callbacks=[seen], max_steps=2)
     assert module.batches_seen == 2
     tokenizer = load_tokenizer(str(chat_lm_dir))
     assert sorted(seen.prompts) == sorted(chat_prompts(PROMPTS, tokenizer, "be good"))

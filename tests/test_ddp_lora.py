@@ -8,14 +8,12 @@ value head train, so only they take part in DDP's gradient all-reduce.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import yaml
-from test_ddp_module import PER_RANK, PROMPTS, ROOT, SEED, STEPS, TESTS, config, records
+from test_ddp_module import PER_RANK, PROMPTS, SEED, STEPS, TESTS, config, records, train_py
 
 from rlkl_lightning.resumable import EpochShuffleSampler
 
@@ -43,13 +41,7 @@ def test_lora_policy_under_two_process_ddp_equals_one_process(tmp_path, tiny_lm_
     poison = order[global_batch + 1]  # second batch, dealt to rank 1 only
 
     ddp_cfg = lora_config(tmp_path, tiny_lm_dir, prompts_file, "ddp", poison, PER_RANK)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
-    command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(ddp_cfg)]
-    command += ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
-    proc = subprocess.run(
-        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    train_py(ddp_cfg, tmp_path, "--trainer.strategy", "ddp", "--trainer.devices", "2")
     sys.path.insert(0, str(TESTS))
     try:
         single_cfg = lora_config(tmp_path, tiny_lm_dir, prompts_file, "single", poison, 4)

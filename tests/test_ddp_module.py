@@ -65,6 +65,14 @@ SEED, PER_RANK, STEPS = 3, 2, 3
 INIT_BETA, TARGET, GAIN = 0.2, 0.05, 2.0
 
 
+def train_py(config: Path, cwd: Path, *args: str) -> None:
+    """``python train.py fit --config CONFIG ARGS`` as a process, with ``tests/`` importable."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(config), *args]
+    proc = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def config(
     tmp_path: Path, lms: tuple[Path, Path], prompts: Path, name: str, poison: str, batch: int
 ):
@@ -139,14 +147,8 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_p
     poison = batches[1][1]  # position 5 of the epoch: dealt to rank 1 only
 
     ddp_cfg = config(tmp_path, lms, prompts_file, "ddp", poison, PER_RANK)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
-    command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(ddp_cfg)]
-    command += ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
-    command += ["--trainer.accelerator", "cpu"]
-    proc = subprocess.run(
-        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+    train_py(ddp_cfg, tmp_path, *ddp)
 
     sys.path.insert(0, str(TESTS))
     try:

@@ -9,19 +9,14 @@ callbacks count the responses of the global batch (2 ranks x 2 prompts x k), wit
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from test_ddp_module import train_py
 
 from rlkl_lightning.advantages import group_advantages
 from rlkl_lightning.resumable import EpochShuffleSampler
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 PROMPTS = ["the film was", "this book is", "the food", "a story", "it was", "not a", "very", "good"]
 SEED, PER_RANK, K, BATCHES = 3, 2, 3, 2
 
@@ -73,13 +68,7 @@ def test_rloo_groups_stay_on_one_rank_and_the_callbacks_count_responses(tmp_path
     }
     path = tmp_path / "ddp.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
-    command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(path)]
-    command += ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
-    proc = subprocess.run(
-        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    train_py(path, tmp_path, "--trainer.strategy", "ddp", "--trainer.devices", "2")
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     order = [PROMPTS[i] for i in EpochShuffleSampler(len(PROMPTS), SEED)]

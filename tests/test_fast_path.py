@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_same_loss_and_grads
 from generate_reference import sample as generate_then_score
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
@@ -161,16 +162,7 @@ def test_fused_gelu_gives_the_same_losses_and_gradients(tiny_lm_dir):
     fused = copy.deepcopy(plain)
     assert fuse_tanh_gelu(fused) == plain.config.n_layer
     assert any(isinstance(m, TanhGELU) for m in fused.modules())
-    torch.manual_seed(0)
-    ids = torch.randint(4, plain.config.vocab_size, (3, 12))
-    losses = []
-    for model in (plain, fused):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(loss)
-    torch.testing.assert_close(losses[0], losses[1], **TIGHT)
-    for (name, p), q in zip(plain.named_parameters(), fused.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, **TIGHT, msg=name)
+    assert_same_loss_and_grads(plain, fused, TIGHT, TIGHT)
 
 
 def test_reward_classifier_scores_unchanged_by_the_fused_gelu(tiny_lm_dir, tmp_path):

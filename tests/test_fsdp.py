@@ -19,14 +19,12 @@ of it, and each rank would clip differently.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import yaml
-from test_ddp_module import PROMPTS, ROOT, SEED, STEPS, TESTS, config, records
+from test_ddp_module import PROMPTS, SEED, STEPS, TESTS, config, records, train_py
 
 from rlkl_lightning.models import load_causal_lm
 from rlkl_lightning.resumable import EpochShuffleSampler
@@ -87,12 +85,7 @@ def test_fsdp_run_equals_one_process_on_the_global_batches(
     cfg = fsdp_config(
         tmp_path, lms, prompts_file, "fsdp", poison, devices, accelerator, strategy, peft
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
-    command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(cfg)]
-    proc = subprocess.run(
-        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    train_py(cfg, tmp_path)
     sys.path.insert(0, str(TESTS))
     try:
         single = fsdp_config(

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from conftest import cpu_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from rlkl_lightning.batch_kl import MONITOR_BY_UNIT, global_mean, infer_batch_size
@@ -50,18 +50,9 @@ class LogsKL(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def fit(module, callbacks, ckpt_path=None, logger=False, **kwargs):
+def fit(module, callbacks, ckpt_path=None, **settings):
     """``trainer.fit`` on the CPU for one epoch, quiet but for the callbacks' own warnings."""
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=logger,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        callbacks=callbacks,
-        **kwargs,
-    )
+    trainer = cpu_trainer(callbacks, **settings)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")

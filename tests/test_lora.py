@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import fit_on_prompts
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -51,25 +52,18 @@ def lora_module(path, peft=LORA, **overrides) -> PPOModule:
     return PPOModule(**args)
 
 
-def trainer(tmp_path, batches: int) -> Trainer:
-    return Trainer(
-        accelerator="cpu",
-        max_steps=batches * 2,  # 2 optimizer steps per batch
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=tmp_path,
-    )
-
-
 def data(tmp_path) -> PromptDataModule:
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "prompts.txt"
     path.write_text("\n".join(PROMPTS * 2) + "\n")
     return PromptDataModule(prompts=str(path), heldout=None, batch_size=4, seed=1)
+
+
+def fit(module, tmp_path, batches: int, callbacks=(), ckpt_path=None):
+    """``batches`` batches of 2 optimizer steps each over ``data(tmp_path)``."""
+    return fit_on_prompts(
+        module, data(tmp_path), callbacks=callbacks, ckpt_path=ckpt_path, max_steps=batches * 2
+    )
 
 
 def a_batch(module):
@@ -107,7 +101,7 @@ def test_reference_log_probs_equal_the_base_models_bit_for_bit_after_training(
 ):
     module = lora_module(tiny_lm_dir, peft=peft)
     before = trainable(module)
-    trainer(tmp_path, batches=2).fit(module, datamodule=data(tmp_path))
+    fit(module, tmp_path, batches=2)
     moved = [n for n, p in trainable(module).items() if not torch.equal(p, before[n])]
     assert any("lora_B" in n for n in moved)
     if peft is LORA_SAVE:
@@ -155,8 +149,7 @@ def test_no_adapter_weight_is_trainable_or_used_in_the_reference_pass(tiny_lm_di
 
 
 def _checkpoint(module, tmp_path, batches: int):
-    t = trainer(tmp_path, batches)
-    t.fit(module, datamodule=data(tmp_path))
+    t = fit(module, tmp_path, batches)
     path = tmp_path / f"after{batches}.ckpt"
     t.save_checkpoint(path)
     return path
@@ -180,11 +173,10 @@ class Crash(Callback):
 def checkpointed_run(policy_dir, tmp_path, batches, crash_at=None, ckpt_path=None):
     seed_everything(0)
     module = lora_module(policy_dir, peft=LORA_SAVE)
-    t = trainer(tmp_path, batches)
-    t.callbacks += [ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)]
+    callbacks = [ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)]
     if crash_at is not None:
-        t.callbacks.append(Crash(crash_at))
-    t.fit(module, datamodule=data(tmp_path), ckpt_path=ckpt_path)
+        callbacks.append(Crash(crash_at))
+    fit(module, tmp_path, batches, callbacks, ckpt_path)
     return module
 
 
@@ -224,9 +216,7 @@ def test_adapter_weights_that_do_not_load_stop_the_resume_and_the_export(
     broken = tmp_path / "broken.ckpt"
     torch.save(ckpt, broken)
     with pytest.raises(ValueError, match="lora_A.default"):
-        trainer(tmp_path, batches=2).fit(
-            lora_module(tiny_lm_dir), datamodule=data(tmp_path), ckpt_path=broken
-        )
+        fit(lora_module(tiny_lm_dir), tmp_path, batches=2, ckpt_path=broken)
     with pytest.raises(ValueError, match="export: .*missing: .*lora_A.default"):
         export_checkpoint(broken, tmp_path / "export")
 

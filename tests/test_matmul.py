@@ -14,6 +14,7 @@ import pickle
 
 import pytest
 import torch
+from conftest import assert_same_loss_and_grads, fit_on_prompts
 from transformers import AutoModelForCausalLM
 
 from rlkl_lightning import PPOModule
@@ -77,16 +78,7 @@ def test_models_keep_their_parameters_and_train_alike(tiny_lm_dir):
     assert fast.state_dict().keys() == plain.state_dict().keys()
     for model in (copy.deepcopy(fast), pickle.loads(pickle.dumps(fast))):
         assert isinstance(model.lm_head, OneDNNLinear)
-    torch.manual_seed(0)
-    ids = torch.randint(4, plain.config.vocab_size, (3, 12))
-    losses = []
-    for model in (plain, fast):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(loss)
-    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(plain.named_parameters(), fast.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_loss_and_grads(plain, fast, dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-4, atol=1e-6))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: PyTorch's own bf16 path
         assert fast.lm_head(torch.randn(2, plain.config.n_embd)).dtype == torch.bfloat16
 
@@ -122,7 +114,6 @@ def test_ppo_module_and_reward_option(tiny_lm_dir, tmp_path):
 
 def test_a_training_batch_logs_what_the_default_logs(tiny_lm_dir):
     """One PPO batch (separate value model) with and without oneDNN: the same numbers."""
-    from conftest import fit_on_prompts
     from lightning.pytorch import seed_everything
 
     metrics = {}

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import cpu_trainer
 from generate_reference import sample as generate_then_score
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -57,18 +58,11 @@ def tiny_module(path, **overrides) -> PPOModule:
 
 
 def fit(module, batches: int, batch_size: int = 16, callbacks=(), logger=False, val=None):
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        limit_train_batches=batches,
+    """``batches`` batches of PROMPTS, then one pass over ``val`` where given."""
+    trainer = cpu_trainer(
+        callbacks,
         logger=logger,
-        callbacks=list(callbacks),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         log_every_n_steps=1,
-        num_sanity_val_steps=0,
-        val_check_interval=batches if val is not None else None,
         limit_val_batches=None if val is not None else 0,
     )
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batches * batch_size)]

@@ -14,11 +14,11 @@ import warnings
 
 import pytest
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from conftest import fit_on_prompts
+from lightning.pytorch import seed_everything
 from lightning.pytorch.plugins import MixedPrecision
 
 from rlkl_lightning import PPOModule
-from rlkl_lightning.data import PromptDataModule
 from rlkl_lightning.logprobs import score_tokens
 from rlkl_lightning.models import enable_gradient_checkpointing, load_causal_lm
 from rlkl_lightning.rewards import FunctionReward
@@ -93,21 +93,9 @@ def test_bf16_kl_and_losses_stay_within_tolerance_of_float32(tiny_lm_dir, tmp_pa
         assert float(got[3][key]) == pytest.approx(float(want[3][key]), rel=2e-3, abs=3e-5), key
 
 
-def fit(mod, tmp_path, batches=2, **trainer_args) -> Trainer:
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS * 2) + "\n")
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=2 * batches,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        **trainer_args,
-    )
-    trainer.fit(mod, datamodule=PromptDataModule(str(prompts), heldout=None, batch_size=4))
-    return trainer
+def fit(mod, **settings):
+    """Two batches of 4 prompts, of 2 optimizer steps each."""
+    return fit_on_prompts(mod, PROMPTS * 2, 4, max_steps=4, **settings)
 
 
 def cpu_fp16_scaler(init_scale: float) -> MixedPrecision:
@@ -119,14 +107,14 @@ def cpu_fp16_scaler(init_scale: float) -> MixedPrecision:
     "precision, peft",
     [("bf16-mixed", None), ("bf16-true", None), ("bf16-true", LORA), ("16-mixed", LORA)],
 )
-def test_a_short_run_trains(tiny_lm_dir, tmp_path, precision, peft):
+def test_a_short_run_trains(tiny_lm_dir, precision, peft):
     seed_everything(0)
     mod = module(tiny_lm_dir, peft=peft)
     before = {n: p.detach().float().clone() for n, p in mod.named_parameters() if p.requires_grad}
     if precision == "16-mixed":
-        trainer = fit(mod, tmp_path, plugins=[cpu_fp16_scaler(2.0**4)])
+        trainer = fit(mod, plugins=[cpu_fp16_scaler(2.0**4)])
     else:
-        trainer = fit(mod, tmp_path, precision=precision)
+        trainer = fit(mod, precision=precision)
     metrics = trainer.callback_metrics
     assert mod.batches_seen == 2 and mod.skipped_batches == 0
     for key in ("objective/kl", "objective/score", "loss/policy", "loss/value", "policy/grad_norm"):
@@ -137,13 +125,13 @@ def test_a_short_run_trains(tiny_lm_dir, tmp_path, precision, peft):
     assert {p.dtype for p in mod.parameters()} == {want}
 
 
-def test_16_mixed_overflow_is_left_to_the_grad_scaler(tiny_lm_dir, tmp_path):
+def test_16_mixed_overflow_is_left_to_the_grad_scaler(tiny_lm_dir):
     """Scaled gradients that overflow skip that optimizer step and lower the scale; the batch
     is not skipped (else the scale, and so every batch, would stay overflowing)."""
     seed_everything(0)
     mod = module(tiny_lm_dir)
     plugin = cpu_fp16_scaler(2.0**60)
-    fit(mod, tmp_path, plugins=[plugin])
+    fit(mod, plugins=[plugin])
     assert mod.batches_seen == 2 and mod.skipped_batches == 0
     assert plugin.scaler.get_scale() < 2.0**60
 

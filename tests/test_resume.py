@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from lightning.pytorch import Callback, Trainer, seed_everything
+from conftest import fit_on_prompts
+from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rlkl_lightning import (
@@ -106,30 +107,19 @@ def run(
     controller = KLControllerCallback(AdaptiveKLController(0.2, target=0.35, horizon=40))
     monitor = KLDriftMonitor(target=0.35, window=10, min_batches=2, verbose=False)
     recorder = Recorder()
-    checkpoints = [
-        ModelCheckpoint(
-            dirpath=ckpt_dir, save_last=True, save_top_k=-1, every_n_train_steps=STEPS_PER_BATCH
-        )
-    ]
-    trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=2,
-        logger=False,
-        callbacks=[
-            controller,
-            monitor,
-            recorder,
-            *extra,
-            *(checkpoints if checkpoint else []),
-        ],
-        enable_checkpointing=checkpoint,
-        plugins=[AtomicCheckpointIO()],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    callbacks = [controller, monitor, recorder, *extra]
+    if checkpoint:
+        every_batch = dict(save_last=True, save_top_k=-1, every_n_train_steps=STEPS_PER_BATCH)
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, **every_batch))
     data = PromptDataModule(prompts=str(prompts_file), heldout=None, batch_size=BATCH, seed=5)
-    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    trainer = fit_on_prompts(
+        model,
+        data,
+        callbacks=callbacks,
+        ckpt_path=ckpt_path,
+        max_epochs=2,
+        plugins=[AtomicCheckpointIO()],
+    )
     return trainer, model, controller, monitor, recorder
 
 

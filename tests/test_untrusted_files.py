@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import cpu_trainer
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
@@ -67,16 +68,9 @@ def reward(prompt: str, response: str) -> float:
 
 
 def trainer(out: Path | None = None, steps: int = 1) -> Trainer:
-    return Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=out is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[ModelCheckpoint(dirpath=out, save_last=True)] if out else [],
-    )
+    """A Trainer for ``steps`` optimizer steps that saves ``last.ckpt`` in ``out`` where given."""
+    callbacks = [ModelCheckpoint(dirpath=out, save_last=True)] if out else []
+    return cpu_trainer(callbacks, max_steps=steps, max_epochs=None, limit_val_batches=None)
 
 
 def loader() -> DataLoader:
