@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import fit_on_prompts
 from lightning.pytorch import Callback, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LambdaCallback, ModelCheckpoint
 
 from rlkl_lightning import PPOModule
 from rlkl_lightning.data import PromptDataModule
@@ -170,12 +170,15 @@ class Crash(Callback):
             raise SimulatedCrash
 
 
-def checkpointed_run(policy_dir, tmp_path, batches, crash_at=None, ckpt_path=None):
+def checkpointed_run(policy_dir, tmp_path, batches, crash_at=None, ckpt_path=None, ran=None):
+    """``ran``: a list that gets the index of every batch this run trains on."""
     seed_everything(0)
     module = lora_module(policy_dir, peft=LORA_SAVE)
     callbacks = [ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)]
     if crash_at is not None:
         callbacks.append(Crash(crash_at))
+    if ran is not None:
+        callbacks.append(LambdaCallback(on_train_batch_start=lambda *a: ran.append(a[-1])))
     fit(module, tmp_path, batches, callbacks, ckpt_path)
     return module
 
@@ -189,8 +192,10 @@ def test_checkpoint_holds_the_trainable_weights_only_and_resumes_exactly(tiny_lm
     assert saved["rlkl_counters"]["batches_seen"] == 1
     assert set(saved["state_dict"]) == set(trainable(full))  # no frozen base weight
     assert not any("base_layer" in k or "original_module" in k for k in saved["state_dict"])
-    resumed = checkpointed_run(tiny_lm_dir, tmp_path / "cut", batches=3, ckpt_path=last)
+    ran = []
+    resumed = checkpointed_run(tiny_lm_dir, tmp_path / "cut", batches=3, ckpt_path=last, ran=ran)
 
+    assert ran == [1, 2]  # it went on from the checkpoint: batch 0 was not trained again
     assert resumed.batches_seen == full.batches_seen == 3
     want, got = trainable(full), trainable(resumed)
     assert all(torch.equal(got[n], want[n]) for n in want)
