@@ -25,7 +25,7 @@ def in_row_blocks(fn: Callable[..., Tensor], *tensors: Tensor) -> Tensor:
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if first.device.type != "cpu" or grads or first.ndim < 2 or first.numel() <= BLOCK:
         return fn(*tensors)
-    rows = max(1, BLOCK // max(first.shape[-1], 1))
+    rows = max(1, BLOCK // first.shape[-1])  # numel > BLOCK: the last dimension is not 0
     flat = [t.reshape(-1, t.shape[-1]) for t in tensors]
     parts = [fn(*block) for block in zip(*(t.split(rows) for t in flat), strict=True)]
     return torch.cat(parts).view(first.shape[:-1])
