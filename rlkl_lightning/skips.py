@@ -13,6 +13,7 @@ while the others ran backward would leave them waiting in the gradient all-reduc
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
@@ -32,6 +33,9 @@ class SkipGates(LightningModule):
     For a module with ``owner``, ``batches_seen``, ``skipped_batches``, ``skipped_in_a_row``
     and ``hparams.max_skipped_in_a_row``.
     """
+
+    #: The attributes holding models that may be FSDP units (sharding.py).
+    sharded_models: ClassVar[tuple[str, ...]] = ()
 
     def _gate(self, bad: bool, why: str) -> None:
         """Skip the batch if ``bad`` on any rank (a collective under DDP: call it on every rank).
@@ -107,7 +111,8 @@ class SkipGates(LightningModule):
         scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer else None
         scale = float(scaler.get_scale()) if scaler is not None else 1.0
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if any(is_fsdp(m) for m in self.modules()):  # each rank holds a shard of every gradient
+        # Each rank holds a shard of every gradient (the models shard_models wrapped).
+        if any(is_fsdp(getattr(self, name, None)) for name in self.sharded_models):
             grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
             local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
             local = local.to(self.device, torch.float32)
