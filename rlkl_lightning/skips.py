@@ -99,6 +99,10 @@ class SkipGates(LightningModule):
         sync = self.trainer.world_size > 1
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=sync)
 
+    def _clip_grad_norm(self, params: list[Tensor], max_norm: float) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` (split in two threads by ``value_model_thread``)."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
     def _clip_gradients(self, optimizer) -> float:
         """Clip the gradient norm to ``max_grad_norm``; returns the norm before clipping.
 
@@ -119,7 +123,7 @@ class SkipGates(LightningModule):
             norm = self.trainer.strategy.reduce(local.square(), reduce_op="sum").sqrt()
             torch.nn.utils.clip_grads_with_norm_(params, max_norm * scale, norm)
         else:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm * scale)
+            norm = self._clip_grad_norm(params, max_norm * scale)
         grad_norm = float(norm) / scale
         if scaler is None:
             self._gate(not math.isfinite(grad_norm), "the gradient norm is not finite")
