@@ -19,8 +19,8 @@ model's parameters in the helper while the calling thread updates the policy's
 update. Taking all threads back for the clipping and the step costs more than it gains:
 once a parallel region of two threads ends, OpenMP's idle thread spins on the other core for
 milliseconds, and the helper, woken for the next value forward pass, started 2-3 ms late
-(measured). The skip gate sees the whole loss before any backward pass
-starts. Scoring stays as it is: there the value model is one forward pass among four.
+(measured). The skip gate sees the whole loss before any backward pass starts. Scoring stays
+as it is: there the value model is one forward pass among four.
 
 Why it pays on a CPU: a small model's step is in good part work that does not spread over
 threads (Python, element-wise passes over small tensors, transposing copies); two streams of
@@ -176,13 +176,14 @@ class ValueThread:
         parameters. Without a grad scaler only: one sets attributes on the optimizer itself.
         """
         inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps it
-        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+        # The update alone, without the optimizer hooks (torch's step wrapper keeps it).
+        update = getattr(type(inner).step, "__wrapped__", None)
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or update is None:
             with self.all_threads():
                 optimizer.step()
             return
         groups, entry = inner.param_groups, inner.step  # entry: an LR scheduler's wrapper, maybe
         had_own_step = "step" in inner.__dict__
-        update = type(inner).step.__wrapped__  # the update alone, without the optimizer hooks
         split: list[Future] = []
 
         def then_split(closure):
