@@ -136,6 +136,26 @@ class PPOModule(RLPipeline):
         if self._value_thread is not None:
             self._value_thread.wait()
 
+    def _clip_grad_norm(self, params: list[Tensor], max_norm: float) -> Tensor:
+        """The shared clipping; with ``value_model_thread``, the value model's in the helper."""
+        if self._value_thread is None:
+            return super()._clip_grad_norm(params, max_norm)
+        return self._value_thread.clip_grad_norm(params, self._value_params(), max_norm)
+
+    def _optimizer_step(self, optimizer) -> None:
+        """The shared step; with ``value_model_thread``, the value model's part in the helper.
+
+        Under a grad scaler (``16-mixed``) the whole step runs here: the scaler hands the
+        optimizer itself its scale.
+        """
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if self._value_thread is None or scaler is not None:
+            return super()._optimizer_step(optimizer)
+        self._value_thread.step(optimizer, self._value_params())
+
+    def _value_params(self) -> set[Tensor]:
+        return {*self.value_trunk.parameters(), *self.value_head.parameters()}
+
     def shape(self, traj: Trajectory) -> Trajectory:
         """KL-shaped per-token rewards, GAE, and whitened advantages."""
         hp = self.hparams

@@ -363,7 +363,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
                     for key, value in stats.items():
                         step_stats[key] = step_stats.get(key, 0.0) + float(value) * float(weight)
                 grad_norm = self._clip_gradients(optimizer)
-                optimizer.step()
+                self._optimizer_step(optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 step_stats["policy/grad_norm"] = grad_norm
                 for key, value in step_stats.items():
@@ -375,6 +375,10 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         result = {key: torch.tensor(value / updates, dtype=f32) for key, value in totals.items()}
         result["policy/lr"] = torch.tensor(scheduler.get_last_lr()[0], dtype=f32)
         return result
+
+    def _optimizer_step(self, optimizer) -> None:
+        """``optimizer.step()`` (``PPOModule`` splits it with ``value_model_thread``)."""
+        optimizer.step()
 
     def log_batch(
         self,

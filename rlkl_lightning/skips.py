@@ -13,6 +13,7 @@ while the others ran backward would leave them waiting in the gradient all-reduc
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
@@ -32,6 +33,9 @@ class SkipGates(LightningModule):
     For a module with ``owner``, ``batches_seen``, ``skipped_batches``, ``skipped_in_a_row``
     and ``hparams.max_skipped_in_a_row``.
     """
+
+    #: The attributes holding models that may be FSDP units (sharding.py).
+    sharded_models: ClassVar[tuple[str, ...]] = ()
 
     def _gate(self, bad: bool, why: str) -> None:
         """Skip the batch if ``bad`` on any rank (a collective under DDP: call it on every rank).
@@ -95,6 +99,10 @@ class SkipGates(LightningModule):
         sync = self.trainer.world_size > 1
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=sync)
 
+    def _clip_grad_norm(self, params: list[Tensor], max_norm: float) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` (split in two threads by ``value_model_thread``)."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
     def _clip_gradients(self, optimizer) -> float:
         """Clip the gradient norm to ``max_grad_norm``; returns the norm before clipping.
 
@@ -107,14 +115,15 @@ class SkipGates(LightningModule):
         scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer else None
         scale = float(scaler.get_scale()) if scaler is not None else 1.0
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if any(is_fsdp(m) for m in self.modules()):  # each rank holds a shard of every gradient
+        # Each rank holds a shard of every gradient (the models shard_models wrapped).
+        if any(is_fsdp(getattr(self, name, None)) for name in self.sharded_models):
             grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
             local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
             local = local.to(self.device, torch.float32)
             norm = self.trainer.strategy.reduce(local.square(), reduce_op="sum").sqrt()
             torch.nn.utils.clip_grads_with_norm_(params, max_norm * scale, norm)
         else:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm * scale)
+            norm = self._clip_grad_norm(params, max_norm * scale)
         grad_norm = float(norm) / scale
         if scaler is None:
             self._gate(not math.isfinite(grad_norm), "the gradient norm is not finite")

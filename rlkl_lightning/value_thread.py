@@ -10,11 +10,17 @@ the value model by the helper while the calling thread goes on through the polic
 policy's side is the longer by its LM head, so the helper also computes the head's weight
 gradient, a product that nothing in the calling thread's backward pass waits for
 (:meth:`ValueThread.defer`, ``logprobs.Defer``), and adds it to the weight's ``.grad``
-afterwards, in the sum that autograd forms. ``PPOModule.backward`` waits for the helper and
-takes all threads back, so every gradient is complete before Lightning's
-``on_after_backward``, the clipping and the optimizer step (which run with all threads). The
-skip gate sees the whole loss before any backward pass starts. Scoring stays as it is: there
-the value model is one forward pass among four.
+afterwards, in the sum that autograd forms. ``PPOModule.backward`` waits for the helper, so
+every gradient is complete before Lightning's ``on_after_backward``. The clipping and the
+optimizer step are split the same way: each thread takes the gradient norms of its network
+(:meth:`ValueThread.clip_grad_norm`), then scales its gradients, and AdamW updates the value
+model's parameters in the helper while the calling thread updates the policy's
+(:meth:`ValueThread.step`). The calling thread keeps its half of the threads for the whole
+update. Taking all threads back for the clipping and the step costs more than it gains:
+once a parallel region of two threads ends, OpenMP's idle thread spins on the other core for
+milliseconds, and the helper, woken for the next value forward pass, started 2-3 ms late
+(measured). The skip gate sees the whole loss before any backward pass starts. Scoring stays
+as it is: there the value model is one forward pass among four.
 
 Why it pays on a CPU: a small model's step is in good part work that does not spread over
 threads (Python, element-wise passes over small tensors, transposing copies); two streams of
@@ -52,8 +58,9 @@ class ValueThread:
         self.pool: ThreadPoolExecutor | None = None
 
     def __enter__(self) -> ValueThread:
-        """Start the helper; this thread keeps the other half of the threads."""
+        """Start the helper; this thread keeps the other half of the threads until the exit."""
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rlkl-value")
+        torch.set_num_threads(self.threads - self.helper_threads or 1)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -71,11 +78,7 @@ class ValueThread:
             torch.set_num_threads(self.threads)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` in the helper, under this thread's grad mode and autocast state.
-
-        This thread keeps the other half of the threads until :meth:`wait`.
-        """
-        torch.set_num_threads(max(1, self.threads - self.helper_threads))
+        """Run ``fn(*args)`` in the helper, under this thread's grad mode and autocast state."""
         grad = torch.is_grad_enabled()
         kind = self.device_type
         autocast = torch.is_autocast_enabled(kind)
@@ -118,7 +121,7 @@ class ValueThread:
         return None
 
     def wait(self) -> None:
-        """Wait for the helper's work, if any (raise its error); take all threads back."""
+        """Wait for the helper's work, if any (raise its error)."""
         pending, self.pending = self.pending, None
         deferred, self.deferred = self.deferred, []
         if pending is not None:
@@ -129,4 +132,86 @@ class ValueThread:
                 param.grad = torch.empty_like(param).copy_(grad)
             else:
                 param.grad.add_(grad)
+
+    @contextlib.contextmanager
+    def all_threads(self):
+        """This thread with all of torch's threads, for work that is not split."""
         torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(self.threads - self.helper_threads or 1)
+
+    def clip_grad_norm(self, params: list[Tensor], theirs: set[Tensor], max_norm: float) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_(params, max_norm)``, the ``theirs`` part in the helper.
+
+        The same numbers: the norm of each gradient, the norm of those norms in the order of
+        ``params``, then every gradient times the same clamped ``max_norm / (norm + 1e-6)``.
+        Gradients of several devices or dtypes (which torch groups first) take torch's own.
+        """
+        with_grad = [p for p in params if p.grad is not None]
+        if len({(p.grad.device, p.grad.dtype) for p in with_grad}) != 1:
+            with self.all_threads():
+                return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        helper = [p for p in with_grad if p in theirs]
+        mine = [p for p in with_grad if p not in theirs]
+        their_norms = self.submit(_grad_norms, helper)
+        norms = dict(zip(mine, _grad_norms(mine), strict=True))
+        norms.update(zip(helper, their_norms.result(), strict=True))
+        total = torch.linalg.vector_norm(torch.stack([norms[p] for p in with_grad]))
+        scaled = self.submit(torch.nn.utils.clip_grads_with_norm_, helper, max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_(mine, max_norm, total)
+        scaled.result()
+        return total
+
+    def step(self, optimizer: Any, theirs: set[Tensor]) -> None:
+        """``optimizer.step()``, with the parameters in ``theirs`` updated by the helper.
+
+        For torch's ``Adam`` and ``AdamW``, whose update of a parameter reads nothing of another
+        (any other optimizer steps here, with all threads). ``optimizer`` (a Lightning
+        optimizer, or torch's) steps once, hooks, closure and LR-scheduler bookkeeping
+        included. When its closure has returned (Lightning's ``on_before_optimizer_step``
+        hooks run there), the helper updates ``theirs`` through a copy of the optimizer that
+        shares its state, and the optimizer's own update, in this thread, sees only the other
+        parameters. Without a grad scaler only: one sets attributes on the optimizer itself.
+        """
+        inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps it
+        # The update alone, without the optimizer hooks (torch's step wrapper keeps it).
+        update = getattr(type(inner).step, "__wrapped__", None)
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or update is None:
+            with self.all_threads():
+                optimizer.step()
+            return
+        groups, entry = inner.param_groups, inner.step  # entry: an LR scheduler's wrapper, maybe
+        had_own_step = "step" in inner.__dict__
+        split: list[Future] = []
+
+        def then_split(closure):
+            loss = closure() if closure is not None else None
+            shadow = object.__new__(type(inner))
+            shadow.__dict__.update(inner.__dict__)  # the same state, defaults and hooks
+            shadow.param_groups = [
+                {**g, "params": [p for p in g["params"] if p in theirs]} for g in groups
+            ]
+            split.append(self.submit(update, shadow))
+            inner.param_groups = [
+                {**g, "params": [p for p in g["params"] if p not in theirs]} for g in groups
+            ]
+            return loss
+
+        inner.step = lambda closure=None: entry(closure=lambda: then_split(closure))
+        try:
+            optimizer.step()
+        finally:
+            inner.param_groups = groups
+            if had_own_step:
+                inner.step = entry
+            else:
+                del inner.step
+            for future in split:
+                future.result()
+
+
+def _grad_norms(params: list[Tensor]) -> list[Tensor]:
+    """The 2-norm of each parameter's gradient, computed as ``clip_grad_norm_`` does."""
+    return list(torch._foreach_norm([p.grad for p in params])) if params else []

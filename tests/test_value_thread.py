@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 
 import pytest
 import torch
 from conftest import fit_on_prompts
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from rlkl_lightning import PPOModule, logprobs
 from rlkl_lightning.rewards import FunctionReward
@@ -73,8 +75,17 @@ def test_training_logs_the_same_numbers_bit_for_bit(tiny_lm_dir, monkeypatch, gr
         return product(*args)
 
     monkeypatch.setattr(logprobs, "_weight_gradient", recorded)
+    updates: list[tuple[str, int]] = []  # AdamW's updates: thread, number of parameters
+    fused = torch._fused_adamw_
+
+    def recorded_update(params, *args, **kwargs):
+        updates.append((threading.current_thread().name, len(params)))
+        return fused(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", recorded_update)
     plain, plain_logs, plain_threads, _ = _train(tiny_lm_dir, False, 2, None, grad_accum_steps)
     plain_head, head[:] = head[:], []
+    plain_updates, updates[:] = updates[:], []
     threaded, logs, threads, _ = _train(tiny_lm_dir, True, 2, None, grad_accum_steps)
     # 2 batches x 2 epochs x 2 minibatches x micro-batches: value forwards with gradients
     steps = 8 * grad_accum_steps
@@ -84,6 +95,12 @@ def test_training_logs_the_same_numbers_bit_for_bit(tiny_lm_dir, monkeypatch, gr
     # The head's product goes to the helper where the sum it enters does not depend on the
     # order (the first micro-batch of each minibatch); else it is computed in place.
     assert head == ["rlkl-value_0", "MainThread"][:grad_accum_steps] * 8
+    # 8 optimizer steps; with the thread, the value model's parameters are the helper's.
+    n = plain_updates[0][1]
+    assert plain_updates == [("MainThread", n)] * 8
+    helper_part = {k for name, k in updates if name.startswith("rlkl-value")}
+    assert len(helper_part) == 1 and 0 < (k := helper_part.pop()) < n
+    assert sorted(updates) == sorted([("MainThread", n - k), ("rlkl-value_0", k)] * 8)
     assert len(logs) == len(plain_logs) == 2
     for ours, theirs in zip(logs, plain_logs, strict=True):
         assert ours.keys() == theirs.keys()
@@ -199,3 +216,83 @@ def test_bad_settings_are_refused(tiny_lm_dir):
     module.trainer = Trainer(accelerator="cpu", devices=1, strategy=DDPStrategy(), logger=False)
     with pytest.raises(ValueError, match="single-device strategy, got DDPStrategy"):
         module.on_fit_start()
+
+
+def _two_nets(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(6, 5), torch.nn.Linear(6, 1)
+
+
+def _set_grads(nets, step):
+    gen = torch.Generator().manual_seed(step)
+    for net in nets:
+        for p in net.parameters():
+            p.grad = torch.randn(p.shape, generator=gen) * 3
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])  # clipped, and not clipped
+def test_split_clipping_equals_torch(max_norm):
+    nets = _two_nets()
+    params = [p for net in nets for p in net.parameters()]
+    params[1].grad = None  # a parameter without a gradient
+    _set_grads(nets, 0)
+    params[1].grad = None
+    expected = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    clipped = [p.grad.clone() if p.grad is not None else None for p in params]
+    _set_grads(nets, 0)
+    params[1].grad = None
+    with ValueThread("cpu") as helper:
+        norm = helper.clip_grad_norm(params, set(nets[1].parameters()), max_norm)
+    assert torch.equal(norm, expected)
+    for p, g in zip(params, clipped, strict=True):
+        assert (p.grad is None and g is None) or torch.equal(p.grad, g)
+    # Gradients of two dtypes: torch's own clipping (it orders the norms by dtype).
+    extra = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    extra.grad = torch.full((3,), 2.0, dtype=torch.float64)
+    _set_grads(nets, 0)
+    params[1].grad = None
+    with ValueThread("cpu") as helper:
+        mixed = helper.clip_grad_norm([*params, extra], set(nets[1].parameters()), max_norm)
+    extra.grad = torch.full((3,), 2.0, dtype=torch.float64)
+    _set_grads(nets, 0)
+    params[1].grad = None
+    assert torch.equal(mixed, torch.nn.utils.clip_grad_norm_([*params, extra], max_norm))
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "Adam", "AdamW-fused", "SGD"])
+def test_split_step_equals_one_step(optimizer):
+    """Both halves' updates equal one step's, hooks and LR-scheduler bookkeeping included."""
+    runs = {}
+    for split in (False, True):
+        nets = _two_nets()
+        params = [p for net in nets for p in net.parameters()]
+        name, _, fused = optimizer.partition("-")
+        kwargs = {"fused": True} if fused else {}
+        opt = getattr(torch.optim, name)(params, lr=0.1, weight_decay=0.01, **kwargs)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+        seen: list[str] = []
+        hook = register_optimizer_step_post_hook(lambda *_, seen=seen: seen.append("post"))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # the scheduler's "step() before optimizer.step()"
+                for step in range(3):
+                    _set_grads(nets, step)
+                    if split:
+                        with ValueThread("cpu") as helper:
+                            helper.step(opt, set(nets[1].parameters()))
+                    else:
+                        opt.step()
+                    sched.step()
+        finally:
+            hook.remove()
+        assert seen == ["post"] * 3
+        assert opt.param_groups[0]["params"] == params
+        runs[split] = [p.detach().clone() for p in params], opt.state_dict()
+    (plain, plain_state), (split_params, split_state) = runs[False], runs[True]
+    for a, b in zip(plain, split_params, strict=True):
+        assert torch.equal(a, b)
+    for key, state in plain_state["state"].items():
+        for field, value in state.items():
+            assert torch.equal(
+                torch.as_tensor(value), torch.as_tensor(split_state["state"][key][field])
+            )
