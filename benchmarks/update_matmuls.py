@@ -4,8 +4,11 @@ The throughput benchmark's update phase (``ppo_throughput.py``) is 145 GFLOP of 
 products per iteration. This script times those products alone, with the benchmark's shapes
 (minibatches of 8 sequences x 48 tokens = 384 rows, width 256, 4 layers, vocabulary 4096, the
 LM head on the 256 response rows), forward and both backward products, against the machine's
-square-matmul peak measured the same way as the benchmark (``flops.matmul_peak``). The result
-bounds what any fp32 implementation of the same update can reach here.
+square-matmul peak measured the same way as the benchmark (``flops.matmul_peak``). Each product
+is timed with PyTorch's default float32 kernel (``torch.mm``, MKL in the x86 wheels) and with
+oneDNN's (``cpu_matmul="onednn"``, :mod:`rlkl_lightning.matmul`), whose operands it takes in a
+linear layer's layout. The result bounds what any fp32 implementation of the same update can
+reach here with either kernel.
 
 Usage::
 
@@ -23,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flops  # noqa: E402
 
+from rlkl_lightning import matmul  # noqa: E402
+
 THREADS, ROWS, WIDTH, LAYERS, VOCAB, RESPONSE_ROWS = 2, 384, 256, 4, 4096, 256
 # name -> (rows, inner, columns) of the forward product, and how often it runs per minibatch
 PRODUCTS = {
@@ -34,16 +39,21 @@ PRODUCTS = {
 }
 
 
-def gflops(m: int, k: int, n: int, repeats: int = 200) -> float:
-    """Best-of-three GFLOP/s of ``[m, k] @ [k, n]``."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
+def gflops(m: int, k: int, n: int, onednn: bool, repeats: int = 200) -> float:
+    """Best-of-three GFLOP/s of ``[m, k] @ [k, n]`` (oneDNN: the right operand as ``[n, k]``)."""
+    a, b = torch.randn(m, k), torch.randn(n, k)
+    right = b.t().contiguous()
+
+    def product() -> torch.Tensor:
+        return matmul.product_t(a, b, onednn=True) if onednn else a @ right
+
     for _ in range(10):
-        a @ b
+        product()
     best = 0.0
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(repeats):
-            a @ b
+            product()
         best = max(best, 2.0 * m * k * n * repeats / (time.perf_counter() - start) / 1e9)
     return best
 
@@ -52,18 +62,23 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     peak = flops.matmul_peak(THREADS)
     print(f"fp32 square-matmul peak, {THREADS} threads: {peak:.1f} GFLOP/s")
-    total_flop = total_s = 0.0
+    kernels = {"torch.mm": False, "oneDNN": True} if matmul.available() else {"torch.mm": False}
+    total_flop, total_s = 0.0, dict.fromkeys(kernels, 0.0)
     for name, ((m, k, n), count) in PRODUCTS.items():
         # forward x W, gradient of the input (dY W^T), gradient of the weight (X^T dY)
         products = ((m, k, n), (m, n, k), (k, m, n))
         flop = sum(2.0 * a * b * c for a, b, c in products)
-        seconds = sum(2.0 * a * b * c / (gflops(a, b, c) * 1e9) for a, b, c in products)
         total_flop += flop * count
-        total_s += seconds * count
-        rate = flop / seconds / 1e9
-        print(f"{name:>17}: forward + backward {rate:6.1f} GFLOP/s = {rate / peak:4.0%} of peak")
-    rate = total_flop / total_s / 1e9
-    print(f"all update products: {rate:.1f} GFLOP/s = {rate / peak:.0%} of peak")
+        rates = []
+        for kernel, onednn in kernels.items():
+            seconds = sum(2.0 * a * b * c / (gflops(a, b, c, onednn) * 1e9) for a, b, c in products)
+            total_s[kernel] += seconds * count
+            rate = flop / seconds / 1e9
+            rates.append(f"{kernel} {rate:6.1f} GFLOP/s = {rate / peak:4.0%}")
+        print(f"{name:>17}, forward + backward: " + ", ".join(rates) + " of peak")
+    for kernel, seconds in total_s.items():
+        rate = total_flop / seconds / 1e9
+        print(f"all update products, {kernel}: {rate:.1f} GFLOP/s = {rate / peak:.0%} of peak")
 
 
 if __name__ == "__main__":
