@@ -35,7 +35,9 @@ class Record(Callback):
         self.batches.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-def _train(tiny_lm_dir, value_model_thread: bool, batches=2, patch=None, grad_accum_steps=2):
+def _train(
+    tiny_lm_dir, value_model_thread: bool, batches=2, patch=None, grad_accum_steps=2, **settings
+):
     seed_everything(0, verbose=False)
     module = PPOModule(
         policy=str(tiny_lm_dir),
@@ -61,7 +63,7 @@ def _train(tiny_lm_dir, value_model_thread: bool, batches=2, patch=None, grad_ac
     before = {k: v.detach().clone() for k, v in module.state_dict().items()}
     prompts = ["the film was", "this book is", "the food", "a story"] * (2 * batches)
     record = Record()
-    fit_on_prompts(module, prompts, callbacks=[record])
+    fit_on_prompts(module, prompts, callbacks=[record], **settings)
     return module, record.batches, threads, before
 
 
@@ -114,6 +116,20 @@ def test_training_logs_the_same_numbers_bit_for_bit(tiny_lm_dir, monkeypatch, gr
     ):
         assert torch.equal(a, b), name
     assert torch.get_num_threads() == 1  # restored
+
+
+def test_bf16_mixed_gives_the_same_numbers_bit_for_bit(tiny_lm_dir):
+    """Under autocast too: the helper runs the value model in the caller's autocast state."""
+    plain, plain_logs, _, _ = _train(tiny_lm_dir, False, 1, None, 1, precision="bf16-mixed")
+    threaded, logs, threads, _ = _train(tiny_lm_dir, True, 1, None, 1, precision="bf16-mixed")
+    assert len(threads) == 4 and all(name.startswith("rlkl-value") for name in threads)
+    for key, value in plain_logs[0].items():
+        if not key.startswith("perf/"):
+            assert logs[0][key] == value or (math.isnan(value) and math.isnan(logs[0][key])), key
+    for (name, a), b in zip(
+        plain.state_dict().items(), threaded.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
 
 
 def test_a_non_finite_value_loss_skips_the_batch(tiny_lm_dir):
