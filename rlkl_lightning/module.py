@@ -124,7 +124,8 @@ class PPOModule(RLPipeline):
         """The shared update; with ``value_model_thread``, the value model in the helper."""
         if not self.hparams.value_model_thread:
             return super().update(traj)
-        with ValueThread(self.device.type) as self._value_thread:
+        value_params = [*self.value_trunk.parameters(), *self.value_head.parameters()]
+        with ValueThread(self.device.type, value_params) as self._value_thread:
             try:
                 return super().update(traj)
             finally:
@@ -140,7 +141,7 @@ class PPOModule(RLPipeline):
         """The shared clipping; with ``value_model_thread``, the value model's in the helper."""
         if self._value_thread is None:
             return super()._clip_grad_norm(params, max_norm)
-        return self._value_thread.clip_grad_norm(params, self._value_params(), max_norm)
+        return self._value_thread.clip_grad_norm(params, max_norm)
 
     def _optimizer_step(self, optimizer) -> None:
         """The shared step; with ``value_model_thread``, the value model's part in the helper.
@@ -151,10 +152,7 @@ class PPOModule(RLPipeline):
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         if self._value_thread is None or scaler is not None:
             return super()._optimizer_step(optimizer)
-        self._value_thread.step(optimizer, self._value_params())
-
-    def _value_params(self) -> set[Tensor]:
-        return {*self.value_trunk.parameters(), *self.value_head.parameters()}
+        self._value_thread.step(optimizer)
 
     def shape(self, traj: Trajectory) -> Trajectory:
         """KL-shaped per-token rewards, GAE, and whitened advantages."""

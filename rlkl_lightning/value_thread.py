@@ -33,7 +33,7 @@ A single process only (no DDP or FSDP: their gradient hooks expect one backward 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -47,10 +47,13 @@ class ValueThread:
     Args:
         device_type: The device the models run on (``"cpu"``, ``"cuda"``); the helper enters
             the caller's autocast state for it.
+        params: The helper's network's parameters: their part of the clipping and of the
+            optimizer step runs in the helper.
     """
 
-    def __init__(self, device_type: str):
+    def __init__(self, device_type: str, params: Iterable[Tensor] = ()):
         self.device_type = device_type
+        self.params = set(params)
         self.threads = torch.get_num_threads()
         self.helper_threads = max(1, self.threads // 2)
         self.pending: Future | None = None
@@ -142,8 +145,8 @@ class ValueThread:
         finally:
             torch.set_num_threads(self.threads - self.helper_threads or 1)
 
-    def clip_grad_norm(self, params: list[Tensor], theirs: set[Tensor], max_norm: float) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_(params, max_norm)``, the ``theirs`` part in the helper.
+    def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_(params, max_norm)``, the helper's part in the helper.
 
         The same numbers: the norm of each gradient, the norm of those norms in the order of
         ``params``, then every gradient times the same clamped ``max_norm / (norm + 1e-6)``.
@@ -153,8 +156,8 @@ class ValueThread:
         if len({(p.grad.device, p.grad.dtype) for p in with_grad}) != 1:
             with self.all_threads():
                 return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        helper = [p for p in with_grad if p in theirs]
-        mine = [p for p in with_grad if p not in theirs]
+        helper = [p for p in with_grad if p in self.params]
+        mine = [p for p in with_grad if p not in self.params]
         their_norms = self.submit(_grad_norms, helper)
         norms = dict(zip(mine, _grad_norms(mine), strict=True))
         norms.update(zip(helper, their_norms.result(), strict=True))
@@ -164,14 +167,14 @@ class ValueThread:
         scaled.result()
         return total
 
-    def step(self, optimizer: Any, theirs: set[Tensor]) -> None:
-        """``optimizer.step()``, with the parameters in ``theirs`` updated by the helper.
+    def step(self, optimizer: Any) -> None:
+        """``optimizer.step()``, with the helper's parameters (``params``) updated by the helper.
 
         For torch's ``Adam`` and ``AdamW``, whose update of a parameter reads nothing of another
         (any other optimizer steps here, with all threads). ``optimizer`` (a Lightning
         optimizer, or torch's) steps once, hooks, closure and LR-scheduler bookkeeping
         included. When its closure has returned (Lightning's ``on_before_optimizer_step``
-        hooks run there), the helper updates ``theirs`` through a copy of the optimizer that
+        hooks run there), the helper updates its parameters through a copy of the optimizer that
         shares its state, and the optimizer's own update, in this thread, sees only the other
         parameters. Without a grad scaler only: one sets attributes on the optimizer itself.
         """
@@ -191,11 +194,11 @@ class ValueThread:
             shadow = object.__new__(type(inner))
             shadow.__dict__.update(inner.__dict__)  # the same state, defaults and hooks
             shadow.param_groups = [
-                {**g, "params": [p for p in g["params"] if p in theirs]} for g in groups
+                {**g, "params": [p for p in g["params"] if p in self.params]} for g in groups
             ]
             split.append(self.submit(update, shadow))
             inner.param_groups = [
-                {**g, "params": [p for p in g["params"] if p not in theirs]} for g in groups
+                {**g, "params": [p for p in g["params"] if p not in self.params]} for g in groups
             ]
             return loss
 

@@ -257,8 +257,8 @@ def test_split_clipping_equals_torch(max_norm):
     clipped = [p.grad.clone() if p.grad is not None else None for p in params]
     _set_grads(nets, 0)
     params[1].grad = None
-    with ValueThread("cpu") as helper:
-        norm = helper.clip_grad_norm(params, set(nets[1].parameters()), max_norm)
+    with ValueThread("cpu", nets[1].parameters()) as helper:
+        norm = helper.clip_grad_norm(params, max_norm)
     assert torch.equal(norm, expected)
     for p, g in zip(params, clipped, strict=True):
         assert (p.grad is None and g is None) or torch.equal(p.grad, g)
@@ -267,8 +267,8 @@ def test_split_clipping_equals_torch(max_norm):
     extra.grad = torch.full((3,), 2.0, dtype=torch.float64)
     _set_grads(nets, 0)
     params[1].grad = None
-    with ValueThread("cpu") as helper:
-        mixed = helper.clip_grad_norm([*params, extra], set(nets[1].parameters()), max_norm)
+    with ValueThread("cpu", nets[1].parameters()) as helper:
+        mixed = helper.clip_grad_norm([*params, extra], max_norm)
     extra.grad = torch.full((3,), 2.0, dtype=torch.float64)
     _set_grads(nets, 0)
     params[1].grad = None
@@ -294,8 +294,8 @@ def test_split_step_equals_one_step(optimizer):
                 for step in range(3):
                     _set_grads(nets, step)
                     if split:
-                        with ValueThread("cpu") as helper:
-                            helper.step(opt, set(nets[1].parameters()))
+                        with ValueThread("cpu", nets[1].parameters()) as helper:
+                            helper.step(opt)
                     else:
                         opt.step()
                     sched.step()
