@@ -135,7 +135,7 @@ def matmul_peak(
 
     The best of several sizes and runs, because on a shared machine any single timing may be
     slowed down by other processes, never sped up. On a CPU in float32 the products are taken
-    both by ``torch.mm`` (MKL) and by oneDNN (``rlkl_lightning.matmul``), which is twice as
+    both by ``torch.mm`` (MKL) and by oneDNN (``rlkl_lightning.perf.onednn``), which is twice as
     fast where MKL lacks AVX-512 kernels: the peak is the faster one's. On a GPU each timing
     waits for the device (``torch.cuda.synchronize``) and the products are larger.
     """
@@ -146,7 +146,7 @@ def matmul_peak(
     runs = 10 if cuda else 1
     products = [lambda a, b, out: torch.mm(a, b, out=out)]
     if not cuda and dtype == torch.float32:
-        from rlkl_lightning import matmul
+        from rlkl_lightning.perf import onednn as matmul
 
         if matmul.available():
             products.append(lambda a, b, out: matmul.product_t(a, b, onednn=True))

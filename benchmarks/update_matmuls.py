@@ -6,7 +6,7 @@ products per iteration. This script times those products alone, with the benchma
 LM head on the 256 response rows), forward and both backward products, against the machine's
 square-matmul peak measured the same way as the benchmark (``flops.matmul_peak``). Each product
 is timed with PyTorch's default float32 kernel (``torch.mm``, MKL in the x86 wheels) and with
-oneDNN's (``cpu_matmul="onednn"``, :mod:`rlkl_lightning.matmul`), whose operands it takes in a
+oneDNN's (``cpu_matmul="onednn"``, :mod:`rlkl_lightning.perf.onednn`), whose operands it takes in a
 linear layer's layout. The result bounds what any fp32 implementation of the same update can
 reach here with either kernel.
 
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flops  # noqa: E402
 
-from rlkl_lightning import matmul  # noqa: E402
+from rlkl_lightning.perf import onednn as matmul  # noqa: E402
 
 THREADS, ROWS, WIDTH, LAYERS, VOCAB, RESPONSE_ROWS = 2, 384, 256, 4, 4096, 256
 # name -> (rows, inner, columns) of the forward product, and how often it runs per minibatch

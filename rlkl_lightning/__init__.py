@@ -8,16 +8,16 @@ from importlib import import_module
 from typing import Any
 
 _LAZY = {
-    "AdaptiveKLController": "rlkl_lightning.controllers",
-    "ExponentialKLController": "rlkl_lightning.controllers",
-    "FixedKLController": "rlkl_lightning.controllers",
-    "KLController": "rlkl_lightning.controllers",
-    "PIKLController": "rlkl_lightning.controllers",
-    "KLControllerCallback": "rlkl_lightning.kl_callback",
-    "KLDriftMonitor": "rlkl_lightning.drift_monitor",
-    "PPOModule": "rlkl_lightning.module",
-    "RLOOModule": "rlkl_lightning.rloo",
-    "RLPipeline": "rlkl_lightning.pipeline",
+    "AdaptiveKLController": "rlkl_lightning.kl.controllers",
+    "ExponentialKLController": "rlkl_lightning.kl.controllers",
+    "FixedKLController": "rlkl_lightning.kl.controllers",
+    "KLController": "rlkl_lightning.kl.controllers",
+    "PIKLController": "rlkl_lightning.kl.controllers",
+    "KLControllerCallback": "rlkl_lightning.kl.controller_callback",
+    "KLDriftMonitor": "rlkl_lightning.kl.drift_monitor",
+    "PPOModule": "rlkl_lightning.algorithms.ppo",
+    "RLOOModule": "rlkl_lightning.algorithms.rloo",
+    "RLPipeline": "rlkl_lightning.algorithms.pipeline",
     "Trajectory": "rlkl_lightning.trajectory",
 }
 

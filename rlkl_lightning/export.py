@@ -4,7 +4,7 @@
 
 The checkpoint's hyperparameters name the policy and its ``peft`` config; the base weights
 are loaded from there (checkpoints leave the frozen ones out), the trained weights from the
-checkpoint, every one of them checked (:func:`~rlkl_lightning.lora.load_trainable`), and the
+checkpoint, every one of them checked (:func:`~rlkl_lightning.models.lora.load_trainable`), and the
 adapters are merged (``merge_and_unload``). The result, and the tokenizer, load with
 ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``, without ``peft``.
 """
@@ -35,8 +35,8 @@ def export_policy(
     Returns:
         ``directory``.
     """
-    from rlkl_lightning.lora import attach_adapters, load_trainable
-    from rlkl_lightning.models import load_causal_lm, resolve_model_path
+    from rlkl_lightning.models.loading import load_causal_lm, resolve_model_path
+    from rlkl_lightning.models.lora import attach_adapters, load_trainable
     from rlkl_lightning.world.tokenizer import pretrained_tokenizer
 
     model = load_causal_lm(hparams["policy"], option="policy")
@@ -61,7 +61,7 @@ def export_module(module: LightningModule, directory: str | Path) -> Path:
 
 def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     """:func:`export_policy` of a Lightning checkpoint file."""
-    from rlkl_lightning.resumable import check_checkpoint
+    from rlkl_lightning.checkpoints import check_checkpoint
 
     check_checkpoint(checkpoint, option="checkpoint")
     ckpt = torch.load(

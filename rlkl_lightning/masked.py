@@ -58,8 +58,9 @@ def valid_mask(
 ) -> Tensor | None:
     """Check the shapes of a masked computation; return ``mask`` as bool on ``x``'s device.
 
-    The one checker of every masked computation (this module, :mod:`rlkl_lightning.kl`,
-    :mod:`rlkl_lightning.advantages`, :mod:`rlkl_lightning.ppo_loss`); its errors name the
+    The one checker of every masked computation (this module, :mod:`rlkl_lightning.kl.estimators`,
+    :mod:`rlkl_lightning.algorithms.advantages`, :mod:`rlkl_lightning.algorithms.losses`); its
+    errors name the
     calling function and the argument.
 
     Args:

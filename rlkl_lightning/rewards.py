@@ -185,7 +185,8 @@ class SequenceClassifierReward:
         trust_remote_code: Run code shipped with the classifier or its tokenizer; off, such a
             model is refused with an error. Set it only for models you trust.
         cpu_matmul: ``default`` or ``onednn``: the classifier's float32 CPU matrix products
-            through oneDNN, as the pipeline's option of that name (:mod:`rlkl_lightning.matmul`).
+            through oneDNN, as the pipeline's option of that name
+            (:mod:`rlkl_lightning.perf.onednn`).
     """
 
     def __init__(
@@ -200,7 +201,7 @@ class SequenceClassifierReward:
         trust_remote_code: bool = False,
         cpu_matmul: str = "default",
     ) -> None:
-        from rlkl_lightning.matmul import CPU_MATMULS, available, use_onednn
+        from rlkl_lightning.perf.onednn import CPU_MATMULS, available, use_onednn
 
         if cpu_matmul not in CPU_MATMULS or (cpu_matmul == "onednn" and not available()):
             allowed = CPU_MATMULS if available() else ("default",)
@@ -235,7 +236,7 @@ class SequenceClassifierReward:
         self.tokenizer.padding_side = "right"
         self.tokenizer.truncation_side = "left"
 
-        from rlkl_lightning.models import fuse_tanh_gelu
+        from rlkl_lightning.perf.gelu import fuse_tanh_gelu
 
         try:
             self.model = AutoModelForSequenceClassification.from_pretrained(

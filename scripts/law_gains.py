@@ -14,7 +14,7 @@ tuning", J. Process Control 13) then give, for a closed-loop time constant ``tau
   ``ki = kp / tau_I`` per batch.
 
 Both laws get ``tau_c = theta + tau``. The README ("Gains of the control laws") says why.
-Last, every law of ``rlkl_lightning.controllers`` with the configs' settings steers the fitted
+Last, every law of ``rlkl_lightning.kl.controllers`` with the configs' settings steers the fitted
 model (with the measured batch-to-batch noise, 20 seeds): the settle batch and overshoot it
 predicts for the law study.
 
@@ -130,8 +130,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import yaml
 
-    from rlkl_lightning.cli import KLSettings
     from rlkl_lightning.compare.events import overshoot, read_curves, settle_batch
+    from rlkl_lightning.kl.settings import KLSettings
 
     fits = {}
     for beta, log_dir in calibrate(args.out).items():

@@ -36,7 +36,7 @@ def _hex(value: float) -> str:
 
 
 def record(
-    threads: int, extra: list[str], batches: int = BATCHES
+    threads: int, extra: list[str], batches: int = BATCHES, configs: tuple[str, ...] = CONFIGS
 ) -> dict[str, dict[str, dict[str, str]]]:
     """Run every config (in parallel, ``threads`` torch threads each) and read its scalars."""
     sys.path.insert(0, str(ROOT))
@@ -45,7 +45,7 @@ def record(
     out = Path(tempfile.mkdtemp(prefix="same_metrics_"))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     procs = {}
-    for config in CONFIGS:
+    for config in configs:
         name = Path(config).stem
         args = [
             sys.executable,
@@ -113,9 +113,15 @@ def main() -> None:
     what.add_argument("--compare", type=Path, help="compare the numbers with this JSON file")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--batches", type=int, default=BATCHES, help="training batches per run")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(CONFIGS),
+        help="train.py configs to run (16 optimizer steps per batch, like the PPO and RLOO ones)",
+    )
     parser.add_argument("extra", nargs="*", help="further train.py arguments for every run")
     args = parser.parse_args()
-    numbers = record(args.threads, args.extra, args.batches)
+    numbers = record(args.threads, args.extra, args.batches, tuple(args.configs))
     n_values = sum(len(s) for run in numbers.values() for s in run.values())
     if args.record:
         args.record.write_text(json.dumps(numbers, indent=1))

@@ -1,7 +1,7 @@
 """The plain pipeline that the fast sampling loop is checked against: ``generate``, then score.
 
-``rlkl_lightning.rollout.sample_and_score`` samples with its own KV-cache loop and keeps the
-policy's scores of its samples. The tests compare it with this straightforward version:
+``rlkl_lightning.algorithms.rollout.sample_and_score`` samples with its own KV-cache loop and
+keeps the policy's scores of its samples. The tests compare it with this straightforward version:
 Hugging Face ``generate`` with a fresh ``GenerationConfig``, then a second forward pass for the
 log-probs. Not collected by pytest (no ``test_`` prefix).
 """
@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
 
-from rlkl_lightning.logprobs import score_tokens
-from rlkl_lightning.rollout import response_mask_after_eos
+from rlkl_lightning.algorithms.rollout import response_mask_after_eos
+from rlkl_lightning.models.logprobs import score_tokens
 from rlkl_lightning.trajectory import Trajectory
 
 

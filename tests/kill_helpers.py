@@ -15,7 +15,7 @@ from unittest import mock
 import lightning.pytorch as pl
 import torch
 
-from rlkl_lightning.checkpointing import AtomicCheckpointIO
+from rlkl_lightning.checkpoints import AtomicCheckpointIO
 
 STALL_S = 600.0  # the test kills the process long before this
 

@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 from rlkl_lightning import PPOModule
-from rlkl_lightning.advantages import gae, shape_rewards
-from rlkl_lightning.kl_callback import KLControllerCallback
-from rlkl_lightning.logprobs import TokenScores
+from rlkl_lightning.algorithms.advantages import gae, shape_rewards
+from rlkl_lightning.algorithms.rollout import sample_and_score
+from rlkl_lightning.kl.controller_callback import KLControllerCallback
+from rlkl_lightning.models.logprobs import TokenScores
 from rlkl_lightning.rewards import FunctionReward
-from rlkl_lightning.rollout import sample_and_score
 from rlkl_lightning.trajectory import Trajectory
 
 

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 from rlkl_lightning import RLOOModule
-from rlkl_lightning.kl import sequence_kl
-from rlkl_lightning.kl_callback_base import KLCallbackBase
+from rlkl_lightning.kl.callback_base import KLCallbackBase
+from rlkl_lightning.kl.estimators import sequence_kl
 from rlkl_lightning.rewards import FunctionReward
 from rlkl_lightning.trajectory import Trajectory
 

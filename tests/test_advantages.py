@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 
-from rlkl_lightning.advantages import gae, group_advantages, shape_rewards
+from rlkl_lightning.algorithms.advantages import gae, group_advantages, shape_rewards
 
 NAN = float("nan")
 

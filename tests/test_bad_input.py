@@ -27,10 +27,10 @@ from rlkl_lightning import (
     PIKLController,
     PPOModule,
 )
-from rlkl_lightning.cli import KLSettings
+from rlkl_lightning.checkpoints import check_checkpoint
 from rlkl_lightning.data import PromptDataModule
-from rlkl_lightning.models import load_tokenizer
-from rlkl_lightning.resumable import check_checkpoint
+from rlkl_lightning.kl.settings import KLSettings
+from rlkl_lightning.models.loading import load_tokenizer
 from rlkl_lightning.rewards import FunctionReward
 
 PROMPTS = ["the film was", "this book is", "the food", "it was really", "a story", "the plot"]

@@ -63,7 +63,7 @@ def test_ppo_throughput_runs_tiny_presets_on_cpu(throughput, capsys, tmp_path):
     """Our side in a worker process, at a GPU preset's architecture, tiny."""
     # One worker: each costs an interpreter with torch, Lightning and transformers; a PPO
     # batch with a separate value model runs in tests/test_matmul.py.
-    from rlkl_lightning import matmul
+    from rlkl_lightning.perf import onednn as matmul
 
     bf16 = bool(throughput.cpu_flags() & set(throughput.BF16_FLAGS))
     args = ["--preset", "qwen2-0.5b", "--tiny", "--device", "cpu", "--threads", "1"]

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from rlkl_lightning import PPOModule
 from rlkl_lightning.data import PromptDataModule, chat_prompts
-from rlkl_lightning.models import load_tokenizer
+from rlkl_lightning.models.loading import load_tokenizer
 from rlkl_lightning.rewards import FunctionReward
 
 TEMPLATE = (

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from test_kill import BATCHES, STEPS_PER_BATCH, write_config
 
-from rlkl_lightning.checkpointing import AtomicCheckpointIO, newest_last_checkpoint, partial_path
+from rlkl_lightning.checkpoints import AtomicCheckpointIO, newest_last_checkpoint, partial_path
 from rlkl_lightning.cli import main
 from rlkl_lightning.console import RunProgressBar
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from rlkl_lightning.arguments import defaults_of
 from rlkl_lightning.cli import main
-from rlkl_lightning.controllers import KL_LAWS
+from rlkl_lightning.defaults import defaults_of
+from rlkl_lightning.kl.controllers import KL_LAWS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -171,7 +171,7 @@ def test_real_model_config_parses(capsys):
 
 
 def test_lora_bf16_config_parses_and_its_peft_and_chat_settings_build(capsys):
-    from rlkl_lightning.lora import peft_config
+    from rlkl_lightning.models.lora import peft_config
 
     config = ROOT / "configs" / "ppo_qwen_lora_bf16.yaml"
     with pytest.raises(SystemExit) as exit_info:

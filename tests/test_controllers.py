@@ -1,4 +1,4 @@
-"""Tests of rlkl_lightning.controllers: each law against its formula written out here."""
+"""Tests of rlkl_lightning.kl.controllers: each law against its formula written out here."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from rlkl_lightning.cli import KLSettings
-from rlkl_lightning.controllers import (
+from rlkl_lightning.kl.controller_callback import KLControllerCallback
+from rlkl_lightning.kl.controllers import (
     KL_LAWS,
     AdaptiveKLController,
     ExponentialKLController,
@@ -25,8 +25,8 @@ from rlkl_lightning.controllers import (
     KLController,
     PIKLController,
 )
-from rlkl_lightning.drift_monitor import KLDriftMonitor
-from rlkl_lightning.kl_callback import KLControllerCallback
+from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
+from rlkl_lightning.kl.settings import KLSettings
 
 NAN, INF = float("nan"), float("inf")
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rlkl_lightning.data import PromptDataModule, collate_dicts
+from rlkl_lightning.data.prompts import PromptDataModule, collate_dicts
 from rlkl_lightning.texts import first_words, load_texts
 
 TEXTS = [f"review number {i} says the film was fine" for i in range(10)]

@@ -15,7 +15,7 @@ import torch
 import yaml
 from test_ddp_module import PER_RANK, PROMPTS, SEED, STEPS, TESTS, config, records, train_py
 
-from rlkl_lightning.resumable import EpochShuffleSampler
+from rlkl_lightning.data.samplers import EpochShuffleSampler
 
 KL_SCORE = ("objective/kl", "objective/kl_per_token", "objective/score")
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "fan_in_fan_out": True}

@@ -53,7 +53,7 @@ import pytest
 import torch
 import yaml
 
-from rlkl_lightning.resumable import EpochShuffleSampler
+from rlkl_lightning.data.samplers import EpochShuffleSampler
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -136,7 +136,7 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_p
     from conftest import make_tiny_lm
 
     from rlkl_lightning.cli import main
-    from rlkl_lightning.models import load_causal_lm
+    from rlkl_lightning.models.loading import load_causal_lm
 
     lms = (tiny_lm_dir, make_tiny_lm(tmp_path / "reference", seed=1))
     prompts_file = tmp_path / "prompts.txt"

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from test_ddp_module import train_py
 
-from rlkl_lightning.advantages import group_advantages
-from rlkl_lightning.resumable import EpochShuffleSampler
+from rlkl_lightning.algorithms.advantages import group_advantages
+from rlkl_lightning.data.samplers import EpochShuffleSampler
 
 PROMPTS = ["the film was", "this book is", "the food", "a story", "it was", "not a", "very", "good"]
 SEED, PER_RANK, K, BATCHES = 3, 2, 3, 2

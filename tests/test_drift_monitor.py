@@ -13,9 +13,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from test_kl_callback_base import fit as fit_quietly
 from torch.utils.data import DataLoader, TensorDataset
 
-from rlkl_lightning.controllers import AdaptiveKLController
-from rlkl_lightning.drift_monitor import KLDriftMonitor
-from rlkl_lightning.kl_callback import KLControllerCallback
+from rlkl_lightning.kl.controller_callback import KLControllerCallback
+from rlkl_lightning.kl.controllers import AdaptiveKLController
+from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
 
 # target 1, band [0.5, 2], window 3. Window means by batch (state once 3 values are in):
 #  0-4: 1 1 1 1 2.0 (2.0 is not > 2: in band)   5-8: 3 4 4 3 -> high, warns at 5 only

@@ -17,20 +17,17 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from rlkl_lightning import PPOModule
-from rlkl_lightning.logprobs import gather_logprobs, score_tokens, token_logprobs
-from rlkl_lightning.models import (
-    TanhGELU,
-    disable_dropout,
-    fuse_tanh_gelu,
+from rlkl_lightning.algorithms.rollout import draw, filter_logits, sample_and_score
+from rlkl_lightning.models.forward import (
     lm_forward,
-    load_causal_lm,
-    load_tokenizer,
     plain_lm_head_weight,
     position_ids_from_mask,
     trunk_forward,
 )
+from rlkl_lightning.models.loading import disable_dropout, load_causal_lm, load_tokenizer
+from rlkl_lightning.models.logprobs import gather_logprobs, score_tokens, token_logprobs
+from rlkl_lightning.perf.gelu import TanhGELU, fuse_tanh_gelu
 from rlkl_lightning.rewards import FunctionReward
-from rlkl_lightning.rollout import draw, filter_logits, sample_and_score
 
 PROMPTS = ["the film was", "this book is really very", "the food", "a"]
 TIGHT = dict(rtol=1e-5, atol=1e-5)

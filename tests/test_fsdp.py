@@ -26,8 +26,8 @@ import torch
 import yaml
 from test_ddp_module import PROMPTS, SEED, STEPS, TESTS, config, records, train_py
 
-from rlkl_lightning.models import load_causal_lm
-from rlkl_lightning.resumable import EpochShuffleSampler
+from rlkl_lightning.data.samplers import EpochShuffleSampler
+from rlkl_lightning.models.loading import load_causal_lm
 
 GLOBAL_BATCH = 4
 COMPARED = ("objective/kl", "objective/kl_per_token", "objective/score", "objective/entropy")

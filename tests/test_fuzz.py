@@ -24,14 +24,14 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from rlkl_lightning.advantages import gae, shape_rewards
-from rlkl_lightning.controllers import (
+from rlkl_lightning.algorithms.advantages import gae, shape_rewards
+from rlkl_lightning.kl.controllers import (
     AdaptiveKLController,
     ExponentialKLController,
     FixedKLController,
     PIKLController,
 )
-from rlkl_lightning.kl import exact_kl, per_token_kl, sequence_kl, token_mean_kl
+from rlkl_lightning.kl.estimators import exact_kl, per_token_kl, sequence_kl, token_mean_kl
 from rlkl_lightning.masked import masked_whiten
 from rlkl_lightning.texts import load_texts
 

@@ -10,7 +10,7 @@ from lightning.pytorch import seed_everything
 from test_module import _args, fit
 from test_rloo import K, RecordingPPO, RecordingRLOO
 
-from rlkl_lightning.metrics import samples_table
+from rlkl_lightning.algorithms.metrics import samples_table
 from rlkl_lightning.rewards import FunctionReward
 from rlkl_lightning.world.gold import GoldSentimentReward
 

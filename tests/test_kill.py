@@ -34,8 +34,7 @@ import pytest
 import torch
 import yaml
 
-from rlkl_lightning.checkpointing import partial_path
-from rlkl_lightning.resumable import check_checkpoint
+from rlkl_lightning.checkpoints import check_checkpoint, partial_path
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

@@ -1,4 +1,4 @@
-"""Tests of rlkl_lightning.kl against closed forms and second computations."""
+"""Tests of rlkl_lightning.kl.estimators against closed forms and second computations."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlkl_lightning.kl import (
+from rlkl_lightning.kl.estimators import (
     KL_ESTIMATORS,
     KL_UNITS,
     exact_kl,

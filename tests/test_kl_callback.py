@@ -15,8 +15,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from test_kl_callback_base import fake_trainer, fit
 from torch.utils.data import DataLoader, TensorDataset
 
-from rlkl_lightning.controllers import AdaptiveKLController, FixedKLController
-from rlkl_lightning.kl_callback import KLControllerCallback
+from rlkl_lightning.kl.controller_callback import KLControllerCallback
+from rlkl_lightning.kl.controllers import AdaptiveKLController, FixedKLController
 
 BATCH = 4
 INIT, TARGET, HORIZON = 0.5, 2.0, 20.0

@@ -12,12 +12,12 @@ import torch
 from conftest import cpu_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from rlkl_lightning.batch_kl import MONITOR_BY_UNIT, global_mean, infer_batch_size
-from rlkl_lightning.controllers import AdaptiveKLController
-from rlkl_lightning.drift_monitor import KLDriftMonitor
-from rlkl_lightning.kl import KL_UNITS
-from rlkl_lightning.kl_callback import KLControllerCallback
-from rlkl_lightning.kl_callback_base import KLCallbackBase
+from rlkl_lightning.kl.callback_base import KLCallbackBase
+from rlkl_lightning.kl.controller_callback import KLControllerCallback
+from rlkl_lightning.kl.controllers import AdaptiveKLController
+from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
+from rlkl_lightning.kl.estimators import KL_UNITS
+from rlkl_lightning.kl.reading import MONITOR_BY_UNIT, global_mean, infer_batch_size
 
 
 class Recorder(KLCallbackBase):

@@ -55,10 +55,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from rlkl_lightning.advantages import gae, shape_rewards
-from rlkl_lightning.kl import exact_kl, per_token_kl
-from rlkl_lightning.kl_loss import kl_loss
-from rlkl_lightning.ppo_loss import policy_loss
+from rlkl_lightning.algorithms.advantages import gae, shape_rewards
+from rlkl_lightning.algorithms.losses import policy_loss
+from rlkl_lightning.kl.estimators import exact_kl, per_token_kl
+from rlkl_lightning.kl.loss import kl_loss
 
 V, T = 3, 3
 RESPONSES = torch.tensor(list(itertools.product(range(V), repeat=T)))  # [27, 3]
@@ -277,7 +277,7 @@ def test_gradients_through_a_tiny_gpt2():
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from rlkl_lightning.logprobs import score_tokens
+    from rlkl_lightning.models.logprobs import score_tokens
     from rlkl_lightning.trajectory import Trajectory
 
     # A large initialisation: a KL of about 0.5 nats, and tokens that depend on their prefix.

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlkl_lightning.kl_loss import KL_LOSS_ESTIMATORS, kl_loss, kl_loss_weights
+from rlkl_lightning.kl.loss import KL_LOSS_ESTIMATORS, kl_loss, kl_loss_weights
 
 NAN = float("nan")
 

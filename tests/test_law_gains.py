@@ -49,7 +49,7 @@ def test_the_law_configs_hold_the_derived_gains():
 
 
 def test_the_model_levels_where_the_fit_says_and_the_integral_laws_reach_the_target():
-    from rlkl_lightning.controllers import (
+    from rlkl_lightning.kl.controllers import (
         ExponentialKLController,
         FixedKLController,
         PIKLController,

@@ -19,9 +19,9 @@ from lightning.pytorch.callbacks import LambdaCallback, ModelCheckpoint
 from rlkl_lightning import PPOModule
 from rlkl_lightning.data import PromptDataModule
 from rlkl_lightning.export import export_checkpoint, export_module
-from rlkl_lightning.logprobs import score_tokens
-from rlkl_lightning.lora import AdaptersOff
-from rlkl_lightning.models import load_causal_lm
+from rlkl_lightning.models.loading import load_causal_lm
+from rlkl_lightning.models.logprobs import score_tokens
+from rlkl_lightning.models.lora import AdaptersOff
 from rlkl_lightning.rewards import FunctionReward
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn", "c_fc"], "fan_in_fan_out": True}

@@ -18,9 +18,9 @@ from conftest import assert_same_loss_and_grads, fit_on_prompts
 from transformers import AutoModelForCausalLM
 
 from rlkl_lightning import PPOModule
-from rlkl_lightning.logprobs import gather_logprobs, token_logprobs
-from rlkl_lightning.matmul import OneDNNConv1D, OneDNNLinear, available, linear, use_onednn
-from rlkl_lightning.models import plain_lm_head_weight
+from rlkl_lightning.models.forward import plain_lm_head_weight
+from rlkl_lightning.models.logprobs import gather_logprobs, token_logprobs
+from rlkl_lightning.perf.onednn import OneDNNConv1D, OneDNNLinear, available, linear, use_onednn
 from rlkl_lightning.rewards import FunctionReward, SequenceClassifierReward
 
 pytestmark = pytest.mark.skipif(not available(), reason="this PyTorch has no oneDNN kernel")

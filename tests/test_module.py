@@ -13,11 +13,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from rlkl_lightning import AdaptiveKLController, KLControllerCallback, KLDriftMonitor, PPOModule
-from rlkl_lightning.kl import sequence_kl
-from rlkl_lightning.logprobs import score_tokens
-from rlkl_lightning.models import load_causal_lm, load_tokenizer
+from rlkl_lightning.algorithms.rollout import response_mask_after_eos
+from rlkl_lightning.kl.estimators import sequence_kl
+from rlkl_lightning.models.loading import load_causal_lm, load_tokenizer
+from rlkl_lightning.models.logprobs import score_tokens
 from rlkl_lightning.rewards import FunctionReward
-from rlkl_lightning.rollout import response_mask_after_eos
 from rlkl_lightning.trajectory import Trajectory
 
 PROMPTS = ["the film was", "this book is", "the food", "it was really", "a story"]

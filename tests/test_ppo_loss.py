@@ -3,7 +3,12 @@ import math
 import pytest
 import torch
 
-from rlkl_lightning.ppo_loss import PolicyStats, entropy_from_logits, policy_loss, value_loss
+from rlkl_lightning.algorithms.losses import (
+    PolicyStats,
+    entropy_from_logits,
+    policy_loss,
+    value_loss,
+)
 
 NAN, INF = float("nan"), float("inf")
 

@@ -19,8 +19,8 @@ from lightning.pytorch import seed_everything
 from lightning.pytorch.plugins import MixedPrecision
 
 from rlkl_lightning import PPOModule
-from rlkl_lightning.logprobs import score_tokens
-from rlkl_lightning.models import enable_gradient_checkpointing, load_causal_lm
+from rlkl_lightning.models.loading import enable_gradient_checkpointing, load_causal_lm
+from rlkl_lightning.models.logprobs import score_tokens
 from rlkl_lightning.rewards import FunctionReward
 
 PROMPTS = ["the film was", "this book is", "the food", "it was really", "a story", "not a"]

@@ -24,7 +24,7 @@ from rlkl_lightning import (
     PPOModule,
     RLOOModule,
 )
-from rlkl_lightning.checkpointing import AtomicCheckpointIO
+from rlkl_lightning.checkpoints import AtomicCheckpointIO
 from rlkl_lightning.data import PromptDataModule
 
 WORDS = "the film was good bad this book is very not a story food nice dull plot".split()
@@ -196,7 +196,7 @@ def test_rng_states_saved_as_views_restore_each_ranks_stream():
     """A DDP checkpoint of older versions held views into one gathered tensor."""
     from types import SimpleNamespace
 
-    from rlkl_lightning.resumable import restore_rng_states
+    from rlkl_lightning.algorithms.resume import restore_rng_states
 
     torch.manual_seed(1)
     rank0 = torch.get_rng_state()

@@ -16,13 +16,13 @@ from rlkl_lightning import (
     PPOModule,
     RLOOModule,
 )
-from rlkl_lightning.advantages import group_advantages
-from rlkl_lightning.kl import sequence_kl
-from rlkl_lightning.kl_loss import kl_loss
-from rlkl_lightning.logprobs import score_tokens
-from rlkl_lightning.models import disable_dropout
+from rlkl_lightning.algorithms.advantages import group_advantages
+from rlkl_lightning.algorithms.rloo import repeat_each
+from rlkl_lightning.kl.estimators import sequence_kl
+from rlkl_lightning.kl.loss import kl_loss
+from rlkl_lightning.models.loading import disable_dropout
+from rlkl_lightning.models.logprobs import score_tokens
 from rlkl_lightning.rewards import FunctionReward
-from rlkl_lightning.rloo import repeat_each
 
 K = 4
 

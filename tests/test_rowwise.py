@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlkl_lightning.kl import exact_kl
-from rlkl_lightning.ppo_loss import entropy_from_logits
-from rlkl_lightning.rowwise import BLOCK, in_row_blocks
+from rlkl_lightning.algorithms.losses import entropy_from_logits
+from rlkl_lightning.kl.estimators import exact_kl
+from rlkl_lightning.perf.row_blocks import BLOCK, in_row_blocks
 
 
 def _logits(shape, seed):

@@ -16,10 +16,11 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from rlkl_lightning import rollout as rollout_module
-from rlkl_lightning.logprobs import score_tokens
-from rlkl_lightning.models import load_causal_lm, load_tokenizer, trunk_forward
-from rlkl_lightning.rollout import sample_and_score
+from rlkl_lightning.algorithms import rollout as rollout_module
+from rlkl_lightning.algorithms.rollout import sample_and_score
+from rlkl_lightning.models.forward import trunk_forward
+from rlkl_lightning.models.loading import load_causal_lm, load_tokenizer
+from rlkl_lightning.models.logprobs import score_tokens
 
 PROMPTS = ["the film was", "this book is really very", "the food", "a"]  # left padding
 HOST_READS = {

@@ -31,9 +31,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from rlkl_lightning import PPOModule
+from rlkl_lightning.checkpoints import check_checkpoint, plain
 from rlkl_lightning.data import PromptDataModule
-from rlkl_lightning.models import load_causal_lm
-from rlkl_lightning.resumable import check_checkpoint, plain
+from rlkl_lightning.models.loading import load_causal_lm
 from rlkl_lightning.rewards import FunctionReward
 from rlkl_lightning.texts import MAX_TEXT_CHARS, load_texts
 from rlkl_lightning.world.config import WorldConfig

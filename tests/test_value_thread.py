@@ -20,9 +20,10 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from rlkl_lightning import PPOModule, logprobs
+from rlkl_lightning import PPOModule
+from rlkl_lightning.models import logprobs
+from rlkl_lightning.perf.value_thread import ValueThread
 from rlkl_lightning.rewards import FunctionReward
-from rlkl_lightning.value_thread import ValueThread
 
 
 class Record(Callback):

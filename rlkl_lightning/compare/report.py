@@ -29,7 +29,7 @@ from rlkl_lightning.compare.events import (
 from rlkl_lightning.compare.gold import gold_report
 
 if TYPE_CHECKING:
-    from rlkl_lightning.compare import StudyConfig
+    from rlkl_lightning.compare.config import StudyConfig
     from rlkl_lightning.compare.runs import Run
 
 SMOOTH = 5  # batches in the moving average of the score and KL curves
@@ -42,7 +42,7 @@ def kl_settings(runs: list[Run]) -> dict[str, Any]:
     Raises:
         ValueError: If the runs do not share them (their numbers would not be comparable).
     """
-    from rlkl_lightning.cli import KLSettings
+    from rlkl_lightning.kl.settings import KLSettings
 
     defaults = KLSettings()
     seen = set()

@@ -8,7 +8,6 @@ the study's overrides merged in, the seed, the run length and a TensorBoard logg
 
 from __future__ import annotations
 
-import copy
 import importlib
 import inspect
 import math
@@ -24,10 +23,11 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from lightning.pytorch import Callback
 
-from rlkl_lightning.arguments import default_of
+from rlkl_lightning.compare.config import merge
+from rlkl_lightning.defaults import default_of
 
 if TYPE_CHECKING:
-    from rlkl_lightning.compare import StudyConfig
+    from rlkl_lightning.compare.config import StudyConfig
 
 
 class RunProgress(Callback):
@@ -92,17 +92,6 @@ class Run:
             return int(self.progress_file.read_text() or 0)
         except (FileNotFoundError, ValueError):
             return 0
-
-
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """A deep copy of ``base`` with ``over`` merged in (dicts merge; anything else replaces)."""
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
@@ -191,7 +180,7 @@ def _derive(group: str, seed: int, base: dict[str, Any], study: StudyConfig, out
     if (config.get("data") or {}).get("class_path", "").endswith("PromptDataModule"):
         config = merge(config, {"data": {"init_args": {"seed": seed}}})  # prompt order
     progress = {
-        "class_path": "rlkl_lightning.compare.RunProgress",
+        "class_path": "rlkl_lightning.compare.runs.RunProgress",
         "init_args": {"path": str(run.progress_file.resolve())},
     }
     config["trainer"]["callbacks"] = list(config["trainer"].get("callbacks") or []) + [progress]

@@ -4,7 +4,7 @@
     python -m rlkl_lightning.world          # the default world (built on first use anyway)
 
 Prints the world's directory and the command that runs the study on it. Every option of
-:class:`~rlkl_lightning.world.custom.CustomWorldConfig` is a flag (``--help`` lists them).
+:class:`~rlkl_lightning.world.config.CustomWorldConfig` is a flag (``--help`` lists them).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from rlkl_lightning.world.custom import CustomWorldConfig
+from rlkl_lightning.world.config import CustomWorldConfig
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     """The command line: ``texts``, ``out``, ``threads``, ``quiet``, ``world`` (a dict).
 
-    ``world`` holds the :class:`~rlkl_lightning.world.custom.CustomWorldConfig` fields.
+    ``world`` holds the :class:`~rlkl_lightning.world.config.CustomWorldConfig` fields.
     """
     from jsonargparse import ActionConfigFile, ArgumentParser
 

@@ -24,7 +24,6 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from rlkl_lightning.world.cache import (
     Corpus,
@@ -34,10 +33,7 @@ from rlkl_lightning.world.cache import (
     info,
     jsonl_texts,
 )
-from rlkl_lightning.world.config import WorldConfig
-
-if TYPE_CHECKING:
-    from rlkl_lightning.world.custom import CustomWorldConfig
+from rlkl_lightning.world.config import CustomWorldConfig, WorldConfig
 
 _WORLD_DONE = "report.json"
 

@@ -11,6 +11,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from rlkl_lightning.world.read import OWNER, UNITS
+
 # Bump when the generator's logic changes in a way the lexicon fingerprint cannot see.
 CORPUS_VERSION = 1
 
@@ -138,3 +140,100 @@ def _lexicon_fingerprint() -> str:
         text = repr((CORPUS_VERSION, lexicon.all_words(), lexicon.DOMAINS, PATTERNS))
         _FINGERPRINT = hashlib.sha256(text.encode()).hexdigest()[:16]
     return _FINGERPRINT
+
+
+@dataclass(frozen=True)
+class CustomWorldConfig:
+    """How a world is made from a user's texts (each field is a flag of the command).
+
+    ``None`` sizes follow the corpus (:func:`~rlkl_lightning.world.custom.resolve`). The
+    defaults of the SFT settings are :class:`WorldConfig`'s.
+
+    Attributes:
+        seed: Seed of the subset, the splits, the prompts and the model initialisation.
+        column: Text column of CSV, JSON lines, parquet or dataset sources; ``None``: the
+            first column named like text (``text``, ``review``, ``content``, ...), else the
+            only text column.
+        split: Split of a ``DatasetDict`` directory (``save_to_disk``).
+        unit: One text of a ``.txt`` file: ``line``, ``paragraph`` (lines up to a blank
+            line), or ``auto`` (paragraphs if blank lines are frequent, else lines).
+        max_chars: Longest text kept, in characters; longer texts are cut (at a space).
+        max_texts: Most texts kept: a larger corpus is cut to a seeded random subset of this
+            many distinct texts (order kept).
+        num_validation: Texts of the validation split (SFT validation); ``None``: 5% of the
+            texts, at least 10 and at most 500.
+        num_test: Texts of the held-out split (prompts, ``val/perplexity``); ``None``: 10%,
+            at least 10 and at most 1,000.
+        prompt_min_words: Shortest prompt opening, in words.
+        prompt_max_words: Longest prompt opening, in words.
+        vocab_size: BPE vocabulary (special tokens and 256 bytes included); ``None``: 2,048
+            at the default world's corpus size, scaled by the square root of the training
+            characters, rounded to 64, within 512-4,096.
+        n_layer: Transformer blocks; ``None``: 3, or 4 from 4x the default world's corpus.
+        n_head: Attention heads.
+        n_embd: Model width; ``None``: 128, the default world's.
+        n_positions: Context length in tokens (longer texts are cut in SFT), at least 48:
+            a study's prompts are cut to half of it, and its runs write 24 tokens.
+        sft_steps: SFT optimizer steps; ``None``: 4 epochs of the training split, at most
+            1M tokens, within 100-800 steps (:func:`~rlkl_lightning.world.custom.sft_schedule`).
+        batch_size: Texts per SFT batch.
+        lr: Peak SFT learning rate.
+        warmup_steps: SFT warm-up steps; ``None``: a tenth of ``sft_steps``, at most 30.
+        weight_decay: SFT weight decay.
+        val_check_interval: SFT steps between validation passes; ``None``: half the steps.
+    """
+
+    seed: int = WorldConfig.seed
+    column: str | None = None
+    split: str = "train"
+    unit: str = "auto"
+    max_chars: int = 1_000
+    max_texts: int = 20_000
+    num_validation: int | None = None
+    num_test: int | None = None
+    prompt_min_words: int = WorldConfig.prompt_min_words
+    prompt_max_words: int = WorldConfig.prompt_max_words
+    vocab_size: int | None = None
+    n_layer: int | None = None
+    n_head: int = WorldConfig.n_head
+    n_embd: int | None = None
+    n_positions: int = WorldConfig.n_positions
+    sft_steps: int | None = None
+    batch_size: int = WorldConfig.batch_size
+    lr: float = WorldConfig.lr
+    warmup_steps: int | None = None
+    weight_decay: float = WorldConfig.weight_decay
+    val_check_interval: int | None = None
+
+    def __post_init__(self) -> None:
+        positive = (
+            "max_chars max_texts num_validation num_test prompt_min_words prompt_max_words "
+            "vocab_size n_layer n_head n_embd n_positions sft_steps batch_size "
+            "val_check_interval"
+        ).split()
+        for name in positive:
+            value = getattr(self, name)
+            if value is None and name not in ("max_chars", "max_texts", "n_head"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{OWNER}: `--{name}` must be an integer >= 1, got {value!r}")
+        if self.unit not in UNITS:
+            raise ValueError(f"{OWNER}: `--unit` must be one of {list(UNITS)}, got {self.unit!r}")
+        if self.prompt_max_words < self.prompt_min_words:
+            raise ValueError(
+                f"{OWNER}: `--prompt_max_words` ({self.prompt_max_words}) must be >= "
+                f"`--prompt_min_words` ({self.prompt_min_words})"
+            )
+        if self.vocab_size is not None and self.vocab_size <= 259:
+            raise ValueError(f"{OWNER}: `--vocab_size` must be > 259, got {self.vocab_size}")
+        n_embd = self.n_embd or WorldConfig.n_embd
+        if n_embd % self.n_head:
+            raise ValueError(
+                f"{OWNER}: `--n_embd` ({n_embd}) must be divisible by `--n_head` ({self.n_head})"
+            )
+        if self.n_positions < 48:  # a study's prompts (up to half) and 24 new tokens fit
+            raise ValueError(f"{OWNER}: `--n_positions` must be >= 48, got {self.n_positions}")
+        if not (self.lr > 0 and self.weight_decay >= 0):
+            raise ValueError(f"{OWNER}: need `--lr` > 0 and `--weight_decay` >= 0")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"{OWNER}: `--warmup_steps` must be >= 0, got {self.warmup_steps}")

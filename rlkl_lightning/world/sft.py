@@ -20,8 +20,8 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader
 
+from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.perplexity import NextTokenNLL, next_token_nll
-from rlkl_lightning.resumable import plain, plain_hyperparameters
 from rlkl_lightning.texts import load_texts
 from rlkl_lightning.world.cache import build_corpus
 from rlkl_lightning.world.config import WorldConfig

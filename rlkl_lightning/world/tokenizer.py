@@ -12,7 +12,7 @@ tokenizer with three special tokens:
 
 :func:`pretrained_tokenizer` loads this or any saved or hub tokenizer as it was saved; the
 SFT (:func:`rlkl_lightning.world.sft.resolve_tokenizer`) and PPO
-(:func:`rlkl_lightning.models.load_tokenizer`, which then sets it up for generation) both
+(:func:`rlkl_lightning.models.loading.load_tokenizer`, which then sets it up for generation) both
 load through it.
 """
 

@@ -26,33 +26,34 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from rlkl_lightning import kl as klmod
-from rlkl_lightning.arguments import check_context, check_pipeline_args, check_vocabulary
-from rlkl_lightning.heldout import HeldoutPerplexity
-from rlkl_lightning.kl_loss import kl_loss
-from rlkl_lightning.logprobs import TokenScores, score_tokens
-from rlkl_lightning.lora import AdaptersOff
+from rlkl_lightning.algorithms.checks import check_context, check_pipeline_args, check_vocabulary
+from rlkl_lightning.algorithms.gates import SkipBatch, SkipGates
+from rlkl_lightning.algorithms.losses import entropy_from_logits
+from rlkl_lightning.algorithms.metrics import batch_metrics, gold_scores, log_samples_table
+from rlkl_lightning.algorithms.resume import ResumableModule
+from rlkl_lightning.algorithms.rollout import sample_and_score
+from rlkl_lightning.algorithms.validation import HeldoutPerplexity
+from rlkl_lightning.checkpoints import plain
+from rlkl_lightning.kl import estimators as klmod
+from rlkl_lightning.kl.loss import kl_loss
 from rlkl_lightning.masked import masked_sum
-from rlkl_lightning.metrics import batch_metrics, gold_scores, log_samples_table
-from rlkl_lightning.models import (
+from rlkl_lightning.models.forward import no_grad
+from rlkl_lightning.models.loading import (
     disable_dropout,
     freeze,
     load_tokenizer,
-    no_grad,
     policy_and_reference,
 )
-from rlkl_lightning.ppo_loss import entropy_from_logits
-from rlkl_lightning.resumable import ResumableModule, plain
+from rlkl_lightning.models.logprobs import TokenScores, score_tokens
+from rlkl_lightning.models.lora import AdaptersOff
+from rlkl_lightning.models.sharding import shard_models
+from rlkl_lightning.perf.row_blocks import in_row_blocks
 from rlkl_lightning.rewards import (
     RewardModel,
     RewardShapeError,
     VaderSentimentReward,
     validate_scores,
 )
-from rlkl_lightning.rollout import sample_and_score
-from rlkl_lightning.rowwise import in_row_blocks
-from rlkl_lightning.sharding import shard_models
-from rlkl_lightning.skips import SkipBatch, SkipGates
 from rlkl_lightning.trajectory import Trajectory
 
 
@@ -81,7 +82,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         kl_placement: where ``kl_coef x KL`` enters the update: ``reward`` (subtracted from the
             reward, reaching the policy through the policy-gradient term) or ``loss`` (added
             to the loss as ``kl_coef x kl_loss``, the reward has no KL term); see
-            :mod:`rlkl_lightning.kl_loss` and the README, "Where the KL goes".
+            :mod:`rlkl_lightning.kl.loss` and the README, "Where the KL goes".
         kl_loss_estimator: with ``kl_placement="loss"``, the estimator that is differentiated:
             ``k1``, ``k2`` or ``k3`` (``k2`` follows the per-token KL gradient on-policy).
         kl_loss_weight_clip: with ``kl_placement="loss"``, the cap of the importance weights
@@ -119,7 +120,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
             instead of storing them (less memory, about one more forward per update).
         cpu_matmul: ``onednn``: the float32 CPU products of the policy, reference and value
             models through oneDNN, twice as fast where PyTorch's BLAS lacks AVX-512 kernels
-            (AMD), equal to ``default``'s to float32 rounding (:mod:`rlkl_lightning.matmul`).
+            (AMD), equal to ``default``'s to float32 rounding (:mod:`rlkl_lightning.perf.onednn`).
     """
 
     #: The name messages give the module (its options are named in them too).

@@ -2,54 +2,19 @@
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from rlkl_lightning.advantages import GROUP_ADVANTAGES
-from rlkl_lightning.kl import KL_ESTIMATORS
-from rlkl_lightning.kl_loss import KL_LOSS_ESTIMATORS, KL_PLACEMENTS
-from rlkl_lightning.matmul import CPU_MATMULS, available
+from rlkl_lightning.algorithms.advantages import GROUP_ADVANTAGES
+from rlkl_lightning.kl.estimators import KL_ESTIMATORS
+from rlkl_lightning.kl.loss import KL_LOSS_ESTIMATORS, KL_PLACEMENTS
+from rlkl_lightning.perf.onednn import CPU_MATMULS, available
 
 LR_SCHEDULES = ("constant", "linear")
-
-
-def defaults_of(function: Callable) -> dict[str, Any]:
-    """Every parameter of a function or class, with its default: each is written once.
-
-    A parameter without a default maps to ``inspect.Parameter.empty``. For a class whose
-    ``__init__`` forwards ``**kwargs`` to its parent (``PPOModule`` to ``RLPipeline``), the
-    parents' parameters are included, searched in method resolution order.
-    """
-    found: dict[str, Any] = {}
-    owners = inspect.getmro(function) if inspect.isclass(function) else (function,)
-    for owner in owners:
-        if inspect.isclass(owner) and "__init__" not in vars(owner):
-            continue
-        target = owner.__init__ if inspect.isclass(owner) else owner
-        parameters = inspect.signature(target).parameters.values()
-        for p in parameters:
-            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self":
-                found.setdefault(p.name, p.default)
-        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
-            break
-    return found
-
-
-def default_of(function: Callable, name: str) -> Any:
-    """The default of parameter ``name`` of a function or class (see :func:`defaults_of`).
-
-    Raises:
-        KeyError: If the signature has no parameter ``name``.
-    """
-    defaults = defaults_of(function)
-    if name not in defaults:
-        raise KeyError(f"{getattr(function, '__name__', function)!r} has no parameter {name!r}")
-    return defaults[name]
 
 
 def need(owner: str, ok: bool, option: str, allowed: str, value: Any) -> None:
@@ -76,7 +41,7 @@ def _none_or_positive(x: Any) -> bool:
     return x is None or (math.isfinite(x) and x > 0)
 
 
-#: The rules of :class:`~rlkl_lightning.pipeline.RLPipeline`'s arguments.
+#: The rules of :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline`'s arguments.
 PIPELINE_RULES = [
     ("trust_remote_code", lambda x: isinstance(x, bool), "True or False"),
     ("kl_estimator", lambda x: x in KL_ESTIMATORS, f"one of {KL_ESTIMATORS}"),
@@ -118,7 +83,7 @@ PIPELINE_RULES = [
     ("max_grad_norm", _none_or_positive, "None or a number > 0"),
 ]
 
-#: The rules of :class:`~rlkl_lightning.module.PPOModule`'s own arguments.
+#: The rules of :class:`~rlkl_lightning.algorithms.ppo.PPOModule`'s own arguments.
 PPO_RULES = [
     ("cliprange_value", _finite_above(0), "a finite number > 0"),
     ("vf_coef", _finite_above(0, strict=False), "a finite number >= 0"),
@@ -127,7 +92,7 @@ PPO_RULES = [
     ("lam", lambda x: 0 <= x <= 1, "in [0, 1]"),
 ]
 
-#: The rules of :class:`~rlkl_lightning.rloo.RLOOModule`'s own arguments.
+#: The rules of :class:`~rlkl_lightning.algorithms.rloo.RLOOModule`'s own arguments.
 RLOO_RULES = [
     ("responses_per_prompt", _int_at_least(2), "an integer >= 2"),
     ("advantage", lambda x: x in GROUP_ADVANTAGES, f"one of {GROUP_ADVANTAGES}"),

@@ -3,7 +3,7 @@
 The gradient norm is clipped here too (:meth:`SkipGates._clip_gradients`): a non-finite norm is
 the last gate before the optimizer steps.
 
-A phase of :class:`~rlkl_lightning.pipeline.RLPipeline` calls :meth:`SkipGates._gate` with a
+A phase of :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline` calls :meth:`SkipGates._gate` with a
 condition; if it holds on any rank, every rank raises :class:`SkipBatch`, drops the gradients of
 a half-done update and :meth:`SkipGates._skip` counts the batch. Weights, optimizer state and
 beta stay as they were. The decision is agreed by all ranks: under DDP a rank that skipped
@@ -20,7 +20,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from rlkl_lightning.models import is_fsdp
+from rlkl_lightning.models.sharding import is_fsdp
 
 
 class SkipBatch(Exception):

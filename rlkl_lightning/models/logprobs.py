@@ -26,8 +26,13 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from rlkl_lightning.matmul import head_uses_onednn, product_t
-from rlkl_lightning.models import lm_forward, plain_lm_head_weight, trunk_forward
+from rlkl_lightning.models.forward import (
+    HeadProducts,
+    head_products,
+    lm_forward,
+    plain_lm_head_weight,
+    trunk_forward,
+)
 from rlkl_lightning.trajectory import Trajectory
 
 #: ``defer(weight, fn, *args)``: either returns ``fn(*args)``, the gradient for ``weight``, or
@@ -79,8 +84,8 @@ def score_tokens(
     weight = None if logits else plain_lm_head_weight(model)
     if weight is not None:
         hidden = trunk_forward(model, traj.input_ids, traj.attention_mask, keep)[:, :-1]
-        onednn = head_uses_onednn(model)
-        logprobs = token_logprobs(hidden, weight, traj.response_ids, temperature, onednn, defer)
+        products = head_products(model)
+        logprobs = token_logprobs(hidden, weight, traj.response_ids, temperature, products, defer)
         return TokenScores(None, logprobs, hidden)
     out = lm_forward(model, traj.input_ids, traj.attention_mask, keep)
     scaled = out.logits[:, :-1].float() / temperature
@@ -97,20 +102,20 @@ class TokenLogProbs(torch.autograd.Function):
         weight: Tensor,
         tokens: Tensor,
         temperature: float,
-        onednn: bool,
+        products: type[HeadProducts],
         defer: Defer | None = None,
     ) -> Tensor:
         """``hidden [N, H]``, ``weight [V, H]``, ``tokens [N]`` -> log-probabilities ``[N]``.
 
-        ``onednn``: float32 CPU products by oneDNN (:mod:`rlkl_lightning.matmul`). ``defer``:
-        where the weight gradient may be handed off (:data:`Defer`; None: computed here).
+        ``products``: the head's matrix products (:func:`head_products`). ``defer``: where the
+        weight gradient may be handed off (:data:`Defer`; None: computed here).
         """
-        logits = product_t(hidden, weight, onednn).float()  # log-probs always in float32
+        logits = products.times_t(hidden, weight).float()  # log-probs always in float32
         logits.mul_(1.0 / temperature)
         logz = torch.logsumexp(logits, dim=-1)
         out = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
         ctx.save_for_backward(hidden, weight, tokens, logits, logz)
-        ctx.temperature, ctx.onednn, ctx.defer = temperature, onednn, defer
+        ctx.temperature, ctx.products, ctx.defer = temperature, products, defer
         return out
 
     @staticmethod
@@ -125,13 +130,11 @@ class TokenLogProbs(torch.autograd.Function):
         # are float32: each gradient is computed in, and returned as, its input's dtype.
         grad_logits = grad_logits.to(weight.dtype)
         grad_hidden = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            if ctx.onednn:
-                grad_hidden = product_t(grad_logits, weight.t(), True).to(hidden.dtype)
-            else:
-                grad_hidden = (grad_logits @ weight).to(hidden.dtype)
+        products = ctx.products
+        if ctx.needs_input_grad[0]:  # grad_logits @ weight
+            grad_hidden = products.times_t(grad_logits, weight.t()).to(hidden.dtype)
         if ctx.needs_input_grad[1]:
-            args = (grad_logits, hidden.to(weight.dtype), ctx.onednn)
+            args = (grad_logits, hidden.to(weight.dtype), products)
             if ctx.defer is None:
                 grad_weight = _weight_gradient(*args)
             else:
@@ -139,11 +142,9 @@ class TokenLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def _weight_gradient(grad_logits: Tensor, hidden: Tensor, onednn: bool) -> Tensor:
+def _weight_gradient(grad_logits: Tensor, hidden: Tensor, products: type[HeadProducts]) -> Tensor:
     """``grad_logits [N, V].T @ hidden [N, H]``: the head weight's gradient ``[V, H]``."""
-    if onednn:  # [H, V], transposed: the faster product (matmul.py)
-        return product_t(hidden.t(), grad_logits.t(), True).t()
-    return grad_logits.t() @ hidden
+    return products.weight_gradient(grad_logits, hidden)
 
 
 def token_logprobs(
@@ -151,13 +152,13 @@ def token_logprobs(
     weight: Tensor,
     tokens: Tensor,
     temperature: float,
-    onednn: bool = False,
+    products: type[HeadProducts] = HeadProducts,
     defer: Defer | None = None,
 ) -> Tensor:
     """Log-probabilities of ``tokens [B, R]`` under ``softmax(hidden [B, R, H] @ weight.T / T)``.
 
-    Equal to ``gather_logprobs((hidden @ weight.T).float() / T, tokens)``, float32. ``onednn``:
-    float32 CPU products by oneDNN (:mod:`rlkl_lightning.matmul`). ``defer``: where the
+    Equal to ``gather_logprobs((hidden @ weight.T).float() / T, tokens)``, float32.
+    ``products``: the head's matrix products (:func:`head_products`). ``defer``: where the
     weight gradient may be handed off (:data:`Defer`).
     """
     flat = TokenLogProbs.apply(
@@ -165,7 +166,7 @@ def token_logprobs(
         weight,
         tokens.reshape(-1),
         float(temperature),
-        onednn,
+        products,
         defer,
     )
     return flat.view(tokens.shape)

@@ -2,7 +2,7 @@
 
 Its unit and the key it is logged under, the number of samples behind it in a batch, its
 sample-weighted mean over ranks, and a check that a KL target is written in the unit it names.
-:class:`~rlkl_lightning.kl_callback_base.KLCallbackBase` reads the KL with these.
+:class:`~rlkl_lightning.kl.callback_base.KLCallbackBase` reads the KL with these.
 """
 
 from __future__ import annotations

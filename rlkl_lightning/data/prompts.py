@@ -11,7 +11,7 @@ so an instruct model answers it.
 
 Training batches are ``{"prompt": list[str]}``, validation batches
 ``{"text": list[str]}``. Under DDP the training loader deals the prompts of one shared
-order to the ranks itself (:class:`~rlkl_lightning.resumable.RankShardSampler`); validation
+order to the ranks itself (:class:`~rlkl_lightning.algorithms.resume.RankShardSampler`); validation
 batches are sharded by Lightning's ``DistributedSampler``.
 """
 
@@ -23,12 +23,8 @@ from typing import TYPE_CHECKING
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
-from rlkl_lightning.resumable import (
-    EpochShuffleSampler,
-    RankShardSampler,
-    ResumableDataLoader,
-    plain,
-)
+from rlkl_lightning.checkpoints import plain
+from rlkl_lightning.data.samplers import EpochShuffleSampler, RankShardSampler, ResumableDataLoader
 from rlkl_lightning.texts import first_words, load_texts
 from rlkl_lightning.world.config import WorldConfig
 
@@ -170,7 +166,7 @@ class PromptDataModule(LightningDataModule):
 
     def _chat_tokenizer(self):
         if self.hparams.chat_tokenizer is not None:
-            from rlkl_lightning.models import resolve_model_path
+            from rlkl_lightning.models.loading import resolve_model_path
             from rlkl_lightning.world.tokenizer import pretrained_tokenizer
 
             name = resolve_model_path(self.hparams.chat_tokenizer, "chat_tokenizer")

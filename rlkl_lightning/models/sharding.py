@@ -20,10 +20,10 @@ fails.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
-
-from rlkl_lightning.models import is_fsdp
 
 
 def layer_wrap_policy(model: nn.Module):
@@ -72,3 +72,8 @@ def shard_models(module: nn.Module, names: tuple[str, ...]) -> None:
             **extra,
         )
         setattr(module, name, unit)
+
+
+def is_fsdp(model: Any) -> bool:
+    """True if ``model`` is a ``FullyShardedDataParallel`` unit (:func:`shard_models`)."""
+    return hasattr(model, "_fsdp_wrapped_module")

@@ -14,8 +14,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from rlkl_lightning.arguments import context_of
-from rlkl_lightning.models import lm_forward, no_grad
+from rlkl_lightning.algorithms.checks import context_of
+from rlkl_lightning.models.forward import lm_forward, no_grad
 from rlkl_lightning.perplexity import NextTokenNLL
 
 

@@ -5,7 +5,7 @@ Where MKL does not take its AVX-512 kernels (on an AMD EPYC with AVX-512 we meas
 GFLOP/s per core for MKL and 215 for oneDNN, with the update's shapes), oneDNN's own float32
 kernels, which PyTorch's wheels also carry (``torch.ops.mkldnn._linear_pointwise``), are about
 twice as fast. With the option, every ``nn.Linear`` and GPT-2 ``Conv1D`` of the models, and the
-LM head products of :mod:`rlkl_lightning.logprobs`, compute their three products (forward,
+LM head products of :mod:`rlkl_lightning.models.logprobs`, compute their three products (forward,
 input gradient, weight gradient) there.
 
 Everything stays float32, but oneDNN adds the products in another order than MKL, so results
@@ -103,8 +103,30 @@ def product_t(a: Tensor, b: Tensor, onednn: bool) -> Tensor:
     return a @ b.t()
 
 
+class OneDNNHeadProducts:
+    """The three products of a fused LM head (:mod:`rlkl_lightning.models.logprobs`) by oneDNN."""
+
+    @staticmethod
+    def linear(x: Tensor, weight: Tensor) -> Tensor:
+        """``x @ weight.T`` with autograd."""
+        return linear(x, weight)
+
+    @staticmethod
+    def times_t(a: Tensor, b: Tensor) -> Tensor:
+        """``a [N, K] @ b [M, K].T`` (no autograd)."""
+        return product_t(a, b, True)
+
+    @staticmethod
+    def weight_gradient(grad: Tensor, x: Tensor) -> Tensor:
+        """``grad [N, V].T @ x [N, H]``, computed as the faster transposed product."""
+        return product_t(x.t(), grad.t(), True).t()
+
+
 class OneDNNLinear(nn.Linear):
     """``nn.Linear`` whose float32 CPU products run through oneDNN (same parameters)."""
+
+    #: What a fused LM head computes with when this layer is the model's head.
+    head_products = OneDNNHeadProducts
 
     def forward(self, x: Tensor) -> Tensor:
         """``x @ weight.T + bias``."""
@@ -138,9 +160,3 @@ def use_onednn(model: nn.Module) -> int:
             continue
         changed += 1
     return changed
-
-
-def head_uses_onednn(model: nn.Module) -> bool:
-    """Whether ``model``'s LM head was switched to oneDNN by :func:`use_onednn`."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return isinstance(head, OneDNNLinear)

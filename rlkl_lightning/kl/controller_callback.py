@@ -8,8 +8,8 @@ The callback talks to the module only through Lightning's own channels:
   reads when it shapes rewards, and logs it as ``objective/kl_coef``.
 
 Reading the KL, counting batches and samples and skipping unusable values is
-:class:`~rlkl_lightning.kl_callback_base.KLCallbackBase`'s work; the helpers it uses live in
-:mod:`rlkl_lightning.batch_kl` and are importable from here as before.
+:class:`~rlkl_lightning.kl.callback_base.KLCallbackBase`'s work; the helpers it uses live in
+:mod:`rlkl_lightning.kl.reading` and are importable from here as before.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from rlkl_lightning.batch_kl import (
+from rlkl_lightning.kl.callback_base import KLCallbackBase
+from rlkl_lightning.kl.controllers import KLController
+from rlkl_lightning.kl.reading import (
     MONITOR_BY_UNIT,
     UNIT_NAMES,
     batch_size_of,
@@ -32,8 +34,6 @@ from rlkl_lightning.batch_kl import (
     infer_batch_size,
     read_monitored,
 )
-from rlkl_lightning.controllers import KLController
-from rlkl_lightning.kl_callback_base import KLCallbackBase
 
 __all__ = [
     "MONITOR_BY_UNIT",

@@ -20,8 +20,8 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
-from rlkl_lightning.logprobs import TokenScores, gather_logprobs
-from rlkl_lightning.models import position_ids_from_mask
+from rlkl_lightning.models.forward import position_ids_from_mask
+from rlkl_lightning.models.logprobs import TokenScores, gather_logprobs
 from rlkl_lightning.trajectory import Trajectory
 
 
@@ -180,7 +180,7 @@ def sample_and_score(
 
     Tokens are drawn from ``softmax(filter(logits / temperature))``; the returned scores use
     the unfiltered ``logits / temperature``, exactly like
-    :func:`~rlkl_lightning.logprobs.score_tokens`.
+    :func:`~rlkl_lightning.models.logprobs.score_tokens`.
 
     Nothing in the loop reads a tensor back to the host except the check whether every row
     has stopped, once every ``stop_check_every`` tokens. Checking less often changes nothing

@@ -105,7 +105,8 @@ class AdaptersOff:
 
     Holds no weights of its own (so it is not an ``nn.Module``: nothing is registered, saved
     or moved twice). It stands in for a causal LM wherever the reference is used
-    (:func:`~rlkl_lightning.logprobs.score_tokens`, :func:`~rlkl_lightning.models.lm_forward`):
+    (:func:`~rlkl_lightning.models.logprobs.score_tokens`,
+    :func:`~rlkl_lightning.models.forward.lm_forward`):
     calling it, its ``base_model`` (the trunk) or reading its ``config`` and output embeddings
     goes to the policy, with the adapters off for the duration of the call.
 
@@ -154,7 +155,8 @@ class AdaptersOff:
     def _fsdp_wrapped_module(self) -> nn.Module:
         """The module inside the policy's FSDP unit, once the policy is sharded.
 
-        So the reference counts as a unit too (:func:`~rlkl_lightning.models.is_fsdp`) and is
+        So the reference counts as a unit too (:func:`~rlkl_lightning.models.sharding.is_fsdp`) and
+        is
         called through the unit's forward.
         """
         if not hasattr(self.model, "_fsdp_wrapped_module"):

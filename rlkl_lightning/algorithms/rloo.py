@@ -22,12 +22,12 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from rlkl_lightning.advantages import group_advantages
-from rlkl_lightning.arguments import RLOO_RULES, check_all
-from rlkl_lightning.kl import sequence_kl
-from rlkl_lightning.logprobs import score_tokens
-from rlkl_lightning.pipeline import RLPipeline
-from rlkl_lightning.ppo_loss import policy_loss
+from rlkl_lightning.algorithms.advantages import group_advantages
+from rlkl_lightning.algorithms.checks import RLOO_RULES, check_all
+from rlkl_lightning.algorithms.losses import policy_loss
+from rlkl_lightning.algorithms.pipeline import RLPipeline
+from rlkl_lightning.kl.estimators import sequence_kl
+from rlkl_lightning.models.logprobs import score_tokens
 from rlkl_lightning.trajectory import Trajectory
 
 __all__ = ["RLOOModule", "repeat_each"]
@@ -50,7 +50,7 @@ def repeat_each(batch: Any, k: int) -> Any:
 class RLOOModule(RLPipeline):
     """RLOO (or GRPO-style) fine-tuning of a causal LM with a KL penalty to a frozen reference.
 
-    Takes every argument of :class:`~rlkl_lightning.pipeline.RLPipeline` and these:
+    Takes every argument of :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline` and these:
 
     Args:
         responses_per_prompt: ``k``, responses sampled per prompt (each prompt of a data
@@ -58,7 +58,7 @@ class RLOOModule(RLPipeline):
             samples the KL callbacks count).
         advantage: ``rloo`` (leave-one-out baseline, unbiased) or ``grpo`` (the group's mean
             subtracted, then divided by its standard deviation).
-        **kwargs: the arguments of :class:`~rlkl_lightning.pipeline.RLPipeline`.
+        **kwargs: the arguments of :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline`.
     """
 
     owner: ClassVar[str] = "RLOOModule"

@@ -1,11 +1,11 @@
-"""No import cycles between the modules of ``rlkl_lightning``.
+"""The package's layering: no import cycles, and the rules that keep the packages apart.
 
 Every ``.py`` file under ``rlkl_lightning/`` is parsed with :mod:`ast` (nothing is imported)
 and every ``import`` of an ``rlkl_lightning`` module becomes an edge of a graph, wherever it
-stands: at module level or inside a function. A cycle in that graph is a failure that names
-its modules. What is not an edge:
+stands: at module level, inside a function or under ``if TYPE_CHECKING:`` (an annotation-only
+import still ties two modules together). A cycle in that graph is a failure that names its
+modules, and so is an edge that breaks a layering rule (:data:`RULES`). What is not an edge:
 
-- imports under ``if TYPE_CHECKING:``, which never run (annotations only);
 - the string module names of a package's ``_LAZY`` table, which ``__getattr__`` imports on
   first use of a name (they are data, not import statements);
 - the implicit import of a module's parent packages (``rlkl_lightning.world`` before
@@ -46,15 +46,7 @@ class _Imports(ast.NodeVisitor):
         self.package = module if is_package else module.rpartition(".")[0]
         self.modules = modules
         self.found: set[str] = set()
-
-    def visit_If(self, node: ast.If) -> None:  # noqa: D102
-        test = node.test
-        name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
-        if name == "TYPE_CHECKING":
-            for child in node.orelse:
-                self.visit(child)
-            return
-        self.generic_visit(node)
+        self.external: set[str] = set()  # top-level names of other packages (``lightning``)
 
     def visit_Import(self, node: ast.Import) -> None:  # noqa: D102
         for alias in node.names:
@@ -62,6 +54,8 @@ class _Imports(ast.NodeVisitor):
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:  # noqa: D102
         base = node.module or ""
+        if not node.level and not base.startswith(PACKAGE):
+            self.external.add(base.partition(".")[0])
         if node.level:
             anchor = self.package.split(".")
             anchor = anchor[: len(anchor) - (node.level - 1)]
@@ -73,16 +67,18 @@ class _Imports(ast.NodeVisitor):
     def _add(self, name: str) -> None:
         if name in self.modules:
             self.found.add(name)
+        elif not name.startswith(PACKAGE):
+            self.external.add(name.partition(".")[0])
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports."""
+def import_graph(external: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (and, with ``external``, other top-level names)."""
     paths = module_names()
     graph = {}
     for name, path in paths.items():
         visitor = _Imports(name, path.name == "__init__.py", set(paths))
         visitor.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
-        graph[name] = visitor.found - {name}
+        graph[name] = (visitor.found | (visitor.external if external else set())) - {name}
     return graph
 
 
@@ -159,6 +155,118 @@ def _short(name: str) -> str:
     return name.removeprefix(f"{PACKAGE}.")
 
 
+def _in(name: str, *prefixes: str) -> bool:
+    """``name`` is one of ``prefixes`` (short names) or a module inside one of them."""
+    short = _short(name)
+    return any(short == p or short.startswith(f"{p}.") for p in prefixes)
+
+
+#: (what the rule says, modules it applies to, modules and packages they may not import,
+#: whether the ban holds through other package modules too).
+RULES = [
+    (
+        "the KL package imports nothing from the algorithms, models, data, world, study or "
+        "speed-up code (its callbacks plug into any LightningModule)",
+        lambda m: _in(m, "kl"),
+        ("algorithms", "models", "data", "world", "compare", "perf", "cli"),
+        True,
+    ),
+    (
+        "a speed-up imports nothing else from the package",
+        lambda m: _in(m, "perf"),
+        tuple(
+            p
+            for p in ("kl", "algorithms", "models", "data", "world", "compare", "cli")
+            + ("trajectory", "masked", "perplexity", "texts", "rewards", "checkpoints")
+            + ("defaults", "console", "export")
+        ),
+        False,
+    ),
+    (
+        "the algorithm files do not import speed-up code: the pipeline applies it in one place",
+        lambda m: _in(m, "algorithms") and _short(m) != "algorithms.pipeline",
+        ("perf",),
+        False,
+    ),
+    (
+        "the pure math imports no Lightning, directly or through another module",
+        lambda m: (
+            _short(m)
+            in (
+                "kl.estimators",
+                "kl.loss",
+                "kl.controllers",
+                "algorithms.advantages",
+                "algorithms.losses",
+                "masked",
+                "trajectory",
+            )
+        ),
+        ("lightning", "pytorch_lightning", "lightning_fabric"),
+        True,
+    ),
+]
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:
+    """Every name ``start`` imports directly or through package modules -> one import path."""
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph.get(node, ())):
+                if nxt not in paths:
+                    paths[nxt] = [*paths[node], nxt]
+                    following.append(nxt)
+        frontier = following
+    del paths[start]
+    return paths
+
+
+def broken_rules(graph: dict[str, set[str]]) -> list[str]:
+    """One line per import that breaks a rule of :data:`RULES`, with the path that reaches it."""
+    problems = []
+    for text, applies, banned, transitive in RULES:
+        for module in sorted(m for m in graph if m.startswith(PACKAGE) and applies(m)):
+            reached = (
+                reachable(graph, module) if transitive else {n: [module, n] for n in graph[module]}
+            )
+            for name, path in sorted(reached.items()):
+                hit = name in banned if not name.startswith(PACKAGE) else _in(name, *banned)
+                if hit:
+                    chain = " -> ".join(_short(p) for p in path)
+                    problems.append(f"{chain}: {text}")
+    return problems
+
+
+def test_the_packages_keep_their_layering_rules():
+    problems = broken_rules(import_graph(external=True))
+    assert not problems, "layering broken:\n" + "\n".join(problems)
+
+
+def test_a_broken_rule_is_found_through_another_module():
+    p = f"{PACKAGE}."
+    graph = {
+        f"{p}kl.controllers": {f"{p}masked"},
+        f"{p}masked": {"lightning"},
+        f"{p}kl.reading": {f"{p}models.forward"},
+        f"{p}models.forward": {"torch"},
+        f"{p}perf.onednn": {f"{p}masked", "torch"},
+        f"{p}algorithms.ppo": {f"{p}perf.gelu"},
+        f"{p}algorithms.pipeline": {f"{p}perf.gelu"},
+        f"{p}perf.gelu": set(),
+    }
+    found = broken_rules(graph)
+    assert [line.partition(":")[0] for line in found] == [
+        "kl.reading -> models.forward",
+        "perf.onednn -> masked",
+        "algorithms.ppo -> perf.gelu",
+        "kl.controllers -> masked -> lightning",
+        "masked -> lightning",
+    ]
+
+
 def test_the_package_has_no_import_cycles():
     graph = import_graph()
     found = [members for members in tangles(graph) if members not in KNOWN_CYCLES]
@@ -199,9 +307,9 @@ def test_the_graph_sees_function_level_and_relative_imports(tmp_path, monkeypatc
         f"{PACKAGE}.a": {f"{PACKAGE}.sub.b"},
         f"{PACKAGE}.c": {f"{PACKAGE}.sub"},
         f"{PACKAGE}.sub": {f"{PACKAGE}.sub.b"},
-        f"{PACKAGE}.sub.b": {f"{PACKAGE}.a"},
+        f"{PACKAGE}.sub.b": {f"{PACKAGE}.a", f"{PACKAGE}.c"},  # TYPE_CHECKING counts
     }
-    assert [describe(graph, m) for m in tangles(graph)] == ["a -> sub.b -> a"]
+    assert [describe(graph, m) for m in tangles(graph)] == ["a -> sub.b -> a (tangled with c, sub)"]
 
 
 def test_a_tangle_is_named_by_a_shortest_cycle_and_its_other_modules():

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from rlkl_lightning.batch_kl import (
+from rlkl_lightning.kl.reading import (
     batch_size_of,
     check_name,
     check_target_unit,
@@ -36,9 +36,9 @@ class KLCallbackBase(Callback, ABC):
 
     After each training batch (sanity checking is skipped) :meth:`on_train_batch_end` reads the
     KL the module logged under ``monitor``, averages it over the samples of the global batch
-    (:func:`~rlkl_lightning.batch_kl.global_mean`) and counts the batch in ``n_batches`` and its
+    (:func:`~rlkl_lightning.kl.reading.global_mean`) and counts the batch in ``n_batches`` and its
     samples in ``n_samples``. A usable KL goes to :meth:`on_kl`; after the first one the
-    target's unit is checked once (:func:`~rlkl_lightning.batch_kl.check_target_unit`). A batch
+    target's unit is checked once (:func:`~rlkl_lightning.kl.reading.check_target_unit`). A batch
     without one (a non-finite KL, or one the module did not log again since the last batch,
     which counts no samples) is counted in ``n_skipped``; the first such batch warns.
     :meth:`after_batch` then runs, whatever the KL was. The counters are saved in checkpoints.
@@ -53,7 +53,7 @@ class KLCallbackBase(Callback, ABC):
         monitor: Key the module logs the batch KL under. Defaults to ``"objective/kl"`` for
             ``unit="sequence"`` and ``"objective/kl_per_token"`` for ``unit="token"``.
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch. Defaults to
-            :func:`~rlkl_lightning.batch_kl.infer_batch_size` (leading size of the batch's first
+            :func:`~rlkl_lightning.kl.reading.infer_batch_size` (leading size of the batch's first
             field).
 
     Attributes:

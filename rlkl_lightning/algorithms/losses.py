@@ -104,7 +104,7 @@ def value_loss(
     Args:
         values: ``[B, T]`` current value predictions (carries the gradient).
         old_values: ``[B, T]`` value predictions at rollout time (detached).
-        returns: ``[B, T]`` value targets ``R`` from :func:`~rlkl_lightning.advantages.gae`.
+        returns: ``[B, T]`` value targets ``R`` (GAE returns).
         mask: ``[B, T]``, nonzero on valid response tokens.
         cliprange_value: ``c > 0``; ``float("inf")`` disables clipping.
 

@@ -41,7 +41,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlkl_lightning.kl import per_token_kl
+from rlkl_lightning.kl.estimators import per_token_kl
 from rlkl_lightning.masked import masked_mean
 
 __all__ = ["KL_LOSS_ESTIMATORS", "KL_PLACEMENTS", "kl_loss", "kl_loss_weights"]
@@ -73,7 +73,8 @@ def kl_loss(
     """The KL term of the loss: ``masked_mean(w_t * k(l_t))``, differentiated through ``logprobs``.
 
     ``l_t = logprobs_t - ref_logprobs_t`` and ``k`` is ``estimator``'s per-token formula
-    (:func:`~rlkl_lightning.kl.per_token_kl`); ``w_t`` are :func:`kl_loss_weights`. The mean is
+    (:func:`~rlkl_lightning.kl.estimators.per_token_kl`); ``w_t`` are :func:`kl_loss_weights`.
+    The mean is
     over all valid tokens, like the policy loss it is added to (times ``kl_coef``).
 
     Args:

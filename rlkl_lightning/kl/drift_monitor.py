@@ -4,7 +4,7 @@ A policy whose KL to the reference runs far above target is drifting (reward hac
 degenerate text); one far below target is barely learning. The monitor keeps the mean of the
 last ``window`` batch KLs and reports each excursion out of ``[low * target, high * target]``.
 It works with any LightningModule that logs its batch KL; reading, counting and skipping are
-:class:`~rlkl_lightning.kl_callback_base.KLCallbackBase`'s work.
+:class:`~rlkl_lightning.kl.callback_base.KLCallbackBase`'s work.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from rlkl_lightning.batch_kl import UNIT_NAMES
-from rlkl_lightning.kl_callback_base import KLCallbackBase
+from rlkl_lightning.kl.callback_base import KLCallbackBase
+from rlkl_lightning.kl.reading import UNIT_NAMES
 
 #: Values of ``kl_monitor/state``.
 LOW, IN_BAND, HIGH = -1, 0, 1
@@ -34,7 +34,7 @@ class KLDriftMonitor(KLCallbackBase):
 
     After each training batch the monitor reads the KL the module logged under ``monitor``,
     averages it over the samples of the global batch (all ranks, as every
-    :class:`~rlkl_lightning.kl_callback_base.KLCallbackBase` does) and appends it to a window
+    :class:`~rlkl_lightning.kl.callback_base.KLCallbackBase` does) and appends it to a window
     of the last ``window`` batches. Once ``min_batches`` values have come in, the window mean
     ``avg`` gives the state: ``+1`` if ``avg > high * target``, ``-1`` if
     ``avg < low * target``, else ``0``. Entering ``+1`` or ``-1`` warns (``RuntimeWarning``)
@@ -69,7 +69,7 @@ class KLDriftMonitor(KLCallbackBase):
             runs).
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch, used to
             weight the mean over ranks. Defaults to
-            :func:`~rlkl_lightning.batch_kl.infer_batch_size`.
+            :func:`~rlkl_lightning.kl.reading.infer_batch_size`.
 
     Attributes:
         state: Current state (``-1``, ``0``, ``+1``).

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rlkl_lightning.kl import KL_ESTIMATORS
+from rlkl_lightning.kl.estimators import KL_ESTIMATORS
 from rlkl_lightning.rewards import InvalidRewardError, RewardShapeError, validate_scores
 from rlkl_lightning.trajectory import Trajectory
 

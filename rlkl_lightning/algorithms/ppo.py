@@ -21,23 +21,25 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import Tensor
 
-from rlkl_lightning.advantages import gae, shape_rewards
-from rlkl_lightning.arguments import PPO_RULES, check_all
-from rlkl_lightning.logprobs import TokenScores, score_tokens
+from rlkl_lightning.algorithms.advantages import gae, shape_rewards
+from rlkl_lightning.algorithms.checks import PPO_RULES, check_all
+from rlkl_lightning.algorithms.losses import entropy_from_logits, policy_loss, value_loss
+from rlkl_lightning.algorithms.pipeline import RLPipeline
+from rlkl_lightning.checkpoints import plain
 from rlkl_lightning.masked import masked_mean, masked_whiten
-from rlkl_lightning.matmul import use_onednn
-from rlkl_lightning.models import ValueHead, hidden_size_of, load_causal_lm, trunk_forward
-from rlkl_lightning.pipeline import RLPipeline
-from rlkl_lightning.ppo_loss import entropy_from_logits, policy_loss, value_loss
-from rlkl_lightning.resumable import plain
+from rlkl_lightning.models.forward import trunk_forward
+from rlkl_lightning.models.loading import load_causal_lm
+from rlkl_lightning.models.logprobs import TokenScores, score_tokens
+from rlkl_lightning.models.value_head import ValueHead, hidden_size_of
+from rlkl_lightning.perf.onednn import use_onednn
+from rlkl_lightning.perf.value_thread import ValueThread
 from rlkl_lightning.trajectory import Trajectory
-from rlkl_lightning.value_thread import ValueThread
 
 
 class PPOModule(RLPipeline):
     """PPO fine-tuning of a causal LM with a per-token KL penalty to a frozen reference.
 
-    Takes every argument of :class:`~rlkl_lightning.pipeline.RLPipeline` (policy, reward,
+    Takes every argument of :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline` (policy, reward,
     sampling, KL, update and logging options) and these:
 
     Args:
@@ -53,7 +55,7 @@ class PPOModule(RLPipeline):
             the policy's, each with half of torch's threads (``value_thread.py``; one process
             only). Faster on a CPU; the numbers are those of the plain path with that many
             threads per network.
-        **kwargs: the arguments of :class:`~rlkl_lightning.pipeline.RLPipeline`.
+        **kwargs: the arguments of :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline`.
     """
 
     owner: ClassVar[str] = "PPOModule"

@@ -1,0 +1,1 @@
+"""The Lightning modules (``PPOModule``, ``RLOOModule``) and the phases they share."""

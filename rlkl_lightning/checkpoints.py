@@ -1,0 +1,273 @@
+"""Checkpoint files: atomic writes, checks before loading, plain values; the run to resume.
+
+**Atomic writes.** Lightning's ``TorchCheckpointIO`` (2.6) serialises the checkpoint into
+memory and writes it inside an fsspec transaction: for a local path, fsspec writes a temporary
+file made by ``tempfile.mkstemp()`` in the system temporary directory and moves it over the
+target with ``shutil.move``. That is a rename, atomic, only when the temporary directory and
+the checkpoint directory are on one filesystem; with ``/tmp`` on tmpfs or on a node-local disk
+``shutil.move`` copies the bytes into the target in place, and a kill during the copy leaves a
+truncated ``last.ckpt`` where the previous good one was. Nothing is synced to disk either.
+:class:`AtomicCheckpointIO` writes ``.<name>.partial`` next to the target, syncs it, renames it
+over the target (``os.replace``, atomic on POSIX and Windows) and syncs the directory: at any
+moment the target is either the previous complete checkpoint or the new complete one. A kill
+leaves at most the partial file, which the next write of the same name reuses.
+
+**The run to resume.** With a ``TensorBoardLogger`` or ``CSVLogger`` and no fixed ``version``,
+every start opens a new ``<save_dir>/<name>/version_N`` directory, and Lightning looks for
+``last.ckpt`` only in the new, empty one. :func:`newest_last_checkpoint` finds the newest
+``last*.ckpt`` among the ``version_*/checkpoints`` directories of one ``<save_dir>/<name>``;
+``RLKLCLI`` resumes that run in its own version directory.
+
+**Files from elsewhere.** :func:`check_checkpoint` tells a truncated, corrupt or foreign
+checkpoint file apart before Lightning tries to restore it, and :func:`check_checkpoint_weights`
+a checkpoint of another model. Checkpoints are opened with ``torch.load(weights_only=True)``,
+which builds tensors and plain Python values and refuses any other object instead of running
+the code its pickle names; :func:`plain` makes the hyperparameters plain values when a
+checkpoint is saved, so everything stored loads that way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import Tensor
+
+
+def partial_path(path: str | os.PathLike) -> Path:
+    """The file a checkpoint is written to before it is renamed to ``path``."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.partial")
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (POSIX; Windows cannot open a directory)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose local checkpoint files are replaced atomically.
+
+    The checkpoint is written to ``.<name>.partial`` in the target's directory, synced, and
+    renamed over the target, so a process killed at any moment leaves the previous checkpoint
+    complete (module docstring). Remote paths (``s3://``, ...) go through Lightning's own
+    writer. ``RLKLCLI`` installs it in place of Lightning's default; with a plain ``Trainer``
+    pass ``Trainer(plugins=[AtomicCheckpointIO()])``.
+    """
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
+    ) -> None:
+        """Write ``checkpoint`` to ``path``: a partial file, synced, then renamed over ``path``.
+
+        Raises:
+            TypeError: If ``storage_options`` is given (as ``TorchCheckpointIO``).
+        """
+        if storage_options is not None or not _is_local_file_protocol(path):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = partial_path(target)
+        try:
+            with open(partial, "wb") as file:
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(partial, target)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        _fsync_directory(target.parent)
+
+
+def newest_last_checkpoint(runs_root: str | os.PathLike) -> Path | None:
+    """The newest ``last*.ckpt`` of the runs in ``runs_root`` (``<save_dir>/<name>``), or None.
+
+    Looks in ``runs_root/version_*/checkpoints``, where ``ModelCheckpoint`` writes when it is
+    given no ``dirpath``; "newest" is the latest modification time, as Lightning picks among
+    the ``last`` files of one directory.
+    """
+    found = [  # ModelCheckpoint's "last" files: last.ckpt, last-v1.ckpt, ...
+        path for path in Path(runs_root).glob("version_*/checkpoints/last*.ckpt") if path.is_file()
+    ]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def first_resumed_step(checkpoint: dict[str, Any]) -> int | None:
+    """The logger step at which a run resumed from ``checkpoint`` logs again (None: unknown).
+
+    Lightning logs at the count of batches that took an optimizer step. A checkpoint written
+    at the end of a batch holds that count before the batch is added (Lightning adds it back
+    on restore: ``_TrainingEpochLoop.reset``), so the resumed run's first batch logs at the
+    saved count + 1. Events a killed run logged from this step on are superseded.
+    """
+    loops = checkpoint.get("loops", {}).get("fit_loop", {})
+    step = loops.get("epoch_loop.state_dict", {}).get("_batches_that_stepped")
+    return int(step) + 1 if step is not None else None
+
+
+def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> dict[str, Any]:
+    """Raise a clear error if ``path`` is not a readable Lightning checkpoint.
+
+    The file is opened the way ``RLKLCLI`` has Lightning open it (``torch.load`` on the CPU with
+    ``weights_only=True``, memory-mapped when it is a zip archive, so large checkpoints are not
+    read twice): a pickled object that is not a tensor or a plain value is refused, never
+    built. It must hold a dict with ``state_dict`` and ``pytorch-lightning_version``. Whether
+    its weights fit the model is checked later, when the model restores them
+    (``PPOModule.on_load_checkpoint``).
+
+    Args:
+        path: The checkpoint file.
+        option: Name of the option that gave ``path``, for the message.
+
+    Returns:
+        The checkpoint, as loaded (tensors memory-mapped from a zip archive).
+
+    Raises:
+        ValueError: If the file is missing, empty, truncated, not a torch file, holds objects
+            that ``weights_only=True`` refuses, or is not a Lightning checkpoint; the message
+            lists the other checkpoints in its directory.
+    """
+    file = Path(path).expanduser()
+
+    def fail(problem: str) -> ValueError:
+        others = sorted(p.name for p in file.parent.glob("*.ckpt") if p.name != file.name)
+        hint = (
+            f"resume from another checkpoint in {str(file.parent)!r} ({', '.join(others)})"
+            if others
+            else "resume from another checkpoint"
+        )
+        return ValueError(
+            f"`{option}` {str(file)!r} {problem}; allowed: a checkpoint file written by "
+            f"Lightning (ModelCheckpoint, Trainer.save_checkpoint), 'last' or None. {hint}, or "
+            f"start a new run without `{option}`"
+        )
+
+    if not file.is_file():
+        raise fail("does not exist")
+    if file.stat().st_size == 0:
+        raise fail("is empty (the run may have been killed while writing it)")
+    try:
+        checkpoint = torch.load(
+            file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file)
+        )
+    except Exception as err:  # torch raises many types for a damaged file
+        text = str(err)
+        unsafe = re.search(r"GLOBAL ([\w.]+)", text)
+        if isinstance(err, pickle.UnpicklingError) and unsafe:
+            raise fail(
+                f"holds a pickled object ({unsafe.group(1)}) that only running code could "
+                "rebuild: checkpoints are opened with torch.load(weights_only=True), which "
+                "loads tensors and plain values and never runs code from the file (README, "
+                "'Security')"
+            ) from err
+        reason = re.search(r"WeightsUnpickler error:\s*(\S.*)", text)  # not torch's advice
+        raise fail(
+            "cannot be read: it is truncated or corrupt "
+            f"({type(err).__name__}: {reason.group(1) if reason else text})"
+        ) from err
+    if not isinstance(checkpoint, dict):
+        raise fail(f"holds a {type(checkpoint).__name__}, not a Lightning checkpoint (a dict)")
+    missing = [k for k in ("state_dict", "pytorch-lightning_version") if k not in checkpoint]
+    if missing:
+        raise fail(f"is not a Lightning checkpoint (no {missing})")
+    return checkpoint
+
+
+def plain(value: Any) -> Any:
+    """``value`` as types ``torch.load(weights_only=True)`` opens: for hyperparameters.
+
+    ``save_hyperparameters`` keeps the arguments as given; a ``pathlib.Path``, a numpy number,
+    an enum or a dataclass (a ``WorldConfig``) would make the checkpoint unloadable with
+    ``weights_only=True``. Paths become strings, numpy numbers and arrays Python numbers and
+    lists, enums their value, dataclasses and mappings dicts, sets lists; tensors, dtypes and
+    devices stay; any other object becomes its ``repr`` (hyperparameters in a checkpoint are a
+    record: ``RLKLCLI`` builds nothing from them on resume).
+    """
+    if value is None or type(value) in (bool, int, float, complex, str, bytes):
+        return value
+    if isinstance(value, Tensor | torch.dtype | torch.device):
+        return value
+    if isinstance(value, enum.Enum):
+        return plain(value.value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return plain(value.tolist())
+    for kind in (bool, int, float, str):  # subclasses, e.g. numpy.float64 is a float
+        if isinstance(value, kind):
+            return kind(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return plain(dataclasses.asdict(value))
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):  # a NamedTuple
+        return plain(value._asdict())
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, set | frozenset):
+        value = sorted(value, key=repr)
+    if isinstance(value, list | tuple):
+        items = [plain(v) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    return repr(value)
+
+
+def plain_hyperparameters(checkpoint: dict[str, Any]) -> None:
+    """Make the module's and the datamodule's hyperparameters in ``checkpoint`` :func:`plain`."""
+    for key in ("hyper_parameters", "datamodule_hyper_parameters"):
+        if key in checkpoint:
+            checkpoint[key] = plain(checkpoint[key])
+
+
+def check_checkpoint_weights(
+    saved: dict[str, Tensor], current: dict[str, Tensor], owner: str
+) -> None:
+    """Raise a clear error if a checkpoint's weights do not belong to this model.
+
+    The frozen reference (keys ``reference.*``) is not saved in checkpoints and not compared.
+
+    Args:
+        saved: The checkpoint's ``state_dict``.
+        current: The model's own ``state_dict()``.
+        owner: Name of the module, for the message.
+
+    Raises:
+        ValueError: Naming the missing, unexpected and resized keys (five of each at most).
+    """
+    ours = {k: v for k, v in current.items() if not k.startswith("reference.")}
+    theirs = {k: v for k, v in saved.items() if not k.startswith("reference.")}
+    missing = sorted(ours.keys() - theirs.keys())
+    unexpected = sorted(theirs.keys() - ours.keys())
+    resized = sorted(
+        k
+        for k in ours.keys() & theirs.keys()
+        if hasattr(theirs[k], "shape") and tuple(theirs[k].shape) != tuple(ours[k].shape)
+    )
+    problems = [("missing", missing), ("unexpected", unexpected), ("shape differs", resized)]
+    details = "; ".join(
+        f"{what}: {keys[:5]}{' ...' if len(keys) > 5 else ''}" for what, keys in problems if keys
+    )
+    if details:
+        raise ValueError(
+            f"{owner}: the checkpoint (`ckpt_path`) was not written for this model "
+            f"(policy/value head differ: {details}); resume with the `model` settings it was "
+            "trained with, or start a new run without `ckpt_path`"
+        )

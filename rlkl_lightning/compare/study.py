@@ -1,0 +1,49 @@
+"""The study's command line: parse the settings, run every run, write the report."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rlkl_lightning.compare.config import StudyConfig
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[StudyConfig, bool]:
+    """Parse ``--config FILE`` and the :class:`StudyConfig` flags; returns (settings, quick)."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(
+        prog="rlkl-compare",
+        description="Run training configs side by side over seeds and report the curves.",
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML of the settings below")
+    parser.add_class_arguments(StudyConfig, as_group=True)
+    parser.add_argument("--quick", action="store_true", help="use the `quick_settings`")
+    args = parser.parse_args(argv).as_dict()
+    quick = bool(args.pop("quick"))
+    args.pop("config", None)
+    study = StudyConfig(**args)
+    if not quick:
+        return study, False
+    # --quick replaces settings from the YAML, but a flag on the command line still wins.
+    given = [a.partition("=")[0][2:] for a in (sys.argv[1:] if argv is None else argv)]
+    flags = {name: args[name] for name in StudyConfig.__dataclass_fields__ if name in given}
+    return replace(study.as_quick(), **flags), True
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the study; returns the summary that is also written to ``summary.json``."""
+    from rlkl_lightning.compare.report import write_report
+    from rlkl_lightning.compare.runs import plan_runs, run_all
+
+    study, _ = parse_args(argv)
+    out = Path(study.out)
+    start = time.perf_counter()
+    runs = plan_runs(study, out)
+    run_all(runs, study)
+    summary = write_report(runs, study, out, elapsed=time.perf_counter() - start)
+    print(f"study written to {out}/: curves.png, report.md, summary.json")
+    return summary

@@ -1,0 +1,145 @@
+"""Data order as a function of (seed, epoch, position), so a resumed run draws the same batches.
+
+Lightning restarts a plain DataLoader at the epoch's first batch when a run resumes mid-epoch.
+These pieces make the order of prompts a pure function of (seed, epoch, position):
+
+* :class:`EpochShuffleSampler` shuffles with a generator seeded from ``(seed, epoch)``
+  (Lightning calls ``set_epoch`` before every epoch), so the permutation of any epoch can be
+  rebuilt without replaying the earlier ones;
+* under DDP, :class:`RankShardSampler` deals that order round-robin to the ranks, so the
+  global batch ``k`` of a run with ``W`` processes of batch ``b`` holds exactly the prompts of
+  batch ``k`` of a one-process run with batch ``W * b`` (no second shuffle on top);
+* :class:`ResumableDataLoader` counts the batches it has handed out in the current epoch and
+  saves that count through ``state_dict``; Lightning stores it in the checkpoint and, on
+  resume, calls ``load_state_dict``, after which the first iteration of the same epoch skips
+  the batches already trained on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A random permutation of ``range(n)`` that depends only on ``seed`` and the epoch.
+
+    Args:
+        n: Number of samples.
+        seed: Base seed; epoch ``e`` uses ``seed * 1_000_003 + e``.
+    """
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n = int(n)
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of ``epoch`` (Lightning calls this before every epoch)."""
+        self.epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        """Indices of the current epoch's permutation."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        """Number of samples."""
+        return self.n
+
+
+class RankShardSampler(DistributedSampler):
+    """This rank's share of an epoch order: positions ``rank, rank + W, rank + 2W, ...``.
+
+    The order is :class:`EpochShuffleSampler`'s permutation for ``(seed, epoch)`` when
+    ``shuffle`` is set, else ``0 .. n-1``. As with ``DistributedSampler(drop_last=False)`` the
+    order is padded with its first entries to a multiple of the world size ``W``, so every rank
+    gets the same number of samples. Lightning leaves a ``DistributedSampler`` in place (it
+    does not wrap and reshuffle it) and calls ``set_epoch`` on it before every epoch.
+
+    Args:
+        n: Number of samples.
+        num_replicas: World size ``W``.
+        rank: This process's global rank.
+        seed: Seed of the shuffle (as in :class:`EpochShuffleSampler`).
+        shuffle: Shuffle every epoch (``False``: file order).
+    """
+
+    def __init__(self, n: int, num_replicas: int, rank: int, seed: int = 0, shuffle: bool = True):
+        super().__init__(
+            range(int(n)), num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False
+        )
+        self.n = int(n)
+        self.order_seed = int(seed)
+        self.order_shuffle = bool(shuffle)
+
+    def __iter__(self) -> Iterator[int]:
+        """This rank's indices of the current epoch's order."""
+        if self.order_shuffle:
+            inner = EpochShuffleSampler(self.n, self.order_seed)
+            inner.set_epoch(self.epoch)
+            order = list(inner)
+        else:
+            order = list(range(self.n))
+        total = self.num_replicas * math.ceil(self.n / self.num_replicas) if self.n else 0
+        while len(order) < total:
+            order += order[: total - len(order)]
+        return iter(order[self.rank : total : self.num_replicas])
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader whose position inside the epoch is saved in checkpoints.
+
+    Takes the arguments of :class:`torch.utils.data.DataLoader`. Lightning recognises the
+    ``state_dict``/``load_state_dict`` pair, saves the state with every checkpoint and
+    restores it before the resumed epoch starts. Use it with a sampler whose order depends
+    only on the epoch (:class:`EpochShuffleSampler`, a ``SequentialSampler``, or the
+    ``DistributedSampler`` Lightning puts in under DDP), or the skipped batches are not the
+    ones already seen.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._epoch: int | None = None
+        self._yielded = 0
+        self._resume: dict[str, int] | None = None
+
+    def _sampler_epoch(self) -> int:
+        sampler = self.batch_sampler.sampler if self.batch_sampler is not None else self.sampler
+        return int(getattr(sampler, "epoch", getattr(self.sampler, "epoch", 0)))
+
+    def __iter__(self) -> Iterator[Any]:
+        """Iterate the current epoch, skipping the batches a loaded checkpoint had consumed.
+
+        Lazy: the epoch is read when the first batch is requested, because Lightning creates
+        the iterator of a resumed epoch before it calls ``set_epoch``.
+        """
+        epoch = self._sampler_epoch()
+        skip = 0
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            skip = min(self._resume["batches"], len(self))
+        self._resume = None
+        self._epoch = epoch
+        self._yielded = skip
+        iterator = super().__iter__()
+        for _ in range(skip):
+            next(iterator)
+        for batch in iterator:
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch being iterated and the number of its batches handed out so far."""
+        epoch = self._epoch if self._epoch is not None else self._sampler_epoch()
+        return {"epoch": epoch, "batches": self._yielded}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Make the next iteration of the saved epoch start after the batches already seen."""
+        self._resume = {
+            "epoch": int(state_dict.get("epoch", 0)),
+            "batches": int(state_dict.get("batches", 0)),
+        }

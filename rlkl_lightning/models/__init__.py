@@ -1,0 +1,1 @@
+"""Loading causal LMs and tokenizers, their forward passes and log-probs, LoRA, FSDP units."""
