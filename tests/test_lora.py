@@ -107,6 +107,7 @@ def test_reference_log_probs_equal_the_base_models_bit_for_bit_after_training(
     if peft is LORA_SAVE:
         assert any("modules_to_save" in n for n in moved)
     base = load_causal_lm(str(tiny_lm_dir))
+    module.speed_up(base)  # what the module does to every model it loads
     traj = a_batch(module)
     with torch.inference_mode():
         ref = score_tokens(module.reference, traj, 1.0)

@@ -20,7 +20,14 @@ from transformers import AutoModelForCausalLM
 from rlkl_lightning import PPOModule
 from rlkl_lightning.models.forward import plain_lm_head_weight
 from rlkl_lightning.models.logprobs import gather_logprobs, token_logprobs
-from rlkl_lightning.perf.onednn import OneDNNConv1D, OneDNNLinear, available, linear, use_onednn
+from rlkl_lightning.perf.onednn import (
+    OneDNNConv1D,
+    OneDNNHeadProducts,
+    OneDNNLinear,
+    available,
+    linear,
+    use_onednn,
+)
 from rlkl_lightning.rewards import FunctionReward, SequenceClassifierReward
 
 pytestmark = pytest.mark.skipif(not available(), reason="this PyTorch has no oneDNN kernel")
@@ -57,7 +64,7 @@ def test_log_prob_head_values_and_gradients():
     weight = torch.randn(40, 16, requires_grad=True)
     tokens = torch.randint(0, 40, (3, 5))
     upstream = torch.randn(3, 5)
-    onednn = token_logprobs(hidden, weight, tokens, 0.7, onednn=True)
+    onednn = token_logprobs(hidden, weight, tokens, 0.7, OneDNNHeadProducts)
     grads = torch.autograd.grad((onednn * upstream).sum(), (hidden, weight))
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     exact = gather_logprobs(h64 @ w64.t() / 0.7, tokens)

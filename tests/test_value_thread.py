@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from rlkl_lightning import PPOModule
 from rlkl_lightning.models import logprobs
+from rlkl_lightning.models.forward import HeadProducts
 from rlkl_lightning.perf.value_thread import ValueThread
 from rlkl_lightning.rewards import FunctionReward
 
@@ -185,7 +186,7 @@ def test_deferred_head_gradient_equals_autograd(tied):
     hidden, tokens = torch.randn(2, 3, 4, requires_grad=True), torch.randint(11, (2, 3))
 
     def loss(defer):
-        head = logprobs.token_logprobs(hidden, weight, tokens, 0.7, False, defer)
+        head = logprobs.token_logprobs(hidden, weight, tokens, 0.7, HeadProducts, defer)
         return head.square().sum() + (weight.sin().sum() if tied else 0.0)
 
     grads = {}

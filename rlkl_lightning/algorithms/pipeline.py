@@ -47,6 +47,8 @@ from rlkl_lightning.models.loading import (
 from rlkl_lightning.models.logprobs import TokenScores, score_tokens
 from rlkl_lightning.models.lora import AdaptersOff
 from rlkl_lightning.models.sharding import shard_models
+from rlkl_lightning.perf.gelu import fuse_tanh_gelu
+from rlkl_lightning.perf.onednn import use_onednn
 from rlkl_lightning.perf.row_blocks import in_row_blocks
 from rlkl_lightning.rewards import (
     RewardModel,
@@ -180,7 +182,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
             tokenizer or policy, "tokenizer" if tokenizer else "policy", **trust
         )
         self.policy, self.reference = policy_and_reference(
-            policy, reference, peft, gradient_checkpointing, cpu_matmul, **trust
+            policy, reference, peft, gradient_checkpointing, prepare=self.speed_up, **trust
         )
         check_vocabulary(self.owner, self.policy, self.reference)
         check_context(self.owner, self.policy, max_prompt_tokens, max_new_tokens)
@@ -189,6 +191,16 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         self.kl_coef = float(init_kl_coef)
 
     # ------------------------------------------------------------------ set-up
+    def speed_up(self, model: torch.nn.Module) -> None:
+        """Apply the speed-ups to a model of this module, once, right after it is loaded.
+
+        The one place they are applied: GPT-2's tanh GELU in one fused kernel (always; equal to
+        float rounding), and with ``cpu_matmul="onednn"`` the float32 CPU products by oneDNN.
+        """
+        fuse_tanh_gelu(model)
+        if self.hparams.cpu_matmul == "onednn":
+            use_onednn(model)
+
     def configure_optimizers(self):
         """AdamW over every trainable parameter (policy, value function if any)."""
         params = [p for p in self.parameters() if p.requires_grad]

@@ -31,7 +31,6 @@ from rlkl_lightning.models.forward import trunk_forward
 from rlkl_lightning.models.loading import load_causal_lm
 from rlkl_lightning.models.logprobs import TokenScores, score_tokens
 from rlkl_lightning.models.value_head import ValueHead, hidden_size_of
-from rlkl_lightning.perf.onednn import use_onednn
 from rlkl_lightning.perf.value_thread import ValueThread
 from rlkl_lightning.trajectory import Trajectory
 
@@ -91,9 +90,8 @@ class PPOModule(RLPipeline):
             self.value_trunk = load_causal_lm(
                 value_model, option="value_model", trust_remote_code=self.hparams.trust_remote_code
             )
+            self.speed_up(self.value_trunk)
             self.value_head = ValueHead(hidden_size_of(self.value_trunk))
-            if self.hparams.cpu_matmul == "onednn":
-                use_onednn(self.value_trunk)
 
     def values(self, traj: Trajectory, policy_hidden: Tensor) -> Tensor:
         """Value estimates ``[B, R]`` (float32) at the positions that predict each token."""
