@@ -41,6 +41,7 @@ import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor
+from typing_extensions import override
 
 
 def partial_path(path: str | os.PathLike) -> Path:
@@ -73,6 +74,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     pass ``Trainer(plugins=[AtomicCheckpointIO()])``.
     """
 
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
     ) -> None:

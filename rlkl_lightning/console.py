@@ -49,6 +49,11 @@ def quiet_lightning_notes() -> None:
         message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
         category=FutureWarning,
     )
+    drop_lightning_tips()
+
+
+def drop_lightning_tips() -> None:
+    """Drop Lightning's "💡 Tip" info lines (they advertise its cloud products), for good."""
     # Lightning's info lines come from the logger of its `rank_zero` helpers (pytorch's or
     # fabric's, whichever was imported last).
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):

@@ -204,7 +204,9 @@ def test_checkpoint_holds_the_trainable_weights_only_and_resumes_exactly(tiny_lm
     traj = a_batch(resumed)
     with torch.inference_mode():
         ref = score_tokens(resumed.reference, traj, 1.0)
-        base = score_tokens(load_causal_lm(str(tiny_lm_dir)), traj, 1.0)
+        base_model = load_causal_lm(str(tiny_lm_dir))
+        resumed.speed_up(base_model)  # what the module does to every model it loads
+        base = score_tokens(base_model, traj, 1.0)
     assert torch.equal(ref.logprobs, base.logprobs)
 
 
@@ -280,7 +282,9 @@ def test_held_out_perplexity_of_the_reference_is_the_base_models(tiny_lm_dir, tm
         data = PromptDataModule(str(texts), heldout=str(texts), batch_size=4)
         t = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
         t.validate(module, datamodule=data, verbose=False)
-        found.append((module.reference_perplexity, float(t.callback_metrics["val/perplexity"])))
+        found.append(
+            (module.heldout.reference_perplexity, float(t.callback_metrics["val/perplexity"]))
+        )
     (lora_ref, lora_policy), (copy_ref, copy_policy) = found
     assert lora_ref == copy_ref  # bit for bit: the adapters-off pass is the base model's
     assert lora_policy == copy_policy  # fresh adapters (lora_B = 0) do not change the policy

@@ -140,7 +140,7 @@ def test_a_non_finite_value_loss_skips_the_batch(tiny_lm_dir):
     def poison(module):
         honest = module._value_loss
 
-        def first_is_nan(mb, hidden):
+        def first_is_nan(mb, hidden=None):
             loss, clipfrac = honest(mb, hidden)
             return loss * float("nan"), clipfrac
 

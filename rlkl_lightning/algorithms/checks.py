@@ -12,7 +12,6 @@ from torch import nn
 from rlkl_lightning.algorithms.advantages import GROUP_ADVANTAGES
 from rlkl_lightning.kl.estimators import KL_ESTIMATORS
 from rlkl_lightning.kl.loss import KL_LOSS_ESTIMATORS, KL_PLACEMENTS
-from rlkl_lightning.perf.onednn import CPU_MATMULS, available
 
 LR_SCHEDULES = ("constant", "linear")
 
@@ -53,12 +52,6 @@ PIPELINE_RULES = [
         "None or a finite number >= 1",
     ),
     ("lr_schedule", lambda x: x in LR_SCHEDULES, f"one of {LR_SCHEDULES}"),
-    ("cpu_matmul", lambda x: x in CPU_MATMULS, f"one of {CPU_MATMULS}"),
-    (
-        "cpu_matmul",
-        lambda x: x != "onednn" or available(),
-        "'default' (this PyTorch has no oneDNN float32 linear kernel)",
-    ),
     ("init_kl_coef", _finite_above(0, strict=False), "a finite number >= 0"),
     *[
         (name, _int_at_least(1), "an integer >= 1")
@@ -99,9 +92,12 @@ RLOO_RULES = [
 ]
 
 
-def check_pipeline_args(owner: str, args: dict[str, Any]) -> None:
-    """Validate the shared arguments; warn when sampling is truncated (biased KL estimates)."""
-    check_all(owner, args, PIPELINE_RULES)
+def check_pipeline_args(owner: str, args: dict[str, Any], more_rules: Iterable = ()) -> None:
+    """Validate the shared arguments; warn when sampling is truncated (biased KL estimates).
+
+    ``more_rules``: the rules of options checked elsewhere (the speed-ups'), after these.
+    """
+    check_all(owner, args, [*PIPELINE_RULES, *more_rules])
     if args["top_k"] or args["top_p"] < 1:
         rank_zero_warn(
             f"{owner}: `top_k`/`top_p` truncate the sampling distribution, so the KL estimates "

@@ -10,46 +10,68 @@ One training batch (a list of prompts) is five phases over one :class:`Trajector
 3. :meth:`shape` turns them into advantages (the algorithm's own: GAE for PPO);
 4. :meth:`update` runs epochs x minibatches x micro-batches of :meth:`loss` (the algorithm's
    own), with gradient clipping and one optimizer step per minibatch;
-5. :meth:`log_batch` logs every metric of the README's table.
+5. :meth:`log_batch` logs every metric (the docs' metrics page).
 
 A subclass supplies :meth:`shape` and :meth:`loss` (and may extend :meth:`score`), so a new
-algorithm is a short file. Skip gates: skips.py. ``kl_coef`` is a plain attribute: a
-``KLControllerCallback`` rewrites it after each batch; the next batch's rewards or losses use it.
+algorithm is a short file. ``kl_coef`` is a plain attribute: a ``KLControllerCallback``
+rewrites it after each batch; the next batch's rewards or losses use it.
+
+The parts the pipeline is composed of: the skip gates (:mod:`.gates`), held-out perplexity
+(:mod:`.validation`), what a checkpoint carries (:mod:`.resume`). The speed-ups
+(:mod:`rlkl_lightning.perf`) are applied here and nowhere else: :meth:`RLPipeline.speed_up` to
+every model once it is loaded, and the update's threads (:meth:`RLPipeline.update_threads`).
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from typing_extensions import override
 
-from rlkl_lightning.algorithms.checks import check_context, check_pipeline_args, check_vocabulary
-from rlkl_lightning.algorithms.gates import SkipBatch, SkipGates
+from rlkl_lightning.algorithms.checks import (
+    check_context,
+    check_pipeline_args,
+    check_vocabulary,
+    context_of,
+)
+from rlkl_lightning.algorithms.gates import SkipBatch, any_rank, global_sum, trajectory_is_finite
 from rlkl_lightning.algorithms.losses import entropy_from_logits
 from rlkl_lightning.algorithms.metrics import batch_metrics, gold_scores, log_samples_table
-from rlkl_lightning.algorithms.resume import ResumableModule
+from rlkl_lightning.algorithms.resume import (
+    COUNTERS,
+    restore_rng_states,
+    rng_states,
+    trained_weights,
+    with_frozen_weights,
+)
 from rlkl_lightning.algorithms.rollout import sample_and_score
-from rlkl_lightning.algorithms.validation import HeldoutPerplexity
-from rlkl_lightning.checkpoints import plain
+from rlkl_lightning.algorithms.validation import HeldoutPerplexity, encode_texts
+from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.kl import estimators as klmod
 from rlkl_lightning.kl.loss import kl_loss
 from rlkl_lightning.masked import masked_sum
 from rlkl_lightning.models.forward import no_grad
 from rlkl_lightning.models.loading import (
     disable_dropout,
+    encode,
     freeze,
     load_tokenizer,
     policy_and_reference,
 )
 from rlkl_lightning.models.logprobs import TokenScores, score_tokens
 from rlkl_lightning.models.lora import AdaptersOff
-from rlkl_lightning.models.sharding import shard_models
+from rlkl_lightning.models.sharding import is_fsdp, shard_models
 from rlkl_lightning.perf.gelu import fuse_tanh_gelu
-from rlkl_lightning.perf.onednn import use_onednn
+from rlkl_lightning.perf.onednn import CPU_MATMULS, available, use_onednn
 from rlkl_lightning.perf.row_blocks import in_row_blocks
+from rlkl_lightning.perf.value_thread import ValueThread
 from rlkl_lightning.rewards import (
     RewardModel,
     RewardShapeError,
@@ -58,8 +80,50 @@ from rlkl_lightning.rewards import (
 )
 from rlkl_lightning.trajectory import Trajectory
 
+#: The rules of the speed-up options, checked with the other arguments.
+SPEED_UP_RULES = [
+    ("cpu_matmul", lambda x: x in CPU_MATMULS, f"one of {CPU_MATMULS}"),
+    (
+        "cpu_matmul",
+        lambda x: x != "onednn" or available(),
+        "'default' (this PyTorch has no oneDNN float32 linear kernel)",
+    ),
+]
 
-class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
+
+class OneThread:
+    """The update's parts all in the calling thread: the plain path.
+
+    The interface of :class:`~rlkl_lightning.perf.value_thread.ValueThread`, which runs a
+    second network's part of each step in a helper thread.
+    """
+
+    #: Where the fused head hands its weight gradient off (``models.logprobs.Defer``): nowhere.
+    defer = None
+
+    def __enter__(self) -> OneThread:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def beside(self, fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+        """``fn(*args, *late)``, computed when the returned function is called with ``late``."""
+        return lambda *late: fn(*args, *late)
+
+    def wait(self) -> None:
+        """Nothing runs elsewhere."""
+
+    def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_``."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def step(self, optimizer: Any) -> None:
+        """``optimizer.step()``."""
+        optimizer.step()
+
+
+class RLPipeline(LightningModule):
     """Rollout, scoring, KL, the update loop and logging, shared by PPO and critic-free methods.
 
     Args:
@@ -127,8 +191,14 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
 
     #: The name messages give the module (its options are named in them too).
     owner: ClassVar[str] = "RLPipeline"
-    #: The models sharded as FSDP units under ``FSDPStrategy`` (sharding.py).
+    #: The models sharded as FSDP units under ``FSDPStrategy`` (:mod:`.sharding`).
     sharded_models: ClassVar[tuple[str, ...]] = ("policy", "reference")
+
+    # The counters (:data:`~rlkl_lightning.algorithms.resume.COUNTERS`), kept in checkpoints:
+    batches_seen: int  #: training batches done (skipped ones included)
+    samples_seen: int  #: prompts (responses, for RLOO) trained on, summed over ranks
+    skipped_batches: int  #: batches whose update was skipped (:mod:`.gates`)
+    skipped_in_a_row: int  #: skips since the last trained batch
 
     def __init__(
         self,
@@ -168,7 +238,11 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
     ):
         super().__init__()
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        check_pipeline_args(self.owner, args)
+        check_pipeline_args(self.owner, args, SPEED_UP_RULES)
+        for name in COUNTERS:
+            setattr(self, name, 0)
+        self.heldout = HeldoutPerplexity()
+        self.threads: OneThread | ValueThread = OneThread()
         models = ("reward", "gold_reward")  # objects, not settings
         self.save_hyperparameters(ignore=list(models))
         # LightningCLI saves a subclass's own arguments as the hyperparameters; the settings
@@ -201,6 +275,19 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         if self.hparams.cpu_matmul == "onednn":
             use_onednn(model)
 
+    def update_threads(self) -> OneThread | ValueThread:
+        """Where the update's parts run: with :meth:`helper_thread_parameters`, two threads."""
+        params = self.helper_thread_parameters()
+        return OneThread() if params is None else ValueThread(self.device.type, params)
+
+    def helper_thread_parameters(self) -> list[Tensor] | None:
+        """The parameters of a network whose part of the update runs in a helper thread.
+
+        None (the default): everything runs in the calling thread.
+        """
+        return None
+
+    @override
     def configure_optimizers(self):
         """AdamW over every trainable parameter (policy, value function if any)."""
         params = [p for p in self.parameters() if p.requires_grad]
@@ -212,6 +299,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
         return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
 
+    @override
     def configure_model(self) -> None:
         """Under ``FSDPStrategy``, make each model an FSDP unit (sharding.py); else nothing."""
         shard_models(self, self.sharded_models)
@@ -227,6 +315,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
             return max(0.0, 1.0 - (batch - warmup) / max(total - warmup, 1))
         return 1.0
 
+    @override
     def on_fit_start(self) -> None:
         """Keep the frozen models frozen and the rewards on our device."""
         if isinstance(self.reference, torch.nn.Module):  # else: the policy, adapters off
@@ -237,6 +326,7 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
                 reward.to(self.device)
 
     # ------------------------------------------------------------------ the pipeline
+    @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """One batch of prompts through the five phases (module docstring)."""
         prompts = list(batch["prompt"])
@@ -246,7 +336,10 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
             clock.append(time.perf_counter())
             traj, responses, diagnostics = self.score(prompts, traj, policy_scores)  # 2. score
             traj = self.shape(traj)  # 3. shape
-            self._gate_trajectory(traj)  # log-probs, values, advantages, returns finite
+            self._gate(
+                not trajectory_is_finite(traj),
+                "log-probs, values, advantages or returns are not finite",
+            )
             clock.append(time.perf_counter())
             stats = self.update(traj)  # 4. update
             clock.append(time.perf_counter())
@@ -357,6 +450,13 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         Each minibatch's loss is the token-weighted mean of its micro-batches' losses; the
         returned statistics are means over the optimizer steps.
         """
+        with self.update_threads() as self.threads:
+            try:
+                return self._update(traj)
+            finally:
+                self.threads = OneThread()
+
+    def _update(self, traj: Trajectory) -> dict[str, Tensor]:
         hp = self.hparams
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
@@ -376,7 +476,11 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
                     for key, value in stats.items():
                         step_stats[key] = step_stats.get(key, 0.0) + float(value) * float(weight)
                 grad_norm = self._clip_gradients(optimizer)
-                self._optimizer_step(optimizer)
+                scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+                if scaler is None:
+                    self.threads.step(optimizer)
+                else:  # the scaler hands the optimizer itself its scale: one thread steps
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 step_stats["policy/grad_norm"] = grad_norm
                 for key, value in step_stats.items():
@@ -389,9 +493,37 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         result["policy/lr"] = torch.tensor(scheduler.get_last_lr()[0], dtype=f32)
         return result
 
-    def _optimizer_step(self, optimizer) -> None:
-        """``optimizer.step()`` (``PPOModule`` splits it with ``value_model_thread``)."""
-        optimizer.step()
+    def _clip_gradients(self, optimizer) -> float:
+        """Clip the gradient norm to ``max_grad_norm``; returns the norm before clipping.
+
+        Gates a non-finite norm, except under ``16-mixed``: there the loss is scaled, an
+        overflow is the scaler's to handle (it skips that optimizer step and lowers the
+        scale), and the norm and the clip are those of the unscaled gradients. Under FSDP the
+        norm is that of all ranks' gradient shards together.
+        """
+        max_norm = self.hparams.max_grad_norm if self.hparams.max_grad_norm else float("inf")
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer else None
+        scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # Each rank holds a shard of every gradient (the models shard_models wrapped).
+        if any(is_fsdp(getattr(self, name, None)) for name in self.sharded_models):
+            grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
+            local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            local = local.to(self.device, torch.float32)
+            norm = self.trainer.strategy.reduce(local.square(), reduce_op="sum").sqrt()
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm * scale, norm)
+        else:
+            norm = self.threads.clip_grad_norm(params, max_norm * scale)
+        grad_norm = float(norm) / scale
+        if scaler is None:
+            self._gate(not math.isfinite(grad_norm), "the gradient norm is not finite")
+        return grad_norm
+
+    @override
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward()``, and the helper thread's part of it, if any, done."""
+        super().backward(loss, *args, **kwargs)
+        self.threads.wait()
 
     def log_batch(
         self,
@@ -408,7 +540,12 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         self.skipped_in_a_row = 0
         self.samples_seen += n * self.trainer.world_size
         metrics = batch_metrics(
-            traj, diagnostics, self.hparams.kl_estimator, self.kl_coef, clock, self._global_sum
+            traj,
+            diagnostics,
+            self.hparams.kl_estimator,
+            self.kl_coef,
+            clock,
+            lambda values: global_sum(self._trainer, values),
         )
         metrics["progress/samples"] = torch.tensor(float(self.samples_seen), dtype=torch.float32)
         skipped = torch.tensor(float(self.skipped_batches), dtype=torch.float32)
@@ -437,15 +574,8 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
                     f"{limit} tokens (warned once)",
                     category=RuntimeWarning,
                 )
-        self.tokenizer.truncation_side = "left"
-        enc = self.tokenizer(
-            prompts,
-            return_tensors="pt",
-            padding=True,
-            truncation=True,
-            max_length=self.hparams.max_prompt_tokens,
-        )
-        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+        ids, mask = encode(self.tokenizer, prompts, "left", self.hparams.max_prompt_tokens)
+        return ids.to(self.device), mask.to(self.device)
 
     def _reward_scores(self, prompts: list[str], responses: list[str]) -> Tensor:
         """The reward model's ``[B]`` scores on our device, clipped; skips or stops on faults."""
@@ -454,10 +584,10 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
             scores = validate_scores(self.reward(prompts, responses), len(prompts), self.reward)
         except (ValueError, RuntimeError) as err:
             scores, error = None, err
-        if self._any_rank(error is not None):
+        if any_rank(self._trainer, error is not None):
             # A wrong shape is a broken reward model, not a numeric fault: stop (on every
             # rank) rather than skip every batch of the run.
-            if self._any_rank(isinstance(error, RewardShapeError)):
+            if any_rank(self._trainer, isinstance(error, RewardShapeError)):
                 raise ValueError(
                     f"{self.owner}: `reward` must return one finite score per (prompt, response) "
                     f"pair, shape [{len(prompts)}]: {error or 'failed on another rank'}"
@@ -467,3 +597,97 @@ class RLPipeline(SkipGates, ResumableModule, HeldoutPerplexity):
         if self.hparams.score_clip is not None:
             scores = scores.clamp(-self.hparams.score_clip, self.hparams.score_clip)
         return scores
+
+    def _gate(self, bad: bool, why: str) -> None:
+        """Skip the batch if ``bad`` on any rank (a collective under DDP: call it on every rank).
+
+        The gradients of a half-done update are dropped, so weights and optimizer stay untouched.
+        """
+        if any_rank(self._trainer, bad):
+            if self._trainer is not None:
+                self.optimizers().zero_grad(set_to_none=True)
+            raise SkipBatch(why)
+
+    def _skip(self, why: str) -> None:
+        """Skip this batch's update: weights and beta stay as they are.
+
+        The KL is logged as ``nan`` for this batch, so KL callbacks see that there is no
+        usable value (they keep beta and count the batch) even when the very first batch is
+        skipped; ``progress/skipped_batches`` counts the skips.
+        """
+        self.skipped_batches += 1
+        self.skipped_in_a_row += 1
+        limit = self.hparams.max_skipped_in_a_row
+        if limit is not None and self.skipped_in_a_row >= limit:
+            # Every rank skipped the same batches (the decision is agreed), so all stop here.
+            raise RuntimeError(
+                f"{self.owner}: {self.skipped_in_a_row} batches in a row were skipped, the last "
+                f"because {why}; stopping (`max_skipped_in_a_row`={limit}). Fix the cause, or "
+                "set `max_skipped_in_a_row` higher or to None. Weights and beta are those of "
+                "the last trained batch."
+            )
+        rank_zero_warn(
+            f"{self.owner}: skipping batch {self.batches_seen + 1}: {why}; kl_coef is unchanged "
+            f"({self.skipped_batches} batches skipped so far)",
+            category=RuntimeWarning,
+        )
+        # float32 whatever the default dtype (bf16-true makes bf16 the default inside steps).
+        nan = torch.tensor(float("nan"), dtype=torch.float32)
+        skipped = torch.tensor(float(self.skipped_batches), dtype=torch.float32)
+        # The same sync flag as the regular logging: Lightning rejects a key logged with
+        # different arguments within an epoch (a skip under DDP would end the run).
+        metrics = {"objective/kl": nan, "objective/kl_per_token": nan}
+        metrics["progress/skipped_batches"] = skipped
+        sync = self.trainer.world_size > 1
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=sync)
+
+    # ------------------------------------------------------------------ validation
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Accumulate held-out perplexity of the policy (and of the reference, once)."""
+        max_length = context_of(self.policy) or 1024
+        ids, mask = encode_texts(self.tokenizer, list(batch["text"]), max_length)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        self.heldout.update(self.policy, self.reference, ids, mask, self.trainer.sanity_checking)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val/perplexity`` and ``val/perplexity_ref`` (the reference's is computed once)."""
+        result = self.heldout.compute(self.trainer.sanity_checking)
+        if result is None:
+            return
+        policy_ppl, reference_ppl = result
+        self.log("val/perplexity", policy_ppl, on_epoch=True)
+        self.log("val/perplexity_ref", torch.tensor(reference_ppl), on_epoch=True)
+        self.log("progress/samples_at_val", torch.tensor(float(self.samples_seen)), on_epoch=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store counters, RNG states, plain hparams; drop the reference and frozen weights.
+
+        Beta is the KL controller callback's state (without one it is ``init_kl_coef``).
+        """
+        plain_hyperparameters(checkpoint)
+        checkpoint["state_dict"] = trained_weights(self, checkpoint["state_dict"])
+        checkpoint["rlkl_counters"] = {
+            **{name: getattr(self, name) for name in COUNTERS},
+            "reference_perplexity": self.heldout.reference_perplexity,
+        }
+        checkpoint["rlkl_rng"] = rng_states(self._trainer, self.device)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Check the weights fit, restore the counters, put the frozen weights back."""
+        with_frozen_weights(self, checkpoint["state_dict"], self.owner)
+        counters = checkpoint.get("rlkl_counters", {})
+        for name in COUNTERS:
+            setattr(self, name, int(counters.get(name, 0)))
+        self.heldout.reference_perplexity = counters.get("reference_perplexity")
+        self._rng_to_restore = checkpoint.get("rlkl_rng")
+
+    @override
+    def on_train_start(self) -> None:
+        """Put back a loaded checkpoint's RNG state, right before the first resumed batch."""
+        states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
+        restore_rng_states(states, self.trainer, self.device, self.owner)

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import Tensor
+from typing_extensions import override
 
 from rlkl_lightning.algorithms.advantages import gae, shape_rewards
 from rlkl_lightning.algorithms.checks import PPO_RULES, check_all
@@ -31,7 +32,6 @@ from rlkl_lightning.models.forward import trunk_forward
 from rlkl_lightning.models.loading import load_causal_lm
 from rlkl_lightning.models.logprobs import TokenScores, score_tokens
 from rlkl_lightning.models.value_head import ValueHead, hidden_size_of
-from rlkl_lightning.perf.value_thread import ValueThread
 from rlkl_lightning.trajectory import Trajectory
 
 
@@ -82,7 +82,6 @@ class PPOModule(RLPipeline):
             )
         super().__init__(**kwargs)
         self.hparams.update(plain(own))
-        self._value_thread: ValueThread | None = None  # the helper, during an update
         if value_model is None:
             self.value_trunk = None
             self.value_head = ValueHead(hidden_size_of(self.policy))
@@ -101,6 +100,7 @@ class PPOModule(RLPipeline):
         hidden = trunk_forward(self.value_trunk, traj.input_ids, traj.attention_mask, keep)
         return self.value_head(hidden[:, :-1]).float()
 
+    @override
     def on_fit_start(self) -> None:
         """The shared set-up; ``value_model_thread`` needs one process."""
         super().on_fit_start()
@@ -111,6 +111,7 @@ class PPOModule(RLPipeline):
                 f"strategy, got {type(strategy).__name__}; set value_model_thread=False"
             )
 
+    @override
     def score(
         self, prompts: list[str], traj: Trajectory, policy_scores: TokenScores
     ) -> tuple[Trajectory, list[str], dict[str, Tensor]]:
@@ -120,40 +121,14 @@ class PPOModule(RLPipeline):
             values = self.values(traj, policy_scores.hidden)
         return traj._replace(values=values), responses, diagnostics
 
-    def update(self, traj: Trajectory) -> dict[str, Tensor]:
-        """The shared update; with ``value_model_thread``, the value model in the helper."""
+    @override
+    def helper_thread_parameters(self) -> list[Tensor] | None:
+        """With ``value_model_thread``, the value model's part of the update runs beside."""
         if not self.hparams.value_model_thread:
-            return super().update(traj)
-        value_params = [*self.value_trunk.parameters(), *self.value_head.parameters()]
-        with ValueThread(self.device.type, value_params) as self._value_thread:
-            try:
-                return super().update(traj)
-            finally:
-                self._value_thread = None
+            return None
+        return [*self.value_trunk.parameters(), *self.value_head.parameters()]
 
-    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        """``loss.backward()``; then wait for the helper's backward pass, if any."""
-        super().backward(loss, *args, **kwargs)
-        if self._value_thread is not None:
-            self._value_thread.wait()
-
-    def _clip_grad_norm(self, params: list[Tensor], max_norm: float) -> Tensor:
-        """The shared clipping; with ``value_model_thread``, the value model's in the helper."""
-        if self._value_thread is None:
-            return super()._clip_grad_norm(params, max_norm)
-        return self._value_thread.clip_grad_norm(params, max_norm)
-
-    def _optimizer_step(self, optimizer) -> None:
-        """The shared step; with ``value_model_thread``, the value model's part in the helper.
-
-        Under a grad scaler (``16-mixed``) the whole step runs here: the scaler hands the
-        optimizer itself its scale.
-        """
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if self._value_thread is None or scaler is not None:
-            return super()._optimizer_step(optimizer)
-        self._value_thread.step(optimizer)
-
+    @override
     def shape(self, traj: Trajectory) -> Trajectory:
         """KL-shaped per-token rewards, GAE, and whitened advantages."""
         hp = self.hparams
@@ -164,6 +139,7 @@ class PPOModule(RLPipeline):
         advantages, returns = gae(rewards, traj.values, mask, hp.gamma, hp.lam)
         return traj._replace(advantages=masked_whiten(advantages, mask), returns=returns)
 
+    @override
     def loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped policy loss + ``vf_coef`` x clipped value loss (- ``ent_coef`` x entropy).
 
@@ -171,21 +147,15 @@ class PPOModule(RLPipeline):
         """
         hp = self.hparams
         mb = minibatch
-        helper = self._value_thread
-        if helper is not None:  # value_model_thread: the value loss comes from the helper
-            value_side = helper.submit(self._value_loss, mb, None)
+        threads = self.threads
+        value_side = threads.beside(self._value_loss, mb)  # started now if in a helper thread
         # Without an entropy bonus no [B, R, V] logits are needed: the fused head (logprobs.py).
-        defer = helper.defer if helper is not None else None  # the head's weight gradient
-        new = score_tokens(self.policy, mb, hp.temperature, bool(hp.ent_coef), defer)
+        new = score_tokens(self.policy, mb, hp.temperature, bool(hp.ent_coef), threads.defer)
         mask = mb.response_mask
         pg_loss, pg_stats = policy_loss(
             new.logprobs, mb.logprobs, mb.advantages, mask, hp.cliprange
         )
-        if helper is None:
-            vf_loss, vf_clipfrac = self._value_loss(mb, new.hidden)
-        else:
-            vf_loss, vf_clipfrac = value_side.result()
-            vf_loss = helper.handoff(vf_loss)
+        vf_loss, vf_clipfrac = value_side(new.hidden)
         loss = pg_loss + hp.vf_coef * vf_loss
         stats = {
             "loss/policy": pg_loss.detach(),
@@ -202,7 +172,9 @@ class PPOModule(RLPipeline):
         stats["loss/total"] = loss.detach()
         return loss, stats
 
-    def _value_loss(self, mb: Trajectory, policy_hidden: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _value_loss(
+        self, mb: Trajectory, policy_hidden: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         values = self.values(mb, policy_hidden)
         hp = self.hparams
         return value_loss(values, mb.values, mb.returns, mb.response_mask, hp.cliprange_value)

@@ -1,8 +1,10 @@
-"""Counters, beta, random streams and the frozen weights of an RL module across a checkpoint.
+"""What an RL module carries through a checkpoint besides its trained weights.
 
-:func:`rng_states` and :func:`restore_rng_states` carry every rank's random stream across a
-resume; the checks of the checkpoint file itself are :mod:`rlkl_lightning.checkpoints`', the
-data order :mod:`rlkl_lightning.data.samplers`'.
+Its counters (:data:`COUNTERS`), every rank's random stream (:func:`rng_states`,
+:func:`restore_rng_states`), and not its frozen weights, which are rebuilt from the config
+(:func:`trained_weights`, :func:`with_frozen_weights`). Beta is the controller callback's
+state. The checks of the checkpoint file itself are in :mod:`rlkl_lightning.checkpoints`, the
+data order in :mod:`rlkl_lightning.data.samplers`.
 """
 
 from __future__ import annotations
@@ -10,11 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 
-from rlkl_lightning.checkpoints import check_checkpoint_weights, plain_hyperparameters
+from rlkl_lightning.checkpoints import check_checkpoint_weights
 
 
 def rng_states(trainer: Trainer | None, device: torch.device) -> dict[str, list[Tensor]]:
@@ -78,75 +80,43 @@ def restore_rng_states(
         torch.manual_seed((torch.initial_seed() + 104_729 * rank) % 2**63)
 
 
-class ResumableModule(LightningModule):
-    """Counters, beta and random streams of an RL module, carried through checkpoints.
+#: The counters an RL module carries through checkpoints, each an int starting at 0
+#: (``trainer.global_step`` counts optimizer steps, several per batch).
+COUNTERS = ("batches_seen", "samples_seen", "skipped_batches", "skipped_in_a_row")
 
-    Checkpoints store the counters (``trainer.global_step`` counts optimizer steps, several per
-    batch, so batches and samples are counted here), ``kl_coef``, the reference's held-out
-    perplexity and every rank's RNG state, and leave out the frozen ``reference`` and every
-    other frozen weight (the base weights under a LoRA policy): they are rebuilt from the
-    config, and put back before Lightning's strict loading. For a module with ``owner``,
-    ``reference``, ``kl_coef`` and ``reference_perplexity`` attributes.
+
+def unsaved_keys(module: nn.Module) -> set[str]:
+    """The ``state_dict`` keys checkpoints leave out: every frozen weight.
+
+    Frozen weights (the reference, the base weights under a LoRA policy) are rebuilt from the
+    config. FSDP and activation-checkpointing wrappers are left out of the names, as they are
+    of the keys of the state dict Lightning saves.
     """
+    wrappers = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+    frozen = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            for wrapper in wrappers:
+                name = name.replace(wrapper, "")
+            frozen.add(name)
+    return frozen
 
-    #: The counters saved in checkpoints, each an int starting at 0.
-    COUNTERS = ("batches_seen", "samples_seen", "skipped_batches", "skipped_in_a_row")
 
-    def __init__(self) -> None:
-        super().__init__()
-        for name in self.COUNTERS:
-            setattr(self, name, 0)
+def trained_weights(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` without the reference's and the other frozen weights: what a checkpoint keeps."""
+    unsaved = unsaved_keys(module)
+    return {k: v for k, v in state.items() if not k.startswith("reference.") and k not in unsaved}
 
-    def unsaved_keys(self) -> set[str]:
-        """The ``state_dict`` keys checkpoints leave out: the reference and every frozen weight.
 
-        FSDP and activation-checkpointing wrappers are left out of the names, as they are of
-        the keys of the state dict Lightning saves.
-        """
-        wrappers = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-        frozen = set()
-        for name, param in self.named_parameters(remove_duplicate=False):
-            if not param.requires_grad:
-                for wrapper in wrappers:
-                    name = name.replace(wrapper, "")
-                frozen.add(name)
-        return frozen
+def with_frozen_weights(module: nn.Module, state: dict[str, Any], owner: str) -> None:
+    """Check that a checkpoint's weights fit ``module``; add the frozen ones, as built, to them.
 
-    def _saved(self, state: dict[str, Any]) -> dict[str, Any]:
-        unsaved = self.unsaved_keys()
-        return {
-            k: v for k, v in state.items() if not k.startswith("reference.") and k not in unsaved
-        }
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Store counters, beta, RNG states, plain hparams; drop the reference, frozen weights."""
-        plain_hyperparameters(checkpoint)
-        checkpoint["state_dict"] = self._saved(checkpoint["state_dict"])
-        checkpoint["rlkl_counters"] = {
-            **{name: getattr(self, name) for name in self.COUNTERS},
-            "kl_coef": self.kl_coef,
-            "reference_perplexity": self.reference_perplexity,
-        }
-        checkpoint["rlkl_rng"] = rng_states(self._trainer, self.device)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Check the weights fit, restore counters and beta, put the reference weights back."""
-        state = checkpoint["state_dict"]
-        current, unsaved = self.state_dict(), self.unsaved_keys()
-        # Frozen weights may be missing (they are rebuilt); all others must be there.
-        expected = {k: v for k, v in current.items() if k not in unsaved or k in state}
-        check_checkpoint_weights(state, expected, self.owner)  # before any restore
-        counters = checkpoint.get("rlkl_counters", {})
-        for name in self.COUNTERS:
-            setattr(self, name, int(counters.get(name, 0)))
-        self.kl_coef = float(counters.get("kl_coef", self.kl_coef))
-        self.reference_perplexity = counters.get("reference_perplexity")
-        self._rng_to_restore = checkpoint.get("rlkl_rng")
-        for key, value in current.items():  # the frozen weights, as the config built them
-            if key.startswith("reference.") or key in unsaved:
-                state.setdefault(key, value)
-
-    def on_train_start(self) -> None:
-        """Put back a loaded checkpoint's RNG state, right before the first resumed batch."""
-        states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
-        restore_rng_states(states, self.trainer, self.device, self.owner)
+    Frozen weights may be missing (they are rebuilt from the config); all others must be there,
+    with their shapes. Runs before Lightning's strict loading.
+    """
+    current, unsaved = module.state_dict(), unsaved_keys(module)
+    expected = {k: v for k, v in current.items() if k not in unsaved or k in state}
+    check_checkpoint_weights(state, expected, owner)  # before any restore
+    for key, value in current.items():
+        if key.startswith("reference.") or key in unsaved:
+            state.setdefault(key, value)

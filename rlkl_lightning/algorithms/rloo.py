@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from torch import Tensor
+from typing_extensions import override
 
 from rlkl_lightning.algorithms.advantages import group_advantages
 from rlkl_lightning.algorithms.checks import RLOO_RULES, check_all
@@ -81,6 +82,7 @@ class RLOOModule(RLPipeline):
             return batch
         return repeat_each(batch, self.hparams.responses_per_prompt)
 
+    @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Check that the prompts come in groups of ``k``, then run the shared phases."""
         k = self.hparams.responses_per_prompt
@@ -94,6 +96,7 @@ class RLOOModule(RLPipeline):
             )
         super().training_step(batch, batch_idx)
 
+    @override
     def shape(self, traj: Trajectory) -> Trajectory:
         """Sequence returns, group advantages, the same advantage on every token of a response."""
         hp = self.hparams
@@ -104,6 +107,7 @@ class RLOOModule(RLPipeline):
         advantages = group_advantages(returns, hp.responses_per_prompt, hp.advantage)
         return traj._replace(advantages=advantages[:, None] * mask)
 
+    @override
     def loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped policy loss on the group advantages (+ ``kl_coef`` x the KL loss)."""
         mb = minibatch

@@ -1,4 +1,4 @@
-"""Held-out perplexity of the policy and of the reference, as a LightningModule's validation.
+"""Held-out perplexity of the policy and of the reference: the pipeline's validation.
 
 The reference's perplexity is computed once per run (it never changes); the policy's at every
 validation. Both are ``exp`` of the mean next-token negative log-likelihood over the held-out
@@ -8,64 +8,53 @@ logged as ``val/perplexity`` and ``val/perplexity_ref``.
 
 from __future__ import annotations
 
-from typing import Any
+from torch import Tensor, nn
 
-import torch
-from lightning.pytorch import LightningModule
-from torch import Tensor
-
-from rlkl_lightning.algorithms.checks import context_of
 from rlkl_lightning.models.forward import lm_forward, no_grad
+from rlkl_lightning.models.loading import encode
 from rlkl_lightning.perplexity import NextTokenNLL
 
 
-class HeldoutPerplexity(LightningModule):
-    """Validation of a module with ``policy``, ``reference``, ``tokenizer``, ``samples_seen``.
+class HeldoutPerplexity(nn.Module):
+    """Accumulates the held-out NLL of a policy (and once of its reference); a module part.
 
-    The metrics ``val_nll`` and ``ref_nll`` and the attribute
-    ``reference_perplexity`` are created here; validation batches are ``{"text": list[str]}``.
+    Attributes:
+        reference_perplexity: The reference's perplexity once computed (None before), kept in
+            checkpoints so a resumed run does not compute it again.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.val_nll = NextTokenNLL()
-        self.ref_nll = NextTokenNLL()
+        self.policy_nll = NextTokenNLL()
+        self.reference_nll = NextTokenNLL()
         self.reference_perplexity: float | None = None
 
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Accumulate held-out perplexity of the policy (and of the reference, once)."""
-        ids, mask = self._encode_texts(list(batch["text"]))
+    def update(self, policy: nn.Module, reference, ids: Tensor, mask: Tensor, sanity: bool) -> None:
+        """Add a batch of held-out texts (``ids``, ``mask``: left padded) to the sums.
+
+        The reference is scored until its perplexity is known, and not in Lightning's sanity
+        check (whose batches are not the whole validation set).
+        """
         keep = ids.shape[1]
-        self.val_nll.update(lm_forward(self.policy, ids, mask, keep).logits, ids, mask)
-        if self.reference_perplexity is None and not self.trainer.sanity_checking:
-            with no_grad(self.reference):
-                ref_logits = lm_forward(self.reference, ids, mask, keep).logits
-            self.ref_nll.update(ref_logits.clone(), ids, mask)
+        self.policy_nll.update(lm_forward(policy, ids, mask, keep).logits, ids, mask)
+        if self.reference_perplexity is None and not sanity:
+            with no_grad(reference):
+                ref_logits = lm_forward(reference, ids, mask, keep).logits
+            self.reference_nll.update(ref_logits.clone(), ids, mask)
 
-    def on_validation_epoch_end(self) -> None:
-        """Log ``val/perplexity`` and ``val/perplexity_ref`` (the reference's is computed once)."""
-        policy_ppl = self.val_nll.compute().exp()
-        self.val_nll.reset()
-        if self.trainer.sanity_checking:
-            return
+    def compute(self, sanity: bool) -> tuple[Tensor, float] | None:
+        """The policy's and the reference's perplexity, and a reset; None in the sanity check."""
+        policy_ppl = self.policy_nll.compute().exp()
+        self.policy_nll.reset()
+        if sanity:
+            return None
         if self.reference_perplexity is None:
-            self.reference_perplexity = float(self.ref_nll.compute().exp())
-            self.ref_nll.reset()
-        self.log("val/perplexity", policy_ppl, on_epoch=True)
-        self.log("val/perplexity_ref", torch.tensor(self.reference_perplexity), on_epoch=True)
-        self.log("progress/samples_at_val", torch.tensor(float(self.samples_seen)), on_epoch=True)
+            self.reference_perplexity = float(self.reference_nll.compute().exp())
+            self.reference_nll.reset()
+        return policy_ppl, self.reference_perplexity
 
-    def _encode_texts(self, texts: list[str]) -> tuple[Tensor, Tensor]:
-        """BOS + text + EOS per row, right-truncated to the policy's context, left padded."""
-        tok = self.tokenizer
-        wrapped = [f"{tok.bos_token or ''}{t}{tok.eos_token or ''}" for t in texts]
-        tok.truncation_side = "right"
-        enc = tok(
-            wrapped,
-            return_tensors="pt",
-            padding=True,
-            truncation=True,
-            max_length=context_of(self.policy) or 1024,
-            add_special_tokens=False,
-        )
-        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
+def encode_texts(tokenizer, texts: list[str], max_length: int) -> tuple[Tensor, Tensor]:
+    """BOS + text + EOS per row, cut on the right to ``max_length`` tokens, left padded."""
+    wrapped = [f"{tokenizer.bos_token or ''}{t}{tokenizer.eos_token or ''}" for t in texts]
+    return encode(tokenizer, wrapped, "right", max_length, add_special_tokens=False)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 from lightning.pytorch import Callback
+from typing_extensions import override
 
 from rlkl_lightning.compare.config import merge
 from rlkl_lightning.defaults import default_of
@@ -41,6 +42,7 @@ class RunProgress(Callback):
         self.path = Path(path)
         self.batches = 0
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """Count the batch and write the count (replacing the file, so no reader sees it empty)."""
         self.batches += 1

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from rlkl_lightning.checkpoints import plain
 from rlkl_lightning.data.samplers import EpochShuffleSampler, RankShardSampler, ResumableDataLoader
@@ -121,6 +122,7 @@ class PromptDataModule(LightningDataModule):
     def _uses_world(self) -> bool:
         return self.hparams.prompts == "default" or self.hparams.heldout == "default"
 
+    @override
     def prepare_data(self) -> None:
         """Build the default world once (local rank 0) if a source is ``"default"``."""
         if self._uses_world():
@@ -128,6 +130,7 @@ class PromptDataModule(LightningDataModule):
 
             build_world(self.world)
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Read prompts and held-out text (every process reads the whole set)."""
         if self.prompt_dataset is not None:
@@ -189,6 +192,7 @@ class PromptDataModule(LightningDataModule):
             texts = [texts[i] for i in keep]
         return texts
 
+    @override
     def train_dataloader(self) -> DataLoader:
         """Batches ``{"prompt": list[str]}``."""
         import torch
@@ -227,6 +231,7 @@ class PromptDataModule(LightningDataModule):
             return None
         return int(kwargs["num_replicas"]), int(kwargs["rank"])
 
+    @override
     def val_dataloader(self) -> DataLoader | list:
         """Batches ``{"text": list[str]}``; an empty list if ``heldout`` is None."""
         if self.hparams.heldout is None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 
 
 def resolve_model_path(name_or_path: str, option: str = "policy") -> str:
@@ -77,6 +77,29 @@ def load_tokenizer(name_or_path: str, option: str = "tokenizer", trust_remote_co
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def encode(
+    tokenizer, texts: list[str], truncation_side: str, max_length: int, **kwargs: Any
+) -> tuple[Tensor, Tensor]:
+    """``input_ids`` and ``attention_mask`` of ``texts``, padded, cut to ``max_length`` tokens.
+
+    Each caller names the side it cuts (prompts keep their end, ``"left"``; held-out texts
+    their start, ``"right"``): the tokenizer is shared, and its own setting is put back after.
+    """
+    saved, tokenizer.truncation_side = tokenizer.truncation_side, truncation_side
+    try:
+        enc = tokenizer(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=max_length,
+            **kwargs,
+        )
+    finally:
+        tokenizer.truncation_side = saved
+    return enc["input_ids"], enc["attention_mask"]
 
 
 def load_causal_lm(

@@ -95,6 +95,21 @@ class ValueThread:
 
         return self.pool.submit(run)
 
+    def beside(self, fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+        """Start ``fn(*args)`` in the helper now; the returned function waits for its result.
+
+        ``fn`` returns ``(loss, *statistics)``; the waiting function returns the loss as a
+        :meth:`handoff` leaf, so its backward pass runs in the helper too. It takes and ignores
+        the arguments the calling thread would have added (``fn`` runs without them).
+        """
+        future = self.submit(fn, *args)
+
+        def result(*late: Any) -> Any:
+            loss, *statistics = future.result()
+            return (self.handoff(loss), *statistics)
+
+        return result
+
     def handoff(self, tensor: Tensor) -> Tensor:
         """A leaf copy of ``tensor``; what reaches it is back-propagated through ``tensor``.
 

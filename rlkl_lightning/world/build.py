@@ -177,8 +177,8 @@ def _train_and_evaluate(
 ) -> dict:
     import torch
     from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import RichProgressBar
 
+    from rlkl_lightning.console import RunProgressBar
     from rlkl_lightning.world.evaluate import perplexity, unigram_perplexity
     from rlkl_lightning.world.sft import SFTDataModule, SFTModule
 
@@ -214,7 +214,8 @@ def _train_and_evaluate(
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=progress,
-        callbacks=[RichProgressBar(leave=True)] if progress else [],
+        # "Training" over the SFT's steps, not Lightning's "Epoch 0/-2" of a max_steps run.
+        callbacks=[RunProgressBar(leave=True)] if progress else [],
     )
     trainer.fit(module, data)
     train_seconds = time.perf_counter() - start
@@ -262,9 +263,13 @@ def _torch_threads(num_threads: int | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_lightning(progress: bool) -> Iterator[None]:
-    """Without progress: hide Lightning's info lines and transformers' save bars."""
+    """Hide Lightning's tips (always) and, without progress, its info lines and save bars."""
     import lightning.pytorch  # noqa: F401  (its import sets the logger's level)
     from transformers.utils import logging as hf_logging
+
+    from rlkl_lightning.console import drop_lightning_tips
+
+    drop_lightning_tips()
 
     logger = logging.getLogger("lightning.pytorch")
     level, bars = logger.level, hf_logging.is_progress_bar_enabled()

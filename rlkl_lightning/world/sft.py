@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.perplexity import NextTokenNLL, next_token_nll
@@ -146,6 +147,7 @@ class SFTDataModule(LightningDataModule):
         self.val_data: list[list[int]] | None = None
         self.collate: LMCollator | None = None
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Read and tokenize the texts."""
         if self.train_data is not None:
@@ -182,6 +184,7 @@ class SFTDataModule(LightningDataModule):
         """Tokens in the training set (bos and eos included)."""
         return sum(len(s) for s in self.train_data or [])
 
+    @override
     def train_dataloader(self) -> DataLoader:
         """Length-grouped training batches in shuffled order."""
         return DataLoader(
@@ -193,6 +196,7 @@ class SFTDataModule(LightningDataModule):
             num_workers=self.hparams.num_workers,
         )
 
+    @override
     def val_dataloader(self) -> DataLoader:
         """Validation batches in file order."""
         return DataLoader(
@@ -283,10 +287,12 @@ class SFTModule(LightningModule):
             self.model = GPT2LMHeadModel(config)
         self.val_nll = NextTokenNLL()
 
+    @override
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         """Logits of the causal LM."""
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Mean next-token loss of the batch (nats per token)."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -295,11 +301,13 @@ class SFTModule(LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=int(n_tokens))
         return loss
 
+    @override
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Accumulate the validation loss over all tokens."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
         self.val_nll.update(self(ids, mask), ids, mask)
 
+    @override
     def on_validation_epoch_end(self) -> None:
         """Log ``val/loss`` and ``val/perplexity`` over the whole validation set."""
         loss = self.val_nll.compute()
@@ -307,15 +315,18 @@ class SFTModule(LightningModule):
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/perplexity", loss.exp())
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store the hyperparameters as plain values (checkpoints load with weights_only=True)."""
         plain_hyperparameters(checkpoint)
 
+    @override
     def on_train_end(self) -> None:
         """Export to ``export_dir`` (global rank 0) if set."""
         if self.hparams.export_dir and self.trainer.is_global_zero:
             self.save_pretrained(self.hparams.export_dir)
 
+    @override
     def configure_optimizers(self):
         """AdamW with linear warm-up and cosine decay, stepped every batch."""
         hp = self.hparams
