@@ -1,6 +1,7 @@
-# Two commands do all their own set-up on a fresh machine:
+# These commands do all their own set-up on a fresh machine:
 #   make study   runs the adaptive-vs-fixed KL study on the embedded default world
 #   make test    runs ruff and the whole test suite
+#   make docs    builds the documentation into site/ (mkdocs build --strict)
 # The virtual environment lives in .venv; it is rebuilt only when pyproject.toml or
 # constraints.txt change. torch is installed first and pinned: an unpinned torch pulls
 # several GB of CUDA packages.
@@ -9,12 +10,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup study test lint
+.PHONY: setup study test lint docs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,docs]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -28,3 +29,6 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 -q
+
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
