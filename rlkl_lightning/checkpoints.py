@@ -179,8 +179,8 @@ def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> dict
             raise fail(
                 f"holds a pickled object ({unsafe.group(1)}) that only running code could "
                 "rebuild: checkpoints are opened with torch.load(weights_only=True), which "
-                "loads tensors and plain values and never runs code from the file (README, "
-                "'Security')"
+                "loads tensors and plain values and never runs code from the file "
+                "(docs/checkpoints.md, 'Security')"
             ) from err
         reason = re.search(r"WeightsUnpickler error:\s*(\S.*)", text)  # not torch's advice
         raise fail(

@@ -4,7 +4,7 @@ Beside Lightning's ``model``, ``data`` and ``trainer`` groups the CLI has a ``kl
 KL target is given there once and shared by the controller and the drift monitor, whose
 callbacks the CLI adds to the trainer. The initial beta is the model's ``init_kl_coef``.
 
-Checkpoints are not trusted (README, "Security"): every subcommand restores with
+Checkpoints are not trusted (docs/checkpoints.md): every subcommand restores with
 ``weights_only=True``, ``--ckpt_path`` is checked before anything loads it, and no setting is
 taken from a checkpoint.
 """
@@ -127,7 +127,7 @@ class RLKLCLI(LightningCLI):
         """Open checkpoints with ``weights_only=True``, check ``--ckpt_path``, take no settings.
 
         LightningCLI would read a checkpoint's hyperparameters into the model's config, its
-        ``class_path`` included; a checkpoint is not trusted (README, "Security"), so the config
+        ``class_path`` included; a checkpoint is not trusted (docs/checkpoints.md), so the config
         alone builds the model. The subcommand's ``weights_only`` is set to True (Lightning
         restores with it; ``false`` is refused), and a ``--ckpt_path`` file is checked before
         anything loads it (``last`` in :meth:`before_fit`, once resolved).
@@ -142,7 +142,7 @@ class RLKLCLI(LightningCLI):
         if config.get("weights_only") is False:
             raise ValueError(
                 "`weights_only` must be true or unset: checkpoints are opened without running "
-                "code from them (README, 'Security')"
+                "code from them (docs/checkpoints.md, 'Security')"
             )
         config["weights_only"] = True
         path = config.get("ckpt_path")

@@ -8,7 +8,7 @@ a local directory (of such data files, or written by ``Dataset.save_to_disk`` /
 (:mod:`rlkl_lightning.data`) and the SFT texts (:mod:`rlkl_lightning.world.sft`) come
 through :func:`load_texts`.
 
-Local files are not trusted (README, "Security") and are checked before ``datasets`` parses
+Local files are not trusted (docs/checkpoints.md) and are checked before ``datasets`` parses
 them, so a bad file gives an error that names the option and the file instead of failing
 deep inside a parser:
 

@@ -13,7 +13,7 @@ tuning", J. Process Control 13) then give, for a closed-loop time constant ``tau
   per nat, integral time ``tau_I = min(tau, 4 (tau_c + theta))``, so ``kp = target K_c`` and
   ``ki = kp / tau_I`` per batch.
 
-Both laws get ``tau_c = theta + tau``. The README ("Gains of the control laws") says why.
+Both laws get ``tau_c = theta + tau``. docs/controllers.md ("Gains of the control laws") says why.
 Last, every law of ``rlkl_lightning.kl.controllers`` with the configs' settings steers the fitted
 model (with the measured batch-to-batch noise, 20 seeds): the settle batch and overshoot it
 predicts for the law study.

@@ -7,7 +7,7 @@ public classes and functions, one paragraph per row (columns ``name`` and ``docs
 ``OUT_DIR/package_readmes.txt``: the long descriptions (READMEs: markdown, code, tables) of the
 installed packages, from their ``METADATA``, separated by blank lines.
 
-The README's "A world from your own text" builds a world from each; what they hold depends on
+docs/worlds.md, "A world from your own text", builds a world from each; what they hold depends on
 the Python version and the installed packages.
 """
 

@@ -1,4 +1,4 @@
-"""Files from elsewhere cannot run code or take a run down (README, "Security").
+"""Files from elsewhere cannot run code or take a run down (docs, "Security").
 
 Checkpoints are opened with ``torch.load(weights_only=True)`` by our check, by the CLI and by
 Lightning's restore under the CLI, and everything rlkl_lightning stores loads that way. Model

@@ -1,4 +1,4 @@
-"""The per-batch training metrics of the README's table, computed from one trajectory.
+"""The per-batch training metrics of docs/metrics.md, computed from one trajectory.
 
 Pure functions of tensors; the module logs what they return. Per-token means are taken over
 the tokens of the global batch: each rank's sums are added over all ranks (``global_sum``),
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from rlkl_lightning.kl.estimators import KL_ESTIMATORS
@@ -100,7 +101,11 @@ def samples_table(
 
 
 def log_samples_table(
-    module, prompts: list[str], responses: list[str], scores: Tensor, gold: Tensor | None = None
+    module: LightningModule,
+    prompts: list[str],
+    responses: list[str],
+    scores: Tensor,
+    gold: Tensor | None = None,
 ) -> None:
     """Write :func:`samples_table` to the module's TensorBoard every ``log_samples_every`` batches.
 

@@ -1,20 +1,21 @@
 """RLPipeline: the phases every KL-regularised policy-gradient module shares.
 
 One training batch (a list of prompts) is five phases over one :class:`Trajectory`
-(README, "The pipeline"); ``training_step`` reads them top to bottom:
+(docs/pipeline.md); ``training_step`` reads them top to bottom:
 
-1. :meth:`rollout` samples responses with the policy (KV cache, left padding) and keeps the
-   policy's log-probs, logits and hidden states of its samples (no second policy pass);
-2. :meth:`score` adds the reference's log-probs, the reward model's scores and the per-token
-   KL, and the per-sequence KL of every estimator for the log;
-3. :meth:`shape` turns them into advantages (the algorithm's own: GAE for PPO);
-4. :meth:`update` runs epochs x minibatches x micro-batches of :meth:`loss` (the algorithm's
-   own), with gradient clipping and one optimizer step per minibatch;
-5. :meth:`log_batch` logs every metric (the docs' metrics page).
+1. :meth:`RLPipeline.rollout` samples responses with the policy (KV cache, left padding) and
+   keeps the policy's log-probs, logits and hidden states of its samples (no second pass);
+2. :meth:`RLPipeline.score` adds the reference's log-probs, the reward model's scores and the
+   per-token KL, and the per-sequence KL of every estimator for the log;
+3. :meth:`RLPipeline.shape` turns them into advantages (the algorithm's own: GAE for PPO);
+4. :meth:`RLPipeline.update` runs epochs x minibatches x micro-batches of
+   :meth:`RLPipeline.loss` (the algorithm's own), with gradient clipping and one optimizer step
+   per minibatch;
+5. :meth:`RLPipeline.log_batch` logs every metric (docs/metrics.md).
 
-A subclass supplies :meth:`shape` and :meth:`loss` (and may extend :meth:`score`), so a new
-algorithm is a short file. ``kl_coef`` is a plain attribute: a ``KLControllerCallback``
-rewrites it after each batch; the next batch's rewards or losses use it.
+A subclass supplies ``shape`` and ``loss`` (and may extend ``score``), so a new algorithm is a
+short file. ``kl_coef`` is a plain attribute: a ``KLControllerCallback`` rewrites it after each
+batch; the next batch's rewards or losses use it.
 
 The parts the pipeline is composed of: the skip gates (:mod:`.gates`), held-out perplexity
 (:mod:`.validation`), what a checkpoint carries (:mod:`.resume`). The speed-ups
@@ -144,11 +145,11 @@ class RLPipeline(LightningModule):
             ``kl_coef`` at fit start with its controller's value).
         kl_estimator: the measured per-token KL: ``objective/kl`` (the controller's input) and,
             with ``kl_placement="reward"``, the penalty in the reward: ``k1``, ``k2``, ``k3`` or
-            ``exact`` (see the README, "KL units and estimators").
+            ``exact`` (see docs/kl.md, "Units and estimators").
         kl_placement: where ``kl_coef x KL`` enters the update: ``reward`` (subtracted from the
             reward, reaching the policy through the policy-gradient term) or ``loss`` (added
             to the loss as ``kl_coef x kl_loss``, the reward has no KL term); see
-            :mod:`rlkl_lightning.kl.loss` and the README, "Where the KL goes".
+            :mod:`rlkl_lightning.kl.loss` and docs/kl.md, "Where the KL goes".
         kl_loss_estimator: with ``kl_placement="loss"``, the estimator that is differentiated:
             ``k1``, ``k2`` or ``k3`` (``k2`` follows the per-token KL gradient on-policy).
         kl_loss_weight_clip: with ``kl_placement="loss"``, the cap of the importance weights
@@ -181,17 +182,17 @@ class RLPipeline(LightningModule):
         peft: train adapters instead of the policy's weights: the fields of a ``peft``
             ``LoraConfig`` (``{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}``;
             ``peft_type`` picks another adapter method) or a ``peft.PeftConfig``. Only the
-            adapters and the value head train (README, "Bigger models").
+            adapters and the value head train (docs/bigger-models.md).
         gradient_checkpointing: recompute the policy's activations in the backward pass
             instead of storing them (less memory, about one more forward per update).
         cpu_matmul: ``onednn``: the float32 CPU products of the policy, reference and value
-            models through oneDNN, twice as fast where PyTorch's BLAS lacks AVX-512 kernels
-            (AMD), equal to ``default``'s to float32 rounding (:mod:`rlkl_lightning.perf.onednn`).
+            models through oneDNN, faster where PyTorch's BLAS lacks AVX-512 kernels (AMD),
+            equal to ``default``'s to float32 rounding (:mod:`rlkl_lightning.perf.onednn`).
     """
 
     #: The name messages give the module (its options are named in them too).
     owner: ClassVar[str] = "RLPipeline"
-    #: The models sharded as FSDP units under ``FSDPStrategy`` (:mod:`.sharding`).
+    #: The models sharded as FSDP units under ``FSDPStrategy`` (:func:`.shard_models`).
     sharded_models: ClassVar[tuple[str, ...]] = ("policy", "reference")
 
     # The counters (:data:`~rlkl_lightning.algorithms.resume.COUNTERS`), kept in checkpoints:
@@ -534,7 +535,7 @@ class RLPipeline(LightningModule):
         stats: dict[str, Tensor],
         clock: list[float],
     ) -> None:
-        """Phase 5: count the batch and log every metric (README, "Metrics")."""
+        """Phase 5: count the batch and log every metric (docs/metrics.md)."""
         n = len(prompts)
         self.batches_seen += 1
         self.skipped_in_a_row = 0

@@ -11,7 +11,7 @@ so an instruct model answers it.
 
 Training batches are ``{"prompt": list[str]}``, validation batches
 ``{"text": list[str]}``. Under DDP the training loader deals the prompts of one shared
-order to the ranks itself (:class:`~rlkl_lightning.algorithms.resume.RankShardSampler`); validation
+order to the ranks itself (:class:`~rlkl_lightning.data.samplers.RankShardSampler`); validation
 batches are sharded by Lightning's ``DistributedSampler``.
 """
 

@@ -4,8 +4,9 @@ A module logs its batch KL with ``self.log("objective/kl", kl)`` in ``training_s
 each training batch a KL callback reads it from ``trainer.callback_metrics``, averages it over
 the samples of the global batch (all ranks), counts batches and samples, skips a batch without
 a usable KL, checks once that its target is in the unit it names, and hands the KL to its
-subclass (:meth:`KLCallbackBase.on_kl`). :class:`~rlkl_lightning.KLControllerCallback` and
-:class:`~rlkl_lightning.KLDriftMonitor` derive from it.
+subclass (:meth:`KLCallbackBase.on_kl`).
+:class:`~rlkl_lightning.kl.controller_callback.KLControllerCallback` and
+:class:`~rlkl_lightning.kl.drift_monitor.KLDriftMonitor` derive from it.
 """
 
 from __future__ import annotations

@@ -64,9 +64,8 @@ class KLDriftMonitor(KLCallbackBase):
             evaluated, an int >= 1. A policy starts at its reference, so its KL starts at 0 and
             rises over the first batches, and the window average lags it by up to a window. The
             default ``3 * window`` judges first a window that holds none of the first
-            ``2 * window`` batches, so that rise alone does not warn "too low" (in the study of
-            the README it took up to 30 batches with ``window=10``; 20 still warned for 2 of 8
-            runs).
+            ``2 * window`` batches, so that rise alone does not warn "too low" (docs/callbacks.md,
+            "The drift monitor", has the measurement).
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch, used to
             weight the mean over ranks. Defaults to
             :func:`~rlkl_lightning.kl.reading.infer_batch_size`.

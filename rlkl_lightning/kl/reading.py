@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-#: The key each KL unit is logged under by default (see the README's metric table).
+#: The key each KL unit is logged under by default (see docs/metrics.md).
 MONITOR_BY_UNIT: dict[str, str] = {
     "sequence": "objective/kl",
     "token": "objective/kl_per_token",

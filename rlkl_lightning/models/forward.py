@@ -65,7 +65,7 @@ def lm_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, keep
 
     With a plain LM head (:func:`plain_lm_head_weight`) the head is applied here, as one
     ``[B * keep, H] x [H, V]`` matrix product: transformers applies it to a strided slice of the
-    hidden states, which PyTorch runs as a batched product several times slower on CPU.
+    hidden states, which PyTorch runs as a slower batched product on a CPU.
     """
     weight = plain_lm_head_weight(model)
     if weight is not None:

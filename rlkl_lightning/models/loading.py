@@ -110,7 +110,7 @@ def load_causal_lm(
 ) -> nn.Module:
     """Load a causal LM with dropout switched off (PPO ratios must be 1 before the first update).
 
-    A model directory is not trusted (README, "Security"): code shipped with the model runs
+    A model directory is not trusted (docs/checkpoints.md): code shipped with the model runs
     only with ``trust_remote_code``, weights come from ``*.safetensors`` where the directory has
     them, and a pickled ``*.bin`` is opened with ``weights_only=True`` (no code runs).
 

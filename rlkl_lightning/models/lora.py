@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def peft_config(spec: Any, option: str = "peft"):
@@ -73,7 +76,7 @@ def peft_config(spec: Any, option: str = "peft"):
     return config
 
 
-def attach_adapters(model: nn.Module, spec: Any, option: str = "peft"):
+def attach_adapters(model: nn.Module, spec: Any, option: str = "peft") -> PeftModel:
     """Add fresh adapters to ``model`` in place and freeze its base weights.
 
     Returns:
@@ -114,7 +117,7 @@ class AdaptersOff:
         peft_model: The ``peft.PeftModel`` returned by :func:`attach_adapters`.
     """
 
-    def __init__(self, peft_model) -> None:
+    def __init__(self, peft_model: PeftModel) -> None:
         self.peft_model = peft_model
         self.model = peft_model.get_base_model()
 

@@ -1,15 +1,13 @@
 """Float32 matrix products on the CPU through oneDNN: the ``cpu_matmul="onednn"`` option.
 
-PyTorch computes a float32 ``Linear`` on the CPU with its BLAS, Intel MKL in the x86 wheels.
-Where MKL does not take its AVX-512 kernels (on an AMD EPYC with AVX-512 we measured 99
-GFLOP/s per core for MKL and 215 for oneDNN, with the update's shapes), oneDNN's own float32
-kernels, which PyTorch's wheels also carry (``torch.ops.mkldnn._linear_pointwise``), are about
-twice as fast. With the option, every ``nn.Linear`` and GPT-2 ``Conv1D`` of the models, and the
-LM head products of :mod:`rlkl_lightning.models.logprobs`, compute their three products (forward,
-input gradient, weight gradient) there.
+Why: where PyTorch's BLAS (MKL in the x86 wheels) does not take its AVX-512 kernels, oneDNN's
+own float32 kernels, which the wheels also carry (``torch.ops.mkldnn._linear_pointwise``), are
+faster (docs/benchmarks.md has the figures). With the option, every ``nn.Linear`` and GPT-2
+``Conv1D`` of the models, and the LM head's products (:class:`OneDNNHeadProducts`), compute
+their three products (forward, input gradient, weight gradient) there.
 
 Everything stays float32, but oneDNN adds the products in another order than MKL, so results
-differ from the default at float32 rounding (``tests/test_matmul.py`` bounds the difference).
+differ from the default at float32 rounding (the tests bound the difference).
 Whatever is not a float32 CPU product outside autocast (a GPU, ``bf16-mixed``, bf16 weights)
 takes PyTorch's own path, as without the option.
 """

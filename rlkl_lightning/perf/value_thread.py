@@ -1,33 +1,23 @@
 """The separate value model in a second thread: ``PPOModule(value_model_thread=True)``.
 
-With a separate value model, PPO's update runs two networks that share nothing until the loss
-adds their terms: the policy (log-probs) and the value model (values). With the option, each
-(micro-)minibatch's value forward runs in a helper thread while the calling thread runs the
-policy's, each with half of torch's threads (``torch.get_num_threads()``). The value loss
-enters the loss through :meth:`ValueThread.handoff`, a leaf copy of it: the calling thread's
-backward pass ends there, and the gradient that reaches the leaf is back-propagated through
-the value model by the helper while the calling thread goes on through the policy. The
-policy's side is the longer by its LM head, so the helper also computes the head's weight
-gradient, a product that nothing in the calling thread's backward pass waits for
-(:meth:`ValueThread.defer`, ``logprobs.Defer``), and adds it to the weight's ``.grad``
-afterwards, in the sum that autograd forms. ``PPOModule.backward`` waits for the helper, so
-every gradient is complete before Lightning's ``on_after_backward``. The clipping and the
-optimizer step are split the same way: each thread takes the gradient norms of its network
-(:meth:`ValueThread.clip_grad_norm`), then scales its gradients, and AdamW updates the value
-model's parameters in the helper while the calling thread updates the policy's
-(:meth:`ValueThread.step`). The calling thread keeps its half of the threads for the whole
-update. Taking all threads back for the clipping and the step costs more than it gains:
-once a parallel region of two threads ends, OpenMP's idle thread spins on the other core for
-milliseconds, and the helper, woken for the next value forward pass, started 2-3 ms late
-(measured). The skip gate sees the whole loss before any backward pass starts. Scoring stays
-as it is: there the value model is one forward pass among four.
+Why: on a CPU a small model's step is in good part work that does not spread over threads
+(Python, element-wise passes over small tensors, copies); two independent networks side by
+side keep both cores busy (docs/benchmarks.md has the figures).
 
-Why it pays on a CPU: a small model's step is in good part work that does not spread over
-threads (Python, element-wise passes over small tensors, transposing copies); two streams of
-it side by side keep both cores busy. Every operation is the one the plain path runs, in the
-same order per network, so the numbers are those of the plain path run with the same number
-of threads per network (``tests/test_value_thread.py`` checks it bit for bit with one thread).
-A single process only (no DDP or FSDP: their gradient hooks expect one backward pass).
+How: with a separate value model, PPO's update runs two networks that share nothing until the
+loss adds their terms. Each (micro-)minibatch's value loss is computed in a helper thread
+(:meth:`ValueThread.beside`) while the calling thread runs the policy, each with half of
+torch's threads. The value loss enters the loss as a leaf copy (:meth:`ValueThread.handoff`):
+the calling thread's backward pass ends there, and the helper back-propagates what reaches the
+leaf through the value model, concurrently. The helper also computes the LM head's weight
+gradient, which nothing in the calling thread's backward pass waits for
+(:meth:`ValueThread.defer`). The pipeline's ``backward`` waits for the helper, so every gradient
+is complete before Lightning's ``on_after_backward``; the clipping
+(:meth:`ValueThread.clip_grad_norm`) and AdamW's step (:meth:`ValueThread.step`) are split the
+same way. Every operation is the one the plain path runs, in the same order per network, so
+the numbers are those of the plain path with the same number of threads per network (the
+tests check it bit for bit). One process only: DDP's and FSDP's gradient hooks expect one
+backward pass.
 """
 
 from __future__ import annotations

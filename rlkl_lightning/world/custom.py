@@ -43,8 +43,8 @@ MIN_TRAIN_TEXTS = 20
 #: Characters in the default world's training split: the corpus size at which the automatic
 #: sizes of :func:`resolve` equal the default world's (2,048 tokens, 3 layers of width 128).
 DEFAULT_TRAIN_CHARS = 1_950_000
-#: Most tokens an automatic SFT schedule trains on: 1.5x the default world's 650k, about 70 s
-#: on 2 idle CPU cores (15k tokens/s for the default model size).
+#: Most tokens an automatic SFT schedule trains on: 1.5x the default world's 650k (its time:
+#: docs/worlds.md).
 SFT_TOKEN_BUDGET = 1_000_000
 STUDY_FILE = "study.yaml"
 _MARKER = "world.json"

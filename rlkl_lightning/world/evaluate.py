@@ -11,8 +11,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlkl_lightning.perplexity import NextTokenNLL
 from rlkl_lightning.world.sft import LMCollator, encode_texts
@@ -20,7 +24,11 @@ from rlkl_lightning.world.sft import LMCollator, encode_texts
 
 @torch.no_grad()
 def perplexity(
-    model, tokenizer, texts: Sequence[str], batch_size: int = 64, max_length: int | None = None
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    texts: Sequence[str],
+    batch_size: int = 64,
+    max_length: int | None = None,
 ) -> float:
     """Token-level perplexity of ``model`` on ``texts``.
 

@@ -32,8 +32,8 @@ How a sentence is read, as the generator writes it:
 Each sentence's likelihoods over the five ratings are normalised and mixed with a uniform
 ``smoothing`` share, so one sentence the generator could not have written (a policy's) moves
 the posterior a bounded amount. ``python -m rlkl_lightning.world.gold_validation`` prints its
-correlation with the rating on reviews the reference never saw, beside VADER's (README, "The
-gold reward").
+correlation with the rating on reviews the reference never saw, beside VADER's (docs/worlds.md,
+"The gold reward").
 """
 
 from __future__ import annotations

@@ -19,12 +19,18 @@ load through it.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, max_length: int = 128):
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 2048, max_length: int = 128
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on ``texts`` and wrap it for ``transformers``.
 
     Args:
