@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.kl.estimators import KL_ESTIMATORS
 from rlkl_lightning.rewards import InvalidRewardError, RewardShapeError, validate_scores
 from rlkl_lightning.trajectory import Trajectory
@@ -47,21 +48,21 @@ def batch_metrics(
     )
     t_start, t_rollout, t_scored, t_end = clock
     metrics = {
-        "objective/kl": kl_seq.mean(),
-        "objective/kl_per_token": kl_sum / all_tokens,
-        "objective/score": traj.scores.mean(),
-        "objective/non_score_reward": -kl_coef * kl_seq.mean(),
-        "objective/entropy": entropy_sum / all_tokens,
-        "objective/response_tokens": n_tokens / n,
-        "perf/tokens_per_s": n_tokens / (t_end - t_start),
-        "perf/rollout_s": torch.tensor(t_rollout - t_start, dtype=torch.float32),
-        "perf/score_s": torch.tensor(t_scored - t_rollout, dtype=torch.float32),
-        "perf/update_s": torch.tensor(t_end - t_scored, dtype=torch.float32),
+        keys.KL: kl_seq.mean(),
+        keys.KL_PER_TOKEN: kl_sum / all_tokens,
+        keys.SCORE: traj.scores.mean(),
+        keys.NON_SCORE_REWARD: -kl_coef * kl_seq.mean(),
+        keys.ENTROPY: entropy_sum / all_tokens,
+        keys.RESPONSE_TOKENS: n_tokens / n,
+        keys.TOKENS_PER_S: n_tokens / (t_end - t_start),
+        keys.ROLLOUT_S: torch.tensor(t_rollout - t_start, dtype=torch.float32),
+        keys.SCORE_S: torch.tensor(t_scored - t_rollout, dtype=torch.float32),
+        keys.UPDATE_S: torch.tensor(t_end - t_scored, dtype=torch.float32),
     }
     for name in KL_ESTIMATORS:
-        metrics[f"objective/kl_{name}"] = diagnostics[f"kl_{name}"].mean()
+        metrics[keys.kl_of(name)] = diagnostics[f"kl_{name}"].mean()
     if "gold" in diagnostics:
-        metrics["objective/gold_score"] = diagnostics["gold"].mean()
+        metrics[keys.GOLD_SCORE] = diagnostics["gold"].mean()
     return metrics
 
 

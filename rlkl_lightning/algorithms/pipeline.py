@@ -36,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.algorithms.checks import (
     check_context,
     check_pipeline_args,
@@ -442,7 +443,7 @@ class RLPipeline(LightningModule):
             hp.kl_loss_estimator,
             hp.kl_loss_weight_clip,
         )
-        stats["loss/kl"] = term.detach()
+        stats[keys.LOSS_KL] = term.detach()
         return loss + self.kl_coef * term
 
     def update(self, traj: Trajectory) -> dict[str, Tensor]:
@@ -483,7 +484,7 @@ class RLPipeline(LightningModule):
                 else:  # the scaler hands the optimizer itself its scale: one thread steps
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                step_stats["policy/grad_norm"] = grad_norm
+                step_stats[keys.GRAD_NORM] = grad_norm
                 for key, value in step_stats.items():
                     totals[key] = totals.get(key, 0.0) + value
                 updates += 1
@@ -491,7 +492,7 @@ class RLPipeline(LightningModule):
         # float32 explicitly: under bf16-true Lightning makes bf16 the default dtype in steps.
         f32 = torch.float32
         result = {key: torch.tensor(value / updates, dtype=f32) for key, value in totals.items()}
-        result["policy/lr"] = torch.tensor(scheduler.get_last_lr()[0], dtype=f32)
+        result[keys.LR] = torch.tensor(scheduler.get_last_lr()[0], dtype=f32)
         return result
 
     def _clip_gradients(self, optimizer) -> float:
@@ -548,9 +549,9 @@ class RLPipeline(LightningModule):
             clock,
             lambda values: global_sum(self._trainer, values),
         )
-        metrics["progress/samples"] = torch.tensor(float(self.samples_seen), dtype=torch.float32)
+        metrics[keys.SAMPLES] = torch.tensor(float(self.samples_seen), dtype=torch.float32)
         skipped = torch.tensor(float(self.skipped_batches), dtype=torch.float32)
-        metrics["progress/skipped_batches"] = skipped
+        metrics[keys.SKIPPED_BATCHES] = skipped
         metrics.update(stats)
         self.log_dict(
             {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()},
@@ -637,8 +638,8 @@ class RLPipeline(LightningModule):
         skipped = torch.tensor(float(self.skipped_batches), dtype=torch.float32)
         # The same sync flag as the regular logging: Lightning rejects a key logged with
         # different arguments within an epoch (a skip under DDP would end the run).
-        metrics = {"objective/kl": nan, "objective/kl_per_token": nan}
-        metrics["progress/skipped_batches"] = skipped
+        metrics = {keys.KL: nan, keys.KL_PER_TOKEN: nan}
+        metrics[keys.SKIPPED_BATCHES] = skipped
         sync = self.trainer.world_size > 1
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=sync)
 
@@ -658,9 +659,9 @@ class RLPipeline(LightningModule):
         if result is None:
             return
         policy_ppl, reference_ppl = result
-        self.log("val/perplexity", policy_ppl, on_epoch=True)
-        self.log("val/perplexity_ref", torch.tensor(reference_ppl), on_epoch=True)
-        self.log("progress/samples_at_val", torch.tensor(float(self.samples_seen)), on_epoch=True)
+        self.log(keys.PERPLEXITY, policy_ppl, on_epoch=True)
+        self.log(keys.PERPLEXITY_REF, torch.tensor(reference_ppl), on_epoch=True)
+        self.log(keys.SAMPLES_AT_VAL, torch.tensor(float(self.samples_seen)), on_epoch=True)
 
     # ------------------------------------------------------------------ checkpoints
     @override

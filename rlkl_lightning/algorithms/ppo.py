@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import Tensor
 from typing_extensions import override
 
+from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.algorithms.advantages import gae, shape_rewards
 from rlkl_lightning.algorithms.checks import PPO_RULES, check_all
 from rlkl_lightning.algorithms.losses import entropy_from_logits, policy_loss, value_loss
@@ -158,18 +159,18 @@ class PPOModule(RLPipeline):
         vf_loss, vf_clipfrac = value_side(new.hidden)
         loss = pg_loss + hp.vf_coef * vf_loss
         stats = {
-            "loss/policy": pg_loss.detach(),
-            "loss/value": vf_loss.detach(),
-            "policy/approx_kl": pg_stats.approx_kl,
-            "policy/clipfrac": pg_stats.clipfrac,
-            "policy/value_clipfrac": vf_clipfrac,
+            keys.LOSS_POLICY: pg_loss.detach(),
+            keys.LOSS_VALUE: vf_loss.detach(),
+            keys.APPROX_KL: pg_stats.approx_kl,
+            keys.CLIPFRAC: pg_stats.clipfrac,
+            keys.VALUE_CLIPFRAC: vf_clipfrac,
         }
         if hp.ent_coef:
             entropy = masked_mean(entropy_from_logits(new.logits), mask)
             loss = loss - hp.ent_coef * entropy
-            stats["loss/entropy_bonus"] = entropy.detach()
+            stats[keys.LOSS_ENTROPY_BONUS] = entropy.detach()
         loss = self.add_kl_loss(loss, stats, new.logprobs, mb)
-        stats["loss/total"] = loss.detach()
+        stats[keys.LOSS_TOTAL] = loss.detach()
         return loss, stats
 
     def _value_loss(

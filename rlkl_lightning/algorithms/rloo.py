@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 from torch import Tensor
 from typing_extensions import override
 
+from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.algorithms.advantages import group_advantages
 from rlkl_lightning.algorithms.checks import RLOO_RULES, check_all
 from rlkl_lightning.algorithms.losses import policy_loss
@@ -116,10 +117,10 @@ class RLOOModule(RLPipeline):
             new.logprobs, mb.logprobs, mb.advantages, mb.response_mask, self.hparams.cliprange
         )
         stats = {
-            "loss/policy": pg_loss.detach(),
-            "policy/approx_kl": pg_stats.approx_kl,
-            "policy/clipfrac": pg_stats.clipfrac,
+            keys.LOSS_POLICY: pg_loss.detach(),
+            keys.APPROX_KL: pg_stats.approx_kl,
+            keys.CLIPFRAC: pg_stats.clipfrac,
         }
         loss = self.add_kl_loss(pg_loss, stats, new.logprobs, mb)
-        stats["loss/total"] = loss.detach()
+        stats[keys.LOSS_TOTAL] = loss.detach()
         return loss, stats

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rlkl_lightning import metric_keys as keys
+
 FINAL_FRACTION = 0.2
 SETTLE_WINDOW = 10  # batches in the mean KL that settle_batch and overshoot judge
 SETTLE_TOLERANCE = 0.25  # settled: that mean within +-25% of the target
@@ -89,23 +91,23 @@ def read_curves(log_dir: Path) -> Curves:
     def tag(name: str) -> dict[int, float]:
         return scalars.get(name, {})
 
-    steps = sorted(tag("objective/score"))  # one per trained batch (skipped batches log none)
+    steps = sorted(tag(keys.SCORE))  # one per trained batch (skipped batches log none)
     if not steps:
         raise ValueError(f"compare: {log_dir} holds no trained batch (`objective/score`)")
     warnings, count = [], 0.0
     for step in steps:
-        count = tag("kl_monitor/warnings").get(step, count)
+        count = tag(keys.MONITOR_WARNINGS).get(step, count)
         warnings.append(count)
-    val_steps = sorted(tag("val/perplexity"))
-    ref = tag("val/perplexity_ref")
+    val_steps = sorted(tag(keys.PERPLEXITY))
+    ref = tag(keys.PERPLEXITY_REF)
     return Curves(
-        samples=np.array([tag("progress/samples")[s] for s in steps]),
-        score=np.array([tag("objective/score")[s] for s in steps]),
-        kl=np.array([tag("objective/kl")[s] for s in steps]),
-        kl_coef=np.array([tag("objective/kl_coef")[s] for s in steps]),
+        samples=np.array([tag(keys.SAMPLES)[s] for s in steps]),
+        score=np.array([tag(keys.SCORE)[s] for s in steps]),
+        kl=np.array([tag(keys.KL)[s] for s in steps]),
+        kl_coef=np.array([tag(keys.KL_COEF)[s] for s in steps]),
         warnings=np.array(warnings),
-        val_samples=np.array([tag("progress/samples_at_val")[s] for s in val_steps]),
-        perplexity=np.array([tag("val/perplexity")[s] for s in val_steps]),
+        val_samples=np.array([tag(keys.SAMPLES_AT_VAL)[s] for s in val_steps]),
+        perplexity=np.array([tag(keys.PERPLEXITY)[s] for s in val_steps]),
         reference_perplexity=ref[max(ref)] if ref else None,
     )
 

@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.compare.events import FINAL_FRACTION, read_scalars
 
 if TYPE_CHECKING:
     from rlkl_lightning.compare.runs import Run
 
-GOLD_TAG = "objective/gold_score"
+GOLD_TAG = keys.GOLD_SCORE
 BLOCKS = 10  # points per run on gold_proxy.png
 
 
@@ -55,12 +56,12 @@ def read_gold_curve(log_dir: Path) -> GoldCurve | None:
     """The run's :class:`GoldCurve`, or None if it logged no gold score."""
     scalars = read_scalars(log_dir)
     gold = scalars.get(GOLD_TAG, {})
-    steps = sorted(s for s in gold if s in scalars.get("objective/score", {}))
+    steps = sorted(s for s in gold if s in scalars.get(keys.SCORE, {}))
     if not steps:
         return None
     return GoldCurve(
-        kl=np.array([scalars["objective/kl"][s] for s in steps]),
-        proxy=np.array([scalars["objective/score"][s] for s in steps]),
+        kl=np.array([scalars[keys.KL][s] for s in steps]),
+        proxy=np.array([scalars[keys.SCORE][s] for s in steps]),
         gold=np.array([gold[s] for s in steps]),
     )
 
@@ -279,7 +280,7 @@ def plot_gold_proxy(runs: dict[str, dict[int, dict]], out: Path) -> None:
             if where:  # where proxy optimisation stopped paying off in gold
                 name, marker = where
                 ax.plot(a[f"{name}_kl"], a[f"{name}_gold"], marker, color=color, markersize=14)
-        ax.set(title=f"{g}: gold (solid) and proxy (dashed)", xlabel="objective/kl")
+        ax.set(title=f"{g}: gold (solid) and proxy (dashed)", xlabel=keys.KL)
         ax.set_ylabel("score")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
+from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.compare.events import (
     METRICS,
     SETTLE_TOLERANCE,
@@ -363,13 +364,13 @@ def plot_curves(groups: dict[str, list[Curves]], kl: dict[str, Any], out: Path) 
     if refs and refs[0]:
         ax_ppl.axhline(refs[0], color="black", linestyle="--", linewidth=1, label="reference")
     unit = f"nats per {kl['unit']}"
-    ax_score.set(title=f"reward-model score ({SMOOTH}-batch mean)", ylabel="objective/score")
+    ax_score.set(title=f"reward-model score ({SMOOTH}-batch mean)", ylabel=keys.SCORE)
     ax_kl.set(
         title=f"KL to the reference ({SMOOTH}-batch mean); band {kl['low']:g}x-{kl['high']:g}x",
         ylabel=f"objective/kl ({unit})",
     )
-    ax_beta.set(title="beta", ylabel="objective/kl_coef", yscale="log")
-    ax_ppl.set(title="held-out perplexity", ylabel="val/perplexity")
+    ax_beta.set(title="beta", ylabel=keys.KL_COEF, yscale="log")
+    ax_ppl.set(title="held-out perplexity", ylabel=keys.PERPLEXITY)
     for ax in axes.flat:
         ax.set_xlabel("samples seen")
         ax.grid(alpha=0.3)

@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.kl.callback_base import KLCallbackBase
 from rlkl_lightning.kl.controllers import KLController
 from rlkl_lightning.kl.reading import (
@@ -98,7 +99,7 @@ class KLControllerCallback(KLCallbackBase):
         unit: str = "sequence",
         monitor: str | None = None,
         attribute: str = "kl_coef",
-        log_key: str | None = "objective/kl_coef",
+        log_key: str | None = keys.KL_COEF,
         batch_size_fn: Callable[[Any], int] | None = None,
         prog_bar: bool = False,
     ) -> None:

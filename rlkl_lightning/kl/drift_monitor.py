@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.kl.callback_base import KLCallbackBase
 from rlkl_lightning.kl.reading import UNIT_NAMES
 
@@ -141,8 +142,8 @@ class KLDriftMonitor(KLCallbackBase):
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_custom_scalars"):
                 title = f"KL ({UNIT_NAMES[self.unit]}) and its target"
-                keys = [self.monitor, "kl_monitor/avg_kl", "kl_monitor/target"]
-                experiment.add_custom_scalars({"KL control": {title: ["Multiline", keys]}})
+                curves = [self.monitor, keys.MONITOR_AVG_KL, keys.MONITOR_TARGET]
+                experiment.add_custom_scalars({"KL control": {title: ["Multiline", curves]}})
 
     def _classify(self, avg: float) -> int:
         if avg > self.high * self.target:
@@ -176,17 +177,17 @@ class KLDriftMonitor(KLCallbackBase):
 
     @override
     def after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl_module.log("kl_monitor/target", self.target, on_step=True, on_epoch=False)
+        pl_module.log(keys.MONITOR_TARGET, self.target, on_step=True, on_epoch=False)
         if not self.values:
             return
         avg = self.avg_kl
-        pl_module.log("kl_monitor/avg_kl", avg, on_step=True, on_epoch=False)
+        pl_module.log(keys.MONITOR_AVG_KL, avg, on_step=True, on_epoch=False)
         if self.n_batches - self.n_skipped < self.min_batches:  # values that came in so far
             return
         self._update_state(trainer, avg)
-        pl_module.log("kl_monitor/state", float(self.state), on_step=True, on_epoch=False)
+        pl_module.log(keys.MONITOR_STATE, float(self.state), on_step=True, on_epoch=False)
         warnings = float(self.n_warnings_high + self.n_warnings_low)
-        pl_module.log("kl_monitor/warnings", warnings, on_step=True, on_epoch=False)
+        pl_module.log(keys.MONITOR_WARNINGS, warnings, on_step=True, on_epoch=False)
 
     def _update_state(self, trainer: pl.Trainer, avg: float) -> None:
         new = self._classify(avg)

@@ -15,10 +15,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from rlkl_lightning import metric_keys as keys
+
 #: The key each KL unit is logged under by default (see docs/metrics.md).
 MONITOR_BY_UNIT: dict[str, str] = {
-    "sequence": "objective/kl",
-    "token": "objective/kl_per_token",
+    "sequence": keys.KL,
+    "token": keys.KL_PER_TOKEN,
 }
 #: How messages name the unit of the monitored value.
 UNIT_NAMES: dict[str, str] = {"sequence": "nats per sequence", "token": "nats per token"}
@@ -28,7 +30,7 @@ UNIT_NAMES: dict[str, str] = {"sequence": "nats per sequence", "token": "nats pe
 SEQUENCE_TARGET_MIN_PER_TOKEN = 0.005
 TOKEN_TARGET_MAX = 1.0
 #: Key the unit check reads the mean response length (tokens) from.
-LENGTH_KEY = "objective/response_tokens"
+LENGTH_KEY = keys.RESPONSE_TOKENS
 
 
 def default_monitor(unit: str, owner: str) -> str:
@@ -194,7 +196,7 @@ def _mean_length(metrics: Mapping[str, Any]) -> float | None:
 
     length = number(LENGTH_KEY)
     if length is None:
-        per_sequence, per_token = number("objective/kl"), number("objective/kl_per_token")
+        per_sequence, per_token = number(keys.KL), number(keys.KL_PER_TOKEN)
         if per_sequence is None or per_token is None or per_sequence <= 0 or per_token <= 1e-12:
             return None
         length = per_sequence / per_token

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.world.cache import (
     Corpus,
     build_corpus,
@@ -228,7 +229,7 @@ def _train_and_evaluate(
         "corpus": corpus.stats,
         "test_perplexity": round(perplexity(module.model, module.tokenizer, test), 3),
         "validation_perplexity": round(perplexity(module.model, module.tokenizer, val), 3),
-        "validation_perplexity_trainer": _metric(trainer, "val/perplexity"),
+        "validation_perplexity_trainer": _metric(trainer, keys.PERPLEXITY),
         "unigram_test_perplexity": round(
             unigram_perplexity(module.tokenizer, train, test, config.n_positions), 3
         ),

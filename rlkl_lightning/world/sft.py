@@ -21,6 +21,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.perplexity import NextTokenNLL, next_token_nll
 from rlkl_lightning.texts import load_texts
@@ -312,8 +313,8 @@ class SFTModule(LightningModule):
         """Log ``val/loss`` and ``val/perplexity`` over the whole validation set."""
         loss = self.val_nll.compute()
         self.val_nll.reset()
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/perplexity", loss.exp())
+        self.log(keys.VAL_LOSS, loss, prog_bar=True)
+        self.log(keys.PERPLEXITY, loss.exp())
 
     @override
     def on_save_checkpoint(self, checkpoint: dict) -> None:

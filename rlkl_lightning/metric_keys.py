@@ -1,0 +1,54 @@
+"""The key of every logged metric, written once (docs/metrics.md says what each one means).
+
+Modules, callbacks and the study import these names instead of writing the strings. A
+callback of a module of one's own reads ``KL`` (or ``KL_PER_TOKEN``) from
+``trainer.callback_metrics``.
+"""
+
+# The objective: the batch's KL to the reference, beta, the reward.
+KL = "objective/kl"  #: nats per sequence: the controller's input (unit "sequence")
+KL_PER_TOKEN = "objective/kl_per_token"  #: nats per response token (unit "token")
+KL_COEF = "objective/kl_coef"  #: beta, as the controller callback set it
+SCORE = "objective/score"
+GOLD_SCORE = "objective/gold_score"
+NON_SCORE_REWARD = "objective/non_score_reward"
+ENTROPY = "objective/entropy"
+RESPONSE_TOKENS = "objective/response_tokens"
+
+
+def kl_of(estimator: str) -> str:
+    """The key of the per-sequence KL measured with ``estimator`` (``k1`` ... ``exact``)."""
+    return f"objective/kl_{estimator}"
+
+
+# The update: its losses and the policy's statistics (means over the optimizer steps).
+LOSS_TOTAL = "loss/total"
+LOSS_POLICY = "loss/policy"
+LOSS_VALUE = "loss/value"
+LOSS_KL = "loss/kl"
+LOSS_ENTROPY_BONUS = "loss/entropy_bonus"
+APPROX_KL = "policy/approx_kl"
+CLIPFRAC = "policy/clipfrac"
+VALUE_CLIPFRAC = "policy/value_clipfrac"
+GRAD_NORM = "policy/grad_norm"
+LR = "policy/lr"
+
+# Progress and validation.
+SAMPLES = "progress/samples"
+SKIPPED_BATCHES = "progress/skipped_batches"
+SAMPLES_AT_VAL = "progress/samples_at_val"
+PERPLEXITY = "val/perplexity"
+PERPLEXITY_REF = "val/perplexity_ref"
+VAL_LOSS = "val/loss"  #: the world's SFT
+
+# The drift monitor.
+MONITOR_AVG_KL = "kl_monitor/avg_kl"
+MONITOR_TARGET = "kl_monitor/target"
+MONITOR_WARNINGS = "kl_monitor/warnings"
+MONITOR_STATE = "kl_monitor/state"
+
+# Timings (left out of the same-metrics comparison: they differ run to run).
+TOKENS_PER_S = "perf/tokens_per_s"
+ROLLOUT_S = "perf/rollout_s"
+SCORE_S = "perf/score_s"
+UPDATE_S = "perf/update_s"
