@@ -1,7 +1,7 @@
 """Skip gates: a batch whose numbers are not finite changes nothing, on every rank.
 
 A phase of :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline` gates a condition
-(``RLPipeline._gate``); if it holds on any rank, every rank drops the gradients of a half-done
+(``RLPipeline.gate``); if it holds on any rank, every rank drops the gradients of a half-done
 update and raises :class:`SkipBatch`, and the pipeline counts the batch as skipped. Weights,
 optimizer state and beta stay as they were. The decision is agreed by all ranks: under DDP a
 rank that skipped while the others ran backward would leave them waiting in the gradient

@@ -25,9 +25,7 @@ every model once it is loaded, and the update's threads (:meth:`RLPipeline.updat
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -54,6 +52,7 @@ from rlkl_lightning.algorithms.resume import (
     with_frozen_weights,
 )
 from rlkl_lightning.algorithms.rollout import sample_and_score
+from rlkl_lightning.algorithms.update import OneThread, run_update
 from rlkl_lightning.algorithms.validation import HeldoutPerplexity, encode_texts
 from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.kl import estimators as klmod
@@ -69,7 +68,7 @@ from rlkl_lightning.models.loading import (
 )
 from rlkl_lightning.models.logprobs import TokenScores, score_tokens
 from rlkl_lightning.models.lora import AdaptersOff
-from rlkl_lightning.models.sharding import is_fsdp, shard_models
+from rlkl_lightning.models.sharding import shard_models
 from rlkl_lightning.perf.gelu import fuse_tanh_gelu
 from rlkl_lightning.perf.onednn import CPU_MATMULS, available, use_onednn
 from rlkl_lightning.perf.row_blocks import in_row_blocks
@@ -91,38 +90,6 @@ SPEED_UP_RULES = [
         "'default' (this PyTorch has no oneDNN float32 linear kernel)",
     ),
 ]
-
-
-class OneThread:
-    """The update's parts all in the calling thread: the plain path.
-
-    The interface of :class:`~rlkl_lightning.perf.value_thread.ValueThread`, which runs a
-    second network's part of each step in a helper thread.
-    """
-
-    #: Where the fused head hands its weight gradient off (``models.logprobs.Defer``): nowhere.
-    defer = None
-
-    def __enter__(self) -> OneThread:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def beside(self, fn: Callable[..., Any], *args: Any) -> Callable[..., Any]:
-        """``fn(*args, *late)``, computed when the returned function is called with ``late``."""
-        return lambda *late: fn(*args, *late)
-
-    def wait(self) -> None:
-        """Nothing runs elsewhere."""
-
-    def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_``."""
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-    def step(self, optimizer: Any) -> None:
-        """``optimizer.step()``."""
-        optimizer.step()
 
 
 class RLPipeline(LightningModule):
@@ -338,7 +305,7 @@ class RLPipeline(LightningModule):
             clock.append(time.perf_counter())
             traj, responses, diagnostics = self.score(prompts, traj, policy_scores)  # 2. score
             traj = self.shape(traj)  # 3. shape
-            self._gate(
+            self.gate(
                 not trajectory_is_finite(traj),
                 "log-probs, values, advantages or returns are not finite",
             )
@@ -396,7 +363,7 @@ class RLPipeline(LightningModule):
         per_token["exact"] = in_row_blocks(klmod.exact_kl, policy_scores.logits, ref_logits)
         kl = per_token[hp.kl_estimator]
         diagnostics = {f"kl_{k}": klmod.sequence_kl(v, mask) for k, v in per_token.items()}
-        self._gate(
+        self.gate(
             not bool(torch.isfinite(diagnostics[f"kl_{hp.kl_estimator}"]).all()),
             "the KL to the reference is not finite (on this or another rank)",
         )
@@ -454,72 +421,9 @@ class RLPipeline(LightningModule):
         """
         with self.update_threads() as self.threads:
             try:
-                return self._update(traj)
+                return run_update(self, traj)
             finally:
                 self.threads = OneThread()
-
-    def _update(self, traj: Trajectory) -> dict[str, Tensor]:
-        hp = self.hparams
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
-        totals: dict[str, float] = {}
-        updates = 0
-        for _ in range(hp.ppo_epochs):
-            order = torch.randperm(traj.response_ids.shape[0], device=self.device)
-            for minibatch in order.chunk(hp.num_minibatches):
-                mb_tokens = traj.response_mask[minibatch].sum().clamp(min=1)
-                step_stats: dict[str, float] = {}
-                for micro in minibatch.chunk(hp.grad_accum_steps):
-                    part = traj.select(micro)
-                    loss, stats = self.loss(part)
-                    self._gate(not bool(torch.isfinite(loss)), "the loss is not finite")
-                    weight = part.response_mask.sum() / mb_tokens
-                    self.manual_backward(loss * weight)
-                    for key, value in stats.items():
-                        step_stats[key] = step_stats.get(key, 0.0) + float(value) * float(weight)
-                grad_norm = self._clip_gradients(optimizer)
-                scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-                if scaler is None:
-                    self.threads.step(optimizer)
-                else:  # the scaler hands the optimizer itself its scale: one thread steps
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                step_stats[keys.GRAD_NORM] = grad_norm
-                for key, value in step_stats.items():
-                    totals[key] = totals.get(key, 0.0) + value
-                updates += 1
-        scheduler.step()
-        # float32 explicitly: under bf16-true Lightning makes bf16 the default dtype in steps.
-        f32 = torch.float32
-        result = {key: torch.tensor(value / updates, dtype=f32) for key, value in totals.items()}
-        result[keys.LR] = torch.tensor(scheduler.get_last_lr()[0], dtype=f32)
-        return result
-
-    def _clip_gradients(self, optimizer) -> float:
-        """Clip the gradient norm to ``max_grad_norm``; returns the norm before clipping.
-
-        Gates a non-finite norm, except under ``16-mixed``: there the loss is scaled, an
-        overflow is the scaler's to handle (it skips that optimizer step and lowers the
-        scale), and the norm and the clip are those of the unscaled gradients. Under FSDP the
-        norm is that of all ranks' gradient shards together.
-        """
-        max_norm = self.hparams.max_grad_norm if self.hparams.max_grad_norm else float("inf")
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None) if self._trainer else None
-        scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        # Each rank holds a shard of every gradient (the models shard_models wrapped).
-        if any(is_fsdp(getattr(self, name, None)) for name in self.sharded_models):
-            grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
-            local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-            local = local.to(self.device, torch.float32)
-            norm = self.trainer.strategy.reduce(local.square(), reduce_op="sum").sqrt()
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm * scale, norm)
-        else:
-            norm = self.threads.clip_grad_norm(params, max_norm * scale)
-        grad_norm = float(norm) / scale
-        if scaler is None:
-            self._gate(not math.isfinite(grad_norm), "the gradient norm is not finite")
-        return grad_norm
 
     @override
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -600,7 +504,7 @@ class RLPipeline(LightningModule):
             scores = scores.clamp(-self.hparams.score_clip, self.hparams.score_clip)
         return scores
 
-    def _gate(self, bad: bool, why: str) -> None:
+    def gate(self, bad: bool, why: str) -> None:
         """Skip the batch if ``bad`` on any rank (a collective under DDP: call it on every rank).
 
         The gradients of a half-done update are dropped, so weights and optimizer stay untouched.
