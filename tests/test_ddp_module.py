@@ -2,8 +2,8 @@
 
 What can honestly be made equal between a 2-process run and a 1-process run: rollouts are
 random, and by default each rank draws from its own stream, so the two runs would sample
-different responses. ``ppo_recording.RecordingPPO`` seeds each prompt's rollout with a hash of
-(prompt, batch number) instead, so a prompt gets the same response whichever process samples
+different responses. ``helpers.ppo_recording.RecordingPPO`` seeds each prompt's rollout with a hash
+of (prompt, batch number) instead, so a prompt gets the same response whichever process samples
 it. Then the 1-process run with batches of 4 sees exactly the global batches of the 2-process
 run with 2 prompts per rank (same seed, same prompt order: ``PromptDataModule`` deals the
 epoch's permutation round-robin to the ranks), and everything downstream is PPOModule's own
@@ -96,7 +96,7 @@ def config(
             ],
         },
         "model": {
-            "class_path": "ppo_recording.RecordingPPO",
+            "class_path": "helpers.ppo_recording.RecordingPPO",
             "init_args": {
                 "policy": str(lms[0]),
                 "reference": str(lms[1]),

@@ -41,7 +41,7 @@ def test_rloo_groups_stay_on_one_rank_and_the_callbacks_count_responses(tmp_path
             "num_sanity_val_steps": 0,
         },
         "model": {
-            "class_path": "rloo_recording.RecordingRLOO",
+            "class_path": "helpers.rloo_recording.RecordingRLOO",
             "init_args": {
                 "record_dir": str(tmp_path / "out"),
                 "policy": str(tiny_lm_dir),

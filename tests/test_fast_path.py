@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from conftest import assert_same_loss_and_grads
-from generate_reference import sample as generate_then_score
+from helpers.generate_reference import sample as generate_then_score
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 

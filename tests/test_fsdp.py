@@ -3,8 +3,8 @@
 Lightning allows FSDP only with CUDA, and torch's FSDP needs to be told a CPU device; the
 module shards its own models (``rlkl_lightning/sharding.py``: policy, reference and value head
 each an FSDP unit, every GPT-2 block a unit of its own) and passes the device, and
-``tests/cpu_fsdp.py`` lets Lightning's strategy run in CPU processes (gloo). The same test runs
-with ``strategy: fsdp`` on CUDA devices where there are any (skipped here): 2 processes, or 1
+``tests/helpers/cpu_fsdp.py`` lets Lightning's strategy run in CPU processes (gloo). The same test
+runs with ``strategy: fsdp`` on CUDA devices where there are any (skipped here): 2 processes, or 1
 against a plain single-device run on a machine with one GPU.
 
 The set-up is ``tests/test_ddp_module.py``'s: per-sample seeded rollouts, so both runs sample
@@ -50,7 +50,7 @@ def cuda_devices() -> int:
     return min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
-CPU_FSDP = {"class_path": "cpu_fsdp.CPUFSDPStrategy"}
+CPU_FSDP = {"class_path": "helpers.cpu_fsdp.CPUFSDPStrategy"}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "fan_in_fan_out": True}
 ON_CUDA = pytest.mark.skipif(not cuda_devices(), reason="needs a CUDA device")
 

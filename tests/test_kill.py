@@ -1,8 +1,8 @@
 """A ``train.py`` run killed with SIGKILL resumes with the README's command, bit for bit.
 
 Each test starts ``python train.py fit --config RUN.yaml`` as a process, kills it with
-``SIGKILL`` at a known point (a helper from ``kill_helpers.py`` named in the config stalls the
-process there and writes a marker file), and then runs the command the README gives, the same
+``SIGKILL`` at a known point (a helper from ``helpers/kill_helpers.py`` named in the config stalls
+the process there and writes a marker file), and then runs the command the README gives, the same
 command plus ``--ckpt_path last``, in the same directory. The config is like
 ``configs/ppo_adaptive.yaml`` (TensorBoardLogger with ``save_dir``/``name``, a
 ``ModelCheckpoint`` without ``dirpath``, ``save_last``) with a tiny model made in the test:
@@ -52,7 +52,9 @@ def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
     prompts.write_text("\n".join(PROMPTS) + "\n")
     plugins, marker = [], str(run_dir / "killed_in_write")
     if options.get("stall_write"):
-        plugins = [{"class_path": "kill_helpers.StallInsideWrite", "init_args": {"marker": marker}}]
+        plugins = [
+            {"class_path": "helpers.kill_helpers.StallInsideWrite", "init_args": {"marker": marker}}
+        ]
     config = {
         "seed_everything": 0,
         "trainer": {
@@ -76,7 +78,7 @@ def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
                     },
                 },
                 {
-                    "class_path": "kill_helpers.StallBeforeBatch",
+                    "class_path": "helpers.kill_helpers.StallBeforeBatch",
                     "init_args": {
                         "marker": str(run_dir / "killed_before_batch"),
                         "at": options.get("stall_at"),

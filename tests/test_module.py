@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from conftest import cpu_trainer
-from generate_reference import sample as generate_then_score
+from helpers.generate_reference import sample as generate_then_score
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
