@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 import yaml
-from conftest import cpu_trainer, fit_on_prompts
+from helpers.trainers import cpu_trainer, fit_on_prompts
 from lightning.pytorch import LightningModule, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
@@ -541,7 +541,7 @@ def test_cli_ckpt_path_last_pointing_at_a_corrupt_file_stops_before_training(tin
 
 
 def test_checkpoint_of_another_model_names_the_mismatch(trained_checkpoint, tmp_path):
-    from conftest import make_tiny_lm
+    from helpers.tiny_models import make_tiny_lm
 
     wider = make_tiny_lm(tmp_path / "wider", n_embd=48)
     module = PPOModule(**ppo_args(wider))

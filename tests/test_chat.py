@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import fit_on_prompts
+from helpers.trainers import fit_on_prompts
 from lightning.pytorch import Callback
 from transformers import AutoTokenizer
 
@@ -22,7 +22,7 @@ PROMPTS = ["the film was", "this book is", "the food", "a story"]
 @pytest.fixture
 def chat_lm_dir(tmp_path):
     """The tiny LM with a chat template saved in its tokenizer."""
-    from conftest import make_tiny_lm
+    from helpers.tiny_models import make_tiny_lm
 
     path = make_tiny_lm(tmp_path / "chat_lm")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.kill_runs import BATCHES, STEPS_PER_BATCH, write_config
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from test_kill import BATCHES, STEPS_PER_BATCH, write_config
 
 from rlkl_lightning.checkpoints import AtomicCheckpointIO, newest_last_checkpoint, partial_path
 from rlkl_lightning.cli import main

@@ -216,12 +216,12 @@ def test_study_config_parses_and_names_existing_run_configs(monkeypatch):
 def test_a_reward_named_by_class_path_in_the_config_is_the_one_used(
     tiny_lm_dir, tmp_path, monkeypatch
 ):
-    from test_rewards import _save_tiny_classifier  # tests/ is on sys.path under pytest
+    from helpers.tiny_models import save_tiny_classifier
 
     from rlkl_lightning.rewards import SequenceClassifierReward
 
     monkeypatch.chdir(tmp_path)
-    _save_tiny_classifier(tmp_path / "clf")
+    save_tiny_classifier(tmp_path / "clf")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(["the film was", "this book is"] * 4))
     reward = {

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import yaml
-from test_ddp_module import PER_RANK, PROMPTS, SEED, STEPS, TESTS, config, records, train_py
+from helpers.ddp_runs import PER_RANK, PROMPTS, SEED, STEPS, TESTS, config, records, train_py
 
 from rlkl_lightning.data.samplers import EpochShuffleSampler
 

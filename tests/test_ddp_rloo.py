@@ -12,7 +12,7 @@ import json
 
 import pytest
 import yaml
-from test_ddp_module import train_py
+from helpers.ddp_runs import train_py
 
 from rlkl_lightning.algorithms.advantages import group_advantages
 from rlkl_lightning.data.samplers import EpochShuffleSampler
@@ -23,7 +23,7 @@ SEED, PER_RANK, K, BATCHES = 3, 2, 3, 2
 
 def test_rloo_groups_stay_on_one_rank_and_the_callbacks_count_responses(tmp_path, tiny_lm_dir):
     import torch
-    from conftest import make_tiny_lm
+    from helpers.tiny_models import make_tiny_lm
 
     reference = make_tiny_lm(tmp_path / "reference", seed=1)
     prompts = tmp_path / "prompts.txt"

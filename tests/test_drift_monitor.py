@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.kl_callbacks import fit as fit_quietly
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_kl_callback_base import fit as fit_quietly
 from torch.utils.data import DataLoader, TensorDataset
 
 from rlkl_lightning.kl.controller_callback import KLControllerCallback

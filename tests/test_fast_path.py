@@ -11,8 +11,8 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_same_loss_and_grads
 from helpers.generate_reference import sample as generate_then_score
+from helpers.tiny_models import assert_same_loss_and_grads
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 

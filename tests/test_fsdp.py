@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 import yaml
-from test_ddp_module import PROMPTS, SEED, STEPS, TESTS, config, records, train_py
+from helpers.ddp_runs import PROMPTS, SEED, STEPS, TESTS, config, records, train_py
 
 from rlkl_lightning.data.samplers import EpochShuffleSampler
 from rlkl_lightning.models.loading import load_causal_lm
@@ -72,7 +72,7 @@ ON_CUDA = pytest.mark.skipif(not cuda_devices(), reason="needs a CUDA device")
 def test_fsdp_run_equals_one_process_on_the_global_batches(
     tmp_path, tiny_lm_dir, accelerator, devices, strategy, peft
 ):
-    from conftest import make_tiny_lm
+    from helpers.tiny_models import make_tiny_lm
 
     from rlkl_lightning.cli import main
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from helpers.recorders import K, RecordingPPO, RecordingRLOO
+from helpers.tiny_ppo import fit, module_args
 from lightning.pytorch import seed_everything
-from test_module import _args, fit
-from test_rloo import K, RecordingPPO, RecordingRLOO
 
 from rlkl_lightning.algorithms.metrics import samples_table
 from rlkl_lightning.rewards import FunctionReward
@@ -29,7 +29,7 @@ class Lengths:
 def run(cls, path, gold, **overrides):
     seed_everything(7)
     extra = {"responses_per_prompt": K} if cls is RecordingRLOO else {}
-    module = cls(**_args(path, gold_reward=gold, **extra, **overrides))
+    module = cls(**module_args(path, gold_reward=gold, **extra, **overrides))
     fit(module, batches=2, batch_size=4)
     return module
 
@@ -54,7 +54,7 @@ def test_the_gold_score_is_logged_and_no_training_number_changes(tiny_lm_dir, cl
 
 def test_the_scoring_phase_gives_the_world_s_gold_of_the_decoded_reviews(tiny_lm_dir):
     """Phases 1 and 2 without a trainer: the gold scores are the reward's of the responses."""
-    module = RecordingPPO(**_args(tiny_lm_dir, gold_reward=GoldSentimentReward()))
+    module = RecordingPPO(**module_args(tiny_lm_dir, gold_reward=GoldSentimentReward()))
     prompts = ["the film was", "this book is"]
     traj, policy_scores = module.rollout(prompts)
     _, responses, diagnostics = module.score(prompts, traj, policy_scores)

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.kl_callbacks import fake_trainer, fit
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from test_kl_callback_base import fake_trainer, fit
 from torch.utils.data import DataLoader, TensorDataset
 
 from rlkl_lightning.kl.controller_callback import KLControllerCallback

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import cpu_trainer
+from helpers.kl_callbacks import fake_trainer, fit
 from torch.utils.data import DataLoader, TensorDataset
 
 from rlkl_lightning.kl.callback_base import KLCallbackBase
@@ -48,17 +48,6 @@ class LogsKL(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)
-
-
-def fit(module, callbacks, ckpt_path=None, **settings):
-    """``trainer.fit`` on the CPU for one epoch, quiet but for the callbacks' own warnings."""
-    trainer = cpu_trainer(callbacks, **settings)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
-        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-        warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint.*")
-        trainer.fit(module, ckpt_path=ckpt_path)
-    return trainer
 
 
 def test_a_minimal_subclass_gets_counting_skips_and_state_for_free():
@@ -166,33 +155,6 @@ def test_infer_batch_size(batch, n):
 def test_infer_batch_size_rejects_what_it_cannot_count():
     with pytest.raises(TypeError, match="batch_size_fn"):
         infer_batch_size(3.0)
-
-
-class FakeStrategy:
-    """Sums this rank's tensor with fixed contributions of the other ranks."""
-
-    root_device = torch.device("cpu")
-
-    def __init__(self, others):
-        self.others = others
-        self.calls = []
-
-    def reduce(self, tensor, reduce_op="mean"):
-        self.calls.append(reduce_op)
-        others = torch.tensor(
-            [[kl * n if n else 0.0, n] for kl, n in self.others], dtype=tensor.dtype
-        )
-        return tensor + others.sum(0)
-
-
-def fake_trainer(others, metrics=None):
-    return SimpleNamespace(
-        world_size=1 + len(others),
-        strategy=FakeStrategy(others),
-        callback_metrics=metrics or {},
-        sanity_checking=False,
-        callbacks=[],
-    )
 
 
 def test_global_mean_weights_each_rank_by_its_samples():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fit_on_prompts
+from helpers.trainers import fit_on_prompts
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import LambdaCallback, ModelCheckpoint
 
@@ -248,7 +248,7 @@ def test_export_writes_a_merged_model_that_automodel_loads(tiny_lm_dir, tmp_path
 
 
 def test_an_explicit_reference_is_kept_with_peft(tiny_lm_dir, tmp_path):
-    from conftest import make_tiny_lm
+    from helpers.tiny_models import make_tiny_lm
 
     other = make_tiny_lm(tmp_path / "other", seed=1)
     module = lora_module(tiny_lm_dir, reference=str(other))

@@ -14,7 +14,8 @@ import pickle
 
 import pytest
 import torch
-from conftest import assert_same_loss_and_grads, fit_on_prompts
+from helpers.tiny_models import assert_same_loss_and_grads
+from helpers.trainers import fit_on_prompts
 from transformers import AutoModelForCausalLM
 
 from rlkl_lightning import PPOModule

@@ -6,68 +6,21 @@ import math
 
 import pytest
 import torch
-from conftest import cpu_trainer
 from helpers.generate_reference import sample as generate_then_score
+from helpers.tiny_ppo import fit, module_args, text_loader
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch.utils.data import DataLoader
 
 from rlkl_lightning import AdaptiveKLController, KLControllerCallback, KLDriftMonitor, PPOModule
 from rlkl_lightning.algorithms.rollout import response_mask_after_eos
 from rlkl_lightning.kl.estimators import sequence_kl
 from rlkl_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlkl_lightning.models.logprobs import score_tokens
-from rlkl_lightning.rewards import FunctionReward
 from rlkl_lightning.trajectory import Trajectory
-
-PROMPTS = ["the film was", "this book is", "the food", "it was really", "a story"]
-
-
-def good_fraction(prompt: str, response: str) -> float:
-    """Trivially learnable reward: the fraction of response words that are 'good'."""
-    words = response.split()
-    return sum(w == "good" for w in words) / max(len(words), 1)
-
-
-def loader(prompts: list[str], batch_size: int) -> DataLoader:
-    return DataLoader(prompts, batch_size=batch_size, collate_fn=lambda xs: {"prompt": xs})
-
-
-def text_loader(texts: list[str], batch_size: int) -> DataLoader:
-    return DataLoader(texts, batch_size=batch_size, collate_fn=lambda xs: {"text": xs})
-
-
-def _args(path, **overrides):
-    args = dict(
-        policy=str(path),
-        reward=FunctionReward(good_fraction),
-        init_kl_coef=0.0,
-        max_prompt_tokens=16,  # prompt + response must fit the tiny model's 64 positions
-        max_new_tokens=8,
-        ppo_epochs=2,
-        num_minibatches=2,
-        lr=3e-3,
-        log_samples_every=0,
-    )
-    args.update(overrides)
-    return args
 
 
 def tiny_module(path, **overrides) -> PPOModule:
-    return PPOModule(**_args(path, **overrides))
-
-
-def fit(module, batches: int, batch_size: int = 16, callbacks=(), logger=False, val=None):
-    """``batches`` batches of PROMPTS, then one pass over ``val`` where given."""
-    trainer = cpu_trainer(
-        callbacks,
-        logger=logger,
-        log_every_n_steps=1,
-        limit_val_batches=None if val is not None else 0,
-    )
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batches * batch_size)]
-    trainer.fit(module, loader(prompts, batch_size), val)
-    return trainer
+    return PPOModule(**module_args(path, **overrides))
 
 
 class Recorder(PPOModule):
@@ -155,7 +108,7 @@ def test_batched_scores_equal_per_sample_scores(tiny_lm_dir):
 # ---------------------------------------------------------------- learning and KL penalty
 def test_policy_learns_a_trivial_reward(tiny_lm_dir):
     seed_everything(0)
-    module = Recorder(**_args(tiny_lm_dir))
+    module = Recorder(**module_args(tiny_lm_dir))
     fit(module, batches=40)
     scores = [h["objective/score"] for h in module.history]
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
@@ -168,7 +121,7 @@ def test_large_fixed_beta_keeps_kl_near_zero(tiny_lm_dir):
     results = {}
     for beta in (0.0, 20.0):
         seed_everything(1)
-        module = Recorder(**_args(tiny_lm_dir, init_kl_coef=beta))
+        module = Recorder(**module_args(tiny_lm_dir, init_kl_coef=beta))
         fit(module, batches=25)
         results[beta] = [h["objective/kl_k3"] for h in module.history[-5:]]
     free_kl = sum(results[0.0]) / 5
@@ -180,7 +133,7 @@ def test_large_fixed_beta_keeps_kl_near_zero(tiny_lm_dir):
 def test_controller_callback_sets_the_beta_of_the_next_batch(tiny_lm_dir):
     seed_everything(2)
     controller = AdaptiveKLController(init_kl_coef=0.5, target=0.5, horizon=64)
-    module = Recorder(**_args(tiny_lm_dir, init_kl_coef=123.0))
+    module = Recorder(**module_args(tiny_lm_dir, init_kl_coef=123.0))
     fit(module, batches=6, batch_size=8, callbacks=[KLControllerCallback(controller)])
     # Replay the controller on the logged KLs: batch i uses the beta after batch i - 1.
     replay = AdaptiveKLController(init_kl_coef=0.5, target=0.5, horizon=64)

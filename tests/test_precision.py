@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import fit_on_prompts
+from helpers.trainers import fit_on_prompts
 from lightning.pytorch import seed_everything
 from lightning.pytorch.plugins import MixedPrecision
 
@@ -66,7 +66,7 @@ GEN = torch.Generator()
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 def test_bf16_kl_and_losses_stay_within_tolerance_of_float32(tiny_lm_dir, tmp_path, precision):
-    from conftest import make_tiny_lm
+    from helpers.tiny_models import make_tiny_lm
 
     reference = make_tiny_lm(tmp_path / "reference", seed=1)
     fp32 = module(tiny_lm_dir, reference=str(reference), kl_estimator="k3")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from conftest import fit_on_prompts
+from helpers.trainers import fit_on_prompts
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.recorders import K, RecordingPPO, RecordingRLOO
+from helpers.tiny_ppo import PROMPTS, fit, module_args, text_loader
 from lightning.pytorch import seed_everything
-from test_module import PROMPTS, _args, fit, text_loader
 
 from rlkl_lightning import (
     AdaptiveKLController,
@@ -24,33 +25,9 @@ from rlkl_lightning.models.loading import disable_dropout
 from rlkl_lightning.models.logprobs import score_tokens
 from rlkl_lightning.rewards import FunctionReward
 
-K = 4
-
 
 def rloo(path, **overrides) -> RLOOModule:
-    return RLOOModule(**_args(path, **{"responses_per_prompt": K, **overrides}))
-
-
-class Recorder:
-    """Mixin: record the beta, the prompts and the logged metrics of every batch."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.betas_used, self.prompts_seen, self.history = [], [], []
-
-    def training_step(self, batch, batch_idx):
-        self.betas_used.append(self.kl_coef)
-        self.prompts_seen.append(list(batch["prompt"]))
-        super().training_step(batch, batch_idx)
-        self.history.append({k: float(v) for k, v in self.trainer.callback_metrics.items()})
-
-
-class RecordingRLOO(Recorder, RLOOModule):
-    pass
-
-
-class RecordingPPO(Recorder, PPOModule):
-    pass
+    return RLOOModule(**module_args(path, **{"responses_per_prompt": K, **overrides}))
 
 
 # ---------------------------------------------------------------- groups and counting
@@ -69,7 +46,7 @@ def test_the_callbacks_count_responses_with_no_batch_size_fn(tiny_lm_dir):
     seed_everything(0)
     controller = AdaptiveKLController(init_kl_coef=0.5, target=0.5, horizon=64)
     callbacks = [KLControllerCallback(controller), KLDriftMonitor(target=0.5, window=2)]
-    module = RecordingRLOO(**_args(tiny_lm_dir, responses_per_prompt=K, init_kl_coef=0.5))
+    module = RecordingRLOO(**module_args(tiny_lm_dir, responses_per_prompt=K, init_kl_coef=0.5))
     val = text_loader(["the film was very good", "bad food"], 2)
     trainer = fit(module, batches=3, batch_size=3, callbacks=callbacks, val=val)
     for prompts in module.prompts_seen:  # each prompt K times in a row
@@ -119,7 +96,7 @@ def test_bad_options_name_the_option_and_the_allowed_values(tiny_lm_dir, option,
 @pytest.fixture(scope="module")
 def other_reference(tmp_path_factory):
     """A reference that differs from the policy, so the KL is far from 0."""
-    from conftest import make_tiny_lm
+    from helpers.tiny_models import make_tiny_lm
 
     return str(make_tiny_lm(tmp_path_factory.mktemp("reference"), seed=1))
 
@@ -155,7 +132,7 @@ def test_rloo_shaping_is_the_group_advantage_of_the_sequence_return(
 
 def test_ppo_rewards_hold_no_kl_when_the_kl_is_in_the_loss(tiny_lm_dir, other_reference):
     seed_everything(0)
-    module = PPOModule(**_args(tiny_lm_dir, reference=other_reference, init_kl_coef=0.7))
+    module = PPOModule(**module_args(tiny_lm_dir, reference=other_reference, init_kl_coef=0.7))
     traj = scored(module, PROMPTS[:4])
     in_reward = module.shape(traj)
     module.hparams.kl_placement = "loss"
@@ -170,7 +147,7 @@ def test_kl_in_the_loss_adds_beta_times_kl_loss(tiny_lm_dir, other_reference, cl
     """The loss with the KL in the loss = the loss without it + beta x kl_loss, recomputed."""
     seed_everything(0)
     extra = {"responses_per_prompt": K} if cls is RLOOModule else {}
-    args = _args(tiny_lm_dir, reference=other_reference, init_kl_coef=0.7, **extra)
+    args = module_args(tiny_lm_dir, reference=other_reference, init_kl_coef=0.7, **extra)
     module = cls(**args, kl_placement="loss", kl_loss_estimator="k3", kl_loss_weight_clip=1.5)
     traj = module.shape(scored(module, [p for p in PROMPTS[:2] for _ in range(K)]))
     # Log-probs "at rollout time" that differ from now: weights other than 1, some capped.
@@ -192,7 +169,7 @@ def test_kl_in_the_loss_adds_beta_times_kl_loss(tiny_lm_dir, other_reference, cl
 # ---------------------------------------------------------------- training
 def test_rloo_learns_a_trivial_reward(tiny_lm_dir):
     seed_everything(0)
-    module = RecordingRLOO(**_args(tiny_lm_dir, responses_per_prompt=K))
+    module = RecordingRLOO(**module_args(tiny_lm_dir, responses_per_prompt=K))
     fit(module, batches=30, batch_size=4)
     scores = [h["objective/score"] for h in module.history]
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
@@ -210,7 +187,7 @@ def test_a_large_beta_in_the_loss_keeps_the_kl_near_zero(tiny_lm_dir, cls):
     for beta in (0.0, 20.0):
         seed_everything(1)
         module = recorder(
-            **_args(tiny_lm_dir, init_kl_coef=beta, kl_placement="loss", **extra),
+            **module_args(tiny_lm_dir, init_kl_coef=beta, kl_placement="loss", **extra),
             kl_loss_estimator="k2",
         )
         fit(module, batches=25, batch_size=batch_size)

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import cpu_trainer
+from helpers.trainers import cpu_trainer
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import fit_on_prompts
+from helpers.trainers import fit_on_prompts
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 from torch.optim.optimizer import register_optimizer_step_post_hook
