@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("law_gains", ROOT / "scripts" / "law_gains.py")
 law_gains = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(law_gains)

@@ -238,7 +238,7 @@ def test_controller_must_follow_the_protocol():
         KLControllerCallback(object())
 
 
-# ---- the controller on the reduction over ranks (fake ranks: test_kl_callback_base.py) --------
+# ---- the controller on the reduction over ranks (fake ranks: test_callback_base.py) ------------
 
 
 def test_callback_updates_on_the_sample_weighted_mean_of_all_ranks():
