@@ -26,7 +26,7 @@ from rlkl_lightning.world.custom import (
 )
 from rlkl_lightning.world.read import clean_text, read_corpus
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = (
     "river stone quiet garden lamp window morning paper coffee train winter harbour "
     "letter music field cloud bridge market candle forest"
