@@ -13,7 +13,7 @@ import yaml
 
 from rlkl_lightning.compare import StudyConfig, main, parse_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 METRIC_KEYS = {"final_score", "kl_tracking_error", "in_band_fraction", "drift_warnings"}
 METRIC_KEYS |= {"final_perplexity", "settle_batch", "overshoot"}
 
@@ -78,7 +78,7 @@ def check_files_and_keys(out, summary):
     report = (out / "report.md").read_text()
     assert "| `adaptive` |" in report and "| `fixed` |" in report
     assert "Adaptive reached similar or better score with KL closer to target:" in report
-    # The configs log the world's gold score (compare/gold.py is tested in test_compare_gold.py).
+    # The configs log the world's gold score (compare/gold.py is tested in test_gold_analysis.py).
     assert (out / "gold_proxy.png").stat().st_size > 0 and "## Gold vs proxy" in report
     assert set(summary["gold"]["runs"]) == {"fixed", "adaptive"}
     assert all(len(summary[g]["per_seed"]["final_gold"]) == 2 for g in ("fixed", "adaptive"))
