@@ -1,6 +1,6 @@
 """Checkpoint files that survive a kill, and which run ``fit --ckpt_path last`` resumes.
 
-The real kills are in ``test_kill.py``; here the pieces: the atomic writer against the
+The real kills are in ``system/test_kill.py``; here the pieces: the atomic writer against the
 failures a kill stands for, the search across a logger's version directories, the CLI's choice
 of run and its error when there is nothing to resume, and the progress bar over a resumed run.
 """

@@ -1,6 +1,6 @@
 """A PPOModule that records what each batch did, with rollouts seeded by the sample.
 
-Used by ``tests/test_ddp_module.py`` in-process and, through ``train.py``, in the processes a
+Used by ``tests/system/test_ddp_ppo.py`` in-process and, through ``train.py``, in the processes a
 DDP run starts (they import this file by its ``class_path``; the test puts ``tests/`` on
 ``PYTHONPATH``). Not collected by pytest (no ``test_`` prefix).
 

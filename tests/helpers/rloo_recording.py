@@ -1,6 +1,6 @@
 """An RLOOModule that records, per rank, the prompts, returns and advantages of each batch.
 
-Used by ``tests/test_ddp_rloo.py`` in the processes a DDP run starts (they import this file
+Used by ``tests/system/test_ddp_rloo.py`` in the processes a DDP run starts (they import this file
 by its ``class_path``; the test puts ``tests/`` on ``PYTHONPATH``). Not collected by pytest.
 """
 

@@ -36,7 +36,7 @@ from helpers.kill_runs import BATCHES, write_config
 
 from rlkl_lightning.checkpoints import check_checkpoint, partial_path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 
 

@@ -2,7 +2,7 @@
 
 Finite inputs give finite outputs, padded positions never matter (whatever they hold, nan and
 inf included) and are 0 in every output, and the results keep their defining identities. The
-controller laws have their own properties in ``test_controllers.py`` (beta finite, > 0 and
+controller laws have their own properties in ``kl/test_controllers.py`` (beta finite, > 0 and
 inside its bounds for any KL, finite or not); here invalid law parameters are fuzzed, and the
 text loader is fed arbitrary bytes.
 

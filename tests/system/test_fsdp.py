@@ -7,7 +7,7 @@ each an FSDP unit, every GPT-2 block a unit of its own) and passes the device, a
 runs with ``strategy: fsdp`` on CUDA devices where there are any (skipped here): 2 processes, or 1
 against a plain single-device run on a machine with one GPU.
 
-The set-up is ``tests/test_ddp_module.py``'s: per-sample seeded rollouts, so both runs sample
+The set-up is ``tests/system/test_ddp_ppo.py``'s: per-sample seeded rollouts, so both runs sample
 the same responses; a batch whose reward is ``nan`` on rank 1 only; a batch of unequal
 response lengths. Each rank holds half of every weight, gathered for each forward and
 backward; FSDP averages the gradients like DDP, so the 2-process run equals the 1-process run

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "rlkl_lightning"
 
 # Cycles in modules that other pieces of work own, each expected to fail until its owner

@@ -1,6 +1,6 @@
 """A LoRA policy under DDP (2 CPU processes, gloo) against one process on the global batches.
 
-The set-up is ``tests/test_ddp_module.py``'s (per-sample seeded rollouts, a batch whose reward
+The set-up is ``tests/system/test_ddp_ppo.py``'s (per-sample seeded rollouts, a batch whose reward
 is ``nan`` on rank 1 only, a batch of unequal response lengths), with ``peft`` set and no
 ``reference``: the reference is the policy with its adapters off. Only the adapters and the
 value head train, so only they take part in DDP's gradient all-reduce.
@@ -64,7 +64,7 @@ def test_lora_policy_under_two_process_ddp_equals_one_process(tmp_path, tiny_lm_
     first = single["batches"][0]["metrics"]
     assert abs(first["objective/kl"]) < 1e-4
     assert rank0["skipped_batches"] == single["skipped_batches"] == 1  # the nan batch, on rank 1
-    # The losses of the third batch are normalised per rank (test_ddp_module.py): compare
+    # The losses of the third batch are normalised per rank (test_ddp_ppo.py): compare
     # what comes before its update there.
     for step, keys in ((0, ("objective/kl", "objective/score", "loss/policy")), (2, KL_SCORE)):
         for key in keys:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_lora_reference_benchmark_runs_tiny_on_cpu(capsys, monkeypatch):
@@ -62,7 +62,7 @@ def test_preset_flop_counts_follow_the_models(throughput, name):
 def test_ppo_throughput_runs_tiny_presets_on_cpu(throughput, capsys, tmp_path):
     """Our side in a worker process, at a GPU preset's architecture, tiny."""
     # One worker: each costs an interpreter with torch, Lightning and transformers; a PPO
-    # batch with a separate value model runs in tests/test_matmul.py.
+    # batch with a separate value model runs in tests/perf/test_onednn.py.
     from rlkl_lightning.perf import onednn as matmul
 
     bf16 = bool(throughput.cpu_flags() & set(throughput.BF16_FLAGS))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "callbacks_in_your_module.py"
 BLOCK = re.compile(
     r"<!-- example:callbacks -->\s*```python\n(?P<code>.*?)```\s*<!-- /example:callbacks -->",

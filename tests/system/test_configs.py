@@ -1,7 +1,7 @@
 """Every YAML in configs/ is a test case: run for two batches with tiny local overrides.
 
 The real-model config needs the Hugging Face hub, so it is only parsed; the study configs are
-parsed here and run end to end (``--quick``) in test_compare.py.
+parsed here and run end to end (``--quick``) in compare/test_study.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rlkl_lightning.cli import main
 from rlkl_lightning.defaults import defaults_of
 from rlkl_lightning.kl.controllers import KL_LAWS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 NEEDS_HUB = {"ppo_gpt2_imdb.yaml", "ppo_qwen_lora_bf16.yaml"}
 
