@@ -5,7 +5,7 @@ check refuses ``strategy="fsdp"`` without CUDA (it compares the strategy's exact
 subclass passes), and full checkpoints are gathered with ``offload_to_cpu=True``, with which
 torch's FSDP frees the gathered storage that the state dict's views still point to when the
 weights already live on the CPU (a segmentation fault); here they are gathered without the
-offload. The modules shard their models themselves (``rlkl_lightning/sharding.py``) and give
+offload. The modules shard their models themselves (``rlkl_lightning/models/sharding.py``) and give
 FSDP the CPU device. Not collected by pytest (no ``test_`` prefix).
 """
 

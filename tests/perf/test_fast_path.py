@@ -1,8 +1,8 @@
 """The fast path against the plain computation, on fixed batches of tiny local models.
 
 Each optimization must give the plain computation's results to float rounding: the sampling
-loop that keeps the policy's scores (rollout.py), the fused tanh-GELU (models.py) and the fused
-AdamW (PPOModule.configure_optimizers).
+loop that keeps the policy's scores (algorithms/rollout.py), the fused tanh-GELU (perf/gelu.py) and
+the fused AdamW (PPOModule.configure_optimizers).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """cpu_matmul="onednn": the same products as PyTorch's own, to float32 rounding.
 
 The float32 products of linear layers and of the fused log-prob head go through oneDNN
-(rlkl_lightning/matmul.py). Values and gradients are compared with float64 computations: the
+(rlkl_lightning/perf/onednn.py). Values and gradients are compared with float64 computations: the
 oneDNN results must be as close to them as PyTorch's default float32 results are (a tolerance
 from the float32 rounding of the sums, not a loose one), the parameters and state dicts stay
 the same, and anything that is not a float32 CPU product takes PyTorch's own path.

@@ -2,7 +2,7 @@
 
 The option runs the value model's forward and backward passes in a helper thread beside the
 policy's, and the product for the policy's LM head weight gradient there too
-(rlkl_lightning/value_thread.py). The tests run with one torch thread (conftest.py),
+(rlkl_lightning/perf/value_thread.py). The tests run with one torch thread (conftest.py),
 so both paths compute every operation with one thread: every logged number and every weight
 must then be the same bit for bit, and the value model must really have run in the helper.
 """

@@ -1,8 +1,8 @@
 """PPOModule under Lightning's FSDPStrategy: 2 processes against 1 on the global batches.
 
 Lightning allows FSDP only with CUDA, and torch's FSDP needs to be told a CPU device; the
-module shards its own models (``rlkl_lightning/sharding.py``: policy, reference and value head
-each an FSDP unit, every GPT-2 block a unit of its own) and passes the device, and
+module shards its own models (``rlkl_lightning/models/sharding.py``: policy, reference and value
+head each an FSDP unit, every GPT-2 block a unit of its own) and passes the device, and
 ``tests/helpers/cpu_fsdp.py`` lets Lightning's strategy run in CPU processes (gloo). The same test
 runs with ``strategy: fsdp`` on CUDA devices where there are any (skipped here): 2 processes, or 1
 against a plain single-device run on a machine with one GPU.
@@ -62,7 +62,7 @@ ON_CUDA = pytest.mark.skipif(not cuda_devices(), reason="needs a CUDA device")
         ("cpu", 2, CPU_FSDP, LORA),
         # One process: torch's FSDP shards nothing (NO_SHARD). Both failures first seen on one
         # H100 (another batch order than the plain run; a LoRA policy's embeddings dropping
-        # out of the state dict after a backward pass) happened here too; see sharding.py.
+        # out of the state dict after a backward pass) happened here too; see models/sharding.py.
         ("cpu", 1, CPU_FSDP, LORA),
         pytest.param("gpu", max(cuda_devices(), 1), "fsdp", None, marks=ON_CUDA),
         pytest.param("gpu", max(cuda_devices(), 1), "fsdp", LORA, marks=ON_CUDA),
