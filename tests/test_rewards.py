@@ -3,6 +3,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers.tiny_models import save_tiny_classifier
 
 from rlkl_lightning.rewards import (
     FunctionReward,
@@ -13,13 +14,6 @@ from rlkl_lightning.rewards import (
     validate_scores,
 )
 
-CORPUS = [
-    "the film was great and the story was moving",
-    "a terrible boring movie that was far too long",
-    "wonderful acting and a lovely ending",
-    "i did not like the plot at all",
-    "this film is wonderful and moving",
-]
 TEXTS = [
     "the film was great",
     "a terrible boring movie that was far too long and i did not like the plot at all",
@@ -29,42 +23,10 @@ TEXTS = [
 ]
 
 
-def _save_tiny_classifier(path, with_pad: bool = True, num_labels: int = 2) -> None:
-    """A 1-layer GPT-2 classifier and a word-level tokenizer trained on CORPUS, saved to path."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast
-
-    specials = ["[UNK]", "[PAD]", "[EOS]"] if with_pad else ["[UNK]", "[EOS]"]
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(CORPUS, trainers.WordLevelTrainer(special_tokens=specials))
-    kwargs = {"pad_token": "[PAD]"} if with_pad else {}
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", eos_token="[EOS]", **kwargs
-    )
-    fast.save_pretrained(path)
-    labels = ["NEGATIVE", "POSITIVE"] if num_labels == 2 else ["LABEL_0"]
-    config = GPT2Config(
-        vocab_size=len(fast),
-        n_positions=32,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        num_labels=num_labels,
-        id2label=dict(enumerate(labels)),
-        label2id={n: i for i, n in enumerate(labels)},
-        bos_token_id=fast.eos_token_id,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id if with_pad else None,
-    )
-    torch.manual_seed(0)
-    GPT2ForSequenceClassification(config).save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def classifier_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_classifier")
-    _save_tiny_classifier(path)
+    save_tiny_classifier(path)
     return path
 
 
@@ -146,7 +108,7 @@ def test_label_lookup_and_errors(classifier_dir):
 
 
 def test_tokenizer_without_pad_token_pads_with_eos(tmp_path):
-    _save_tiny_classifier(tmp_path, with_pad=False)
+    save_tiny_classifier(tmp_path, with_pad=False)
     reward = SequenceClassifierReward(tmp_path, batch_size=5)
     assert reward.tokenizer.pad_token == "[EOS]"
     assert reward.model.config.pad_token_id == reward.tokenizer.eos_token_id
@@ -156,7 +118,7 @@ def test_tokenizer_without_pad_token_pads_with_eos(tmp_path):
 
 
 def test_single_logit_classifier(tmp_path):
-    _save_tiny_classifier(tmp_path, num_labels=1)
+    save_tiny_classifier(tmp_path, num_labels=1)
     logit = SequenceClassifierReward(tmp_path, label=0)([""] * 2, TEXTS[:2])
     prob = SequenceClassifierReward(tmp_path, label=0, score="prob")([""] * 2, TEXTS[:2])
     torch.testing.assert_close(prob, torch.sigmoid(logit), rtol=0, atol=1e-6)

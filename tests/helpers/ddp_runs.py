@@ -1,0 +1,90 @@
+"""The runs of a recording PPOModule that the DDP, LoRA-DDP and FSDP tests compare.
+
+``config`` writes the YAML of one run of ``helpers.ppo_recording.RecordingPPO`` (``train.py``
+under DDP or FSDP, or the CLI in-process on the same global batches), ``train_py`` runs
+``train.py`` as a process with ``tests/`` on its ``PYTHONPATH``, and ``records`` reads what each
+rank recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+TESTS = Path(__file__).resolve().parents[1]  # tests/: ``helpers`` is importable from it
+ROOT = TESTS.parent
+WORDS = "the film was good bad this book is very not a story food nice dull plot".split()
+PROMPTS = [" ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(2 + i % 3)) for i in range(12)]
+SEED, PER_RANK, STEPS = 3, 2, 3
+# The exponential law moves beta by exp(k * (kl - target)): no clip, so every beta depends on
+# the exact KL the controller received.
+INIT_BETA, TARGET, GAIN = 0.2, 0.05, 2.0
+
+
+def train_py(config: Path, cwd: Path, *args: str) -> None:
+    """``python train.py fit --config CONFIG ARGS`` as a process, with ``tests/`` importable."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(config), *args]
+    proc = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def config(
+    tmp_path: Path, lms: tuple[Path, Path], prompts: Path, name: str, poison: str, batch: int
+):
+    cfg = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "default_root_dir": str(tmp_path / name),  # the CLI saves its config.yaml there
+            "devices": 1,
+            "max_epochs": 1,
+            "limit_train_batches": STEPS,  # batches: a skipped batch takes no optimizer step
+            "logger": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": str(tmp_path / name / "ckpt"), "save_last": True},
+                }
+            ],
+        },
+        "model": {
+            "class_path": "helpers.ppo_recording.RecordingPPO",
+            "init_args": {
+                "policy": str(lms[0]),
+                "reference": str(lms[1]),
+                "record_dir": str(tmp_path / name),
+                "poison_prompt": poison,
+                "cut_batch": STEPS - 1,
+                "init_kl_coef": INIT_BETA,
+            },
+        },
+        "data": {
+            "class_path": "rlkl_lightning.data.PromptDataModule",
+            "init_args": {
+                "prompts": str(prompts),
+                "heldout": None,
+                "batch_size": batch,
+                "seed": SEED,
+            },
+        },
+        "kl": {"controller": "exponential", "target": TARGET, "k": GAIN, "window": 4},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def records(out: Path, ranks: int):
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)], [
+        torch.load(out / f"rank{r}.pt") for r in range(ranks)
+    ]

@@ -1,0 +1,118 @@
+"""The benchmarks at a tiny size on the CPU, so the GPU benchmarks cannot rot.
+
+benchmarks/lora_reference.py, and benchmarks/ppo_throughput.py with a GPU preset's
+architecture, the precision flag and its skip, in seconds (TRL is not needed).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_lora_reference_benchmark_runs_tiny_on_cpu(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import lora_reference
+
+    args = ["--device", "cpu", "--tiny", "--batches", "1", "--batch", "2", "--new-tokens", "4"]
+    rows = lora_reference.main(args + ["--threads", "1", "--variants", "full+copy,lora+off"])
+    copy, off = rows
+    assert (copy["variant"], off["variant"]) == ("full+copy", "lora+off")
+    head = 64 + 1  # the value head: Linear(64, 1)
+    base = copy["trainable_params"] - head  # every policy weight trains with a frozen copy
+    assert copy["reference_params"] == base and copy["params_held"] == 2 * base + head
+    assert off["reference_params"] == 0  # the reference is the policy, adapters off
+    assert off["params_held"] == base + off["trainable_params"]  # base + adapters + head
+    assert all(r["skipped_batches"] == 0 and r["s_per_batch"] > 0 for r in rows)
+    assert all(r["peak_rss_bytes"] > 0 for r in rows)
+    printed = capsys.readouterr().out
+    assert "| full+copy |" in printed and "| lora+off |" in printed
+    assert "lora_reference" in sys.modules
+
+
+@pytest.fixture
+def throughput(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import ppo_throughput
+
+    return ppo_throughput
+
+
+@pytest.mark.parametrize("name", ["gpt2-4x256", "gpt2-124m", "qwen2-0.5b"])
+def test_preset_flop_counts_follow_the_models(throughput, name):
+    """The FLOP formula's weights per layer, width and vocabulary are those of the real models."""
+    import bench_world
+    from transformers import AutoModelForCausalLM
+
+    for p in (bench_world.preset(name), bench_world.preset(name, tiny=True)):
+        with torch.device("meta"):  # full-size shapes, no memory
+            model = AutoModelForCausalLM.from_config(bench_world.model_config(p))
+        layers = model.base_model.h if p.arch == "gpt2" else model.base_model.layers
+        matrices = [w for w in layers[0].parameters() if w.dim() == 2]
+        assert sum(w.numel() for w in matrices) == p.layer_weights
+        assert len(layers) == p.layers and model.config.vocab_size == p.vocab
+        assert model.get_output_embeddings().weight.shape == (p.vocab, p.width)
+
+
+def test_ppo_throughput_runs_tiny_presets_on_cpu(throughput, capsys, tmp_path):
+    """Our side in a worker process, at a GPU preset's architecture, tiny."""
+    # One worker: each costs an interpreter with torch, Lightning and transformers; a PPO
+    # batch with a separate value model runs in tests/perf/test_onednn.py.
+    from rlkl_lightning.perf import onednn as matmul
+
+    bf16 = bool(throughput.cpu_flags() & set(throughput.BF16_FLAGS))
+    args = ["--preset", "qwen2-0.5b", "--tiny", "--device", "cpu", "--threads", "1"]
+    args += ["--cpu-matmul", "onednn" if matmul.available() else "default"]
+    args += ["--precision", "bf16-mixed" if bf16 else "32-true", "--iters", "1", "--warmup", "0"]
+    args += ["--no-separate-value", "--batch", "6", "--world", str(tmp_path / "world")]
+    results = throughput.main(args)
+    printed = capsys.readouterr().out
+    assert "CPU bfloat16 flags:" in printed and "preset qwen2-0.5b-tiny" in printed
+    r = results["ours"]
+    assert r["optimizer_steps_per_iter"] == [4]  # 2 epochs x 2 minibatches
+    assert r["timed_iters"] == 1 and r["tokens_per_s"] > 0
+    assert results["config"]["prompts"] == 6  # --batch, instead of the tiny preset's 4
+    assert all(r["phase_median_s"][p] > 0 and r["phase_mfu"][p] > 0 for p in throughput.PHASES)
+    assert results["config"]["precision"] == ("bf16-mixed" if bf16 else "32-true")
+    assert set(results) == {"ours", "machine", "config"}
+    # The FLOPs of a separate value model: one more trunk in scoring and in the update.
+    shape = throughput.flops.Shape.of(throughput.preset("qwen2-0.5b", tiny=True, batch=6))
+    own, sep = (throughput.flops.phases(shape, s) for s in ("ours", "ours_separate_value"))
+    trunk = throughput.flops.trunk(shape, shape.batch, shape.seq)
+    assert sep["score"] - own["score"] == pytest.approx(trunk)
+    assert sep["update"] - own["update"] == pytest.approx(3 * shape.epochs * trunk)
+
+
+def test_bf16_is_skipped_where_the_cpu_has_no_bf16_units(throughput, capsys, monkeypatch):
+    monkeypatch.setattr(throughput, "cpu_flags", lambda: {"avx2", "fma"})
+    assert throughput.main(["--precision", "bf16-mixed", "--tiny"]) == {}
+    printed = capsys.readouterr().out
+    assert "CPU bfloat16 flags: none" in printed and "skipped:" in printed
+
+
+def test_cuda_without_a_gpu_is_refused(throughput, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as exit_info:
+        throughput.main(["--device", "cuda"])
+    assert exit_info.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+def test_profile_phases_runs_tiny(monkeypatch, capsys, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import profile_phases
+
+    args = ["--tiny", "--threads", "1", "--warmup", "0", "--iters", "1", "--profiled", "1"]
+    args += ["--separate-value", "--value-model-thread"]
+    profile_phases.main(args + ["--world", str(tmp_path / "world")])
+    printed = capsys.readouterr().out
+    assert "CPU seconds per iteration (median of 1): rollout" in printed
+    assert "separate value model in a second thread" in printed
+    for phase in ("rollout", "score", "update"):
+        assert f"\n{phase}: operators by self time" in printed
+    assert "calls  aten::" in printed

@@ -1,0 +1,240 @@
+"""Every YAML in configs/ is a test case: run for two batches with tiny local overrides.
+
+The real-model config needs the Hugging Face hub, so it is only parsed; the study configs are
+parsed here and run end to end (``--quick``) in compare/test_study.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rlkl_lightning.cli import main
+from rlkl_lightning.defaults import defaults_of
+from rlkl_lightning.kl.controllers import KL_LAWS
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+NEEDS_HUB = {"ppo_gpt2_imdb.yaml", "ppo_qwen_lora_bf16.yaml"}
+
+
+def scalar_tags(log_dir: Path) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (version,) = log_dir.glob("*/version_*")
+    acc = EventAccumulator(str(version))
+    acc.Reload()
+    return set(acc.Tags()["scalars"]) | {f"text:{t}" for t in acc.Tags()["tensors"]}
+
+
+def test_the_configs_are_all_here():
+    names = {c.name for c in CONFIGS}
+    assert {"ppo_adaptive.yaml", "ppo_fixed.yaml", "sft.yaml", "compare.yaml"} <= names
+    assert {"ppo_exponential.yaml", "ppo_pi.yaml", "compare_laws.yaml"} <= names
+    assert {"rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml", "compare_algorithms.yaml"} <= names
+    assert NEEDS_HUB <= names
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_config_opens_with_what_it_runs_and_the_command(config):
+    head = config.read_text().split("\n\n")[0]
+    assert head.startswith("# "), "a config opens with a comment saying what it runs"
+    assert config.name in head, "and the exact command"
+    assert "here" in head, "and how long it took here (or why it did not run here)"
+
+
+def _defaults(target) -> dict[str, Any]:
+    # Through **kwargs into the parents' signatures: PPOModule's defaults include RLPipeline's.
+    found = defaults_of(target)
+    return {name: d for name, d in found.items() if d is not inspect.Parameter.empty}
+
+
+def _restated(args: dict, defaults: dict[str, Any], where: str) -> list[str]:
+    """``where + name: value`` for every argument equal to its default (into nested classes)."""
+    found = []
+    for name, value in args.items():
+        if isinstance(value, dict) and "class_path" in value:
+            module, _, cls = value["class_path"].rpartition(".")
+            target = getattr(importlib.import_module(module), cls)
+            found += _restated(value.get("init_args") or {}, _defaults(target), f"{where}{name}.")
+        elif name in defaults and value == defaults[name]:
+            found.append(f"{where}{name}: {value!r}")
+    return found
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_configs_write_no_default_again(config):
+    from lightning.pytorch import Trainer
+
+    data = yaml.safe_load(config.read_text())
+    if config.name.startswith("compare"):  # a study config
+        from rlkl_lightning.compare import StudyConfig
+
+        fields = dataclasses.fields(StudyConfig)
+        defaults = {
+            f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            for f in fields
+        }
+        found = _restated(data, defaults, "")
+    else:
+        sections = {key: data[key] for key in ("model", "data") if key in data}
+        found = _restated(sections, {}, "") + _restated(
+            data["trainer"], _defaults(Trainer), "trainer"
+        )
+        # The `kl` group (KLSettings in cli.py) stays explicit while its defaults are reworked.
+    assert not found, f"{config.name} repeats the defaults {found}"
+
+
+LAW_CLASSES = {
+    "fixed": "FixedKLController",
+    "adaptive": "AdaptiveKLController",
+    "exponential": "ExponentialKLController",
+    "pi": "PIKLController",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["ppo_adaptive.yaml", "ppo_fixed.yaml", "ppo_exponential.yaml", "ppo_pi.yaml"]
+    + ["rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml"],
+)
+def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(["the film was", "this book is", "the food", "a story"] * 4))
+    cli = main(
+        ["fit", "--config", str(ROOT / "configs" / name)]
+        + [f"--model.policy={tiny_lm_dir}", "--model.max_prompt_tokens=8"]
+        + ["--model.max_new_tokens=6", "--model.log_samples_every=1"]
+        + [f"--data.prompts={prompts}", f"--data.heldout={prompts}", "--data.batch_size=4"]
+        + ["--trainer.max_steps=32", "--trainer.val_check_interval=2"]
+        + [f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}"]
+    )
+    config = yaml.safe_load((ROOT / "configs" / name).read_text())
+    module = cli.model
+    assert module.batches_seen == 2  # max_steps = 2 batches x 16 optimizer steps
+    controller, monitor = cli.trainer.callbacks[:2]
+    # The callbacks count responses: 4 prompts per batch, times RLOO's responses per prompt.
+    per_prompt = getattr(module.hparams, "responses_per_prompt", 1)
+    assert controller.n_samples == monitor.n_samples == module.samples_seen == 2 * 4 * per_prompt
+    assert monitor.target == config["kl"]["target"]  # given once, shared
+    law = controller.controller
+    assert type(law).__name__ == LAW_CLASSES[config["kl"]["controller"]]
+    for gain in ("k", "kp", "ki", "horizon"):  # the config's gains reach the law
+        assert getattr(law, gain, None) == config["kl"].get(gain, getattr(law, gain, None))
+    if config["kl"]["controller"] == "fixed":
+        assert module.kl_coef == module.hparams.init_kl_coef
+    else:
+        assert controller.controller.target == monitor.target
+        assert module.kl_coef != module.hparams.init_kl_coef
+    tags = scalar_tags(tmp_path / "runs")
+    for tag in ("objective/kl", "objective/kl_coef", "objective/score", "kl_monitor/target"):
+        assert tag in tags
+    assert {"val/perplexity", "val/perplexity_ref", "text:samples/text_summary"} <= tags
+    assert ("loss/kl" in tags) == (config["model"]["init_args"].get("kl_placement") == "loss")
+
+
+def test_sft_config_trains_and_exports_a_loadable_model(tiny_lm_dir, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(["the film was good", "this book is bad", "the food"] * 8))
+    export = tmp_path / "export"
+    main(
+        ["fit", "--config", str(ROOT / "configs" / "sft.yaml")]
+        + [f"--model.tokenizer={tiny_lm_dir}", f"--data.tokenizer={tiny_lm_dir}"]
+        + ["--model.n_layer=1", "--model.n_embd=16", "--model.n_head=2"]
+        + [f"--model.export_dir={export}", f"--data.train_files={texts}"]
+        + [f"--data.val_files={texts}", "--trainer.max_steps=2", "--trainer.val_check_interval=2"]
+        + [f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}"]
+    )
+    assert AutoModelForCausalLM.from_pretrained(export).config.n_layer == 1
+    assert "val/perplexity" in scalar_tags(tmp_path / "runs")
+
+
+def test_real_model_config_parses(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "configs" / "ppo_gpt2_imdb.yaml"), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["init_args"]["policy"] == "gpt2"
+    reward = printed["model"]["init_args"]["reward"]
+    assert reward["class_path"] == "rlkl_lightning.rewards.SequenceClassifierReward"
+    assert printed["kl"] == {**printed["kl"], "target": 6.0, "unit": "sequence"}
+
+
+def test_lora_bf16_config_parses_and_its_peft_and_chat_settings_build(capsys):
+    from rlkl_lightning.models.lora import peft_config
+
+    config = ROOT / "configs" / "ppo_qwen_lora_bf16.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    model, data = printed["model"]["init_args"], printed["data"]["init_args"]
+    assert model["policy"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert model["gradient_checkpointing"] is True
+    lora = peft_config(model["peft"])  # the YAML's fields make a valid LoraConfig
+    assert type(lora).__name__ == "LoraConfig" and lora.r == 16
+    assert data["chat_template"] is True and data["system_prompt"]
+    assert printed["trainer"]["precision"] == "bf16-mixed"
+    assert printed["kl"] == {**printed["kl"], "target": 6.0, "unit": "sequence"}
+
+
+def test_study_config_parses_and_names_existing_run_configs(monkeypatch):
+    from rlkl_lightning.compare import parse_args
+
+    monkeypatch.chdir(ROOT)
+    study, _ = parse_args(["--config", "configs/compare.yaml"])
+    assert set(study.runs) == {"fixed", "adaptive"}
+    assert all((ROOT / path).is_file() for path in study.runs.values())
+    study, _ = parse_args(["--config", "configs/compare_laws.yaml"])
+    configs = {name: yaml.safe_load((ROOT / p).read_text()) for name, p in study.runs.items()}
+    assert {name: c["kl"]["controller"] for name, c in configs.items()} == {
+        law: law for law in KL_LAWS
+    }  # every law, once, each under its own name
+    # The law runs differ in their `kl` group alone (and the logger's name, for a run alone).
+    for config in configs.values():
+        config["trainer"]["logger"]["init_args"]["name"] = "-"
+        config.pop("kl")
+    assert all(config == configs["adaptive"] for config in configs.values())
+    study, _ = parse_args(["--config", "configs/compare_algorithms.yaml"])
+    assert study.runs == {
+        "ppo": "configs/ppo_adaptive.yaml",
+        "rloo": "configs/rloo_adaptive.yaml",
+        "rloo_kl_loss": "configs/rloo_adaptive_kl_loss.yaml",
+    }
+
+
+def test_a_reward_named_by_class_path_in_the_config_is_the_one_used(
+    tiny_lm_dir, tmp_path, monkeypatch
+):
+    from helpers.tiny_models import save_tiny_classifier
+
+    from rlkl_lightning.rewards import SequenceClassifierReward
+
+    monkeypatch.chdir(tmp_path)
+    save_tiny_classifier(tmp_path / "clf")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(["the film was", "this book is"] * 4))
+    reward = {
+        "class_path": "rlkl_lightning.rewards.SequenceClassifierReward",
+        "init_args": {"model": str(tmp_path / "clf"), "label": "POSITIVE", "score": "prob"},
+    }
+    cli = main(
+        ["fit", "--config", str(ROOT / "configs" / "ppo_fixed.yaml")]
+        + [f"--model.policy={tiny_lm_dir}", "--model.max_prompt_tokens=8"]
+        + ["--model.max_new_tokens=4", f"--model.reward={yaml.safe_dump(reward)}"]
+        + [f"--data.prompts={prompts}", "--data.heldout=null", "--data.batch_size=4"]
+        + ["--trainer.max_steps=16", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    )
+    assert isinstance(cli.model.reward, SequenceClassifierReward)
+    score = float(cli.trainer.callback_metrics["objective/score"])
+    assert 0.0 < score < 1.0  # a probability: the classifier scored the batch

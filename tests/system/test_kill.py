@@ -1,0 +1,170 @@
+"""A ``train.py`` run killed with SIGKILL resumes with the README's command, bit for bit.
+
+Each test starts ``python train.py fit --config RUN.yaml`` as a process, kills it with
+``SIGKILL`` at a known point (a helper from ``helpers/kill_helpers.py`` named in the config stalls
+the process there and writes a marker file), and then runs the command the README gives, the same
+command plus ``--ckpt_path last``, in the same directory. The config is like
+``configs/ppo_adaptive.yaml`` (TensorBoardLogger with ``save_dir``/``name``, a
+``ModelCheckpoint`` without ``dirpath``, ``save_last``) with a tiny model made in the test:
+6 batches over 2 epochs, a checkpoint every 2 batches. Every scalar the resumed run's
+TensorBoard directory holds (beta, KL, score, losses, ...; timings excepted) must equal the
+uninterrupted run's, bit for bit, and so must the final weights and optimizer state.
+
+* one process, killed twice: first half-way through writing ``last.ckpt`` after batch 4 (the
+  previous ``last.ckpt``, after batch 2, stays complete and loadable; the half-written bytes
+  sit in ``.last.ckpt.partial``), then, resumed from batch 2, when batch 6 starts (the last
+  checkpoint is after batch 4 and batch 5 was trained and logged after it). Each resume
+  continues in the same ``version_0`` directory, and TensorBoard drops what a killed run logged
+  after the checkpoint that was resumed;
+* under DDP with 2 processes (gloo): the whole process group killed when batch 4 starts,
+  resumed, and compared with an uninterrupted 2-process run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.kill_runs import BATCHES, write_config
+
+from rlkl_lightning.checkpoints import check_checkpoint, partial_path
+
+TESTS = Path(__file__).resolve().parents[1]
+ROOT = TESTS.parent
+
+
+def command(config: Path, ddp: bool, *extra: str) -> list[str]:
+    """``python train.py fit --config RUN.yaml [...]``, as the README gives it."""
+    args = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(config), *extra]
+    if ddp:
+        args += ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
+    return args
+
+
+def start(config: Path, ddp: bool = False, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    log = open(config.parent / "log.txt", "a")  # noqa: SIM115
+    return subprocess.Popen(
+        command(config, ddp, *extra),
+        cwd=config.parent,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: a DDP job is killed whole
+    )
+
+
+def finish(proc: subprocess.Popen, config: Path) -> None:
+    assert proc.wait(timeout=300) == 0, (config.parent / "log.txt").read_text()[-4000:]
+
+
+def kill_at_marker(proc: subprocess.Popen, config: Path, marker: str) -> None:
+    """SIGKILL the process group once the helper wrote its marker."""
+    deadline = time.monotonic() + 300
+    while not (config.parent / marker).exists():
+        assert proc.poll() is None, (config.parent / "log.txt").read_text()[-4000:]
+        assert time.monotonic() < deadline, "the run never reached the kill point"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+
+
+def scalars(config: Path) -> dict[str, dict[int, float]]:
+    """Every scalar of the run's one TensorBoard directory, as TensorBoard shows it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (version,) = (config.parent / "runs" / "tiny").glob("version_*")
+    events = EventAccumulator(str(version), size_guidance={"scalars": 0})
+    events.Reload()
+    return {
+        tag: {e.step: e.value for e in events.Scalars(tag)}
+        for tag in events.Tags()["scalars"]
+        if not tag.startswith("perf/")
+    }
+
+
+def last_checkpoint(config: Path) -> dict:
+    (path,) = (config.parent / "runs" / "tiny").glob("version_*/checkpoints/last.ckpt")
+    return torch.load(path, weights_only=False)
+
+
+def assert_same_run(resumed: Path, full: Path) -> None:
+    got, want = scalars(resumed), scalars(full)
+    assert got.keys() == want.keys()
+    for key in ("objective/kl_coef", "objective/kl", "objective/score", "loss/policy"):
+        assert sorted(want[key]) == list(range(BATCHES)), key
+    for key in want:
+        assert got[key] == want[key], key
+    a, b = last_checkpoint(resumed), last_checkpoint(full)
+    assert a["rlkl_counters"] == b["rlkl_counters"]
+    assert a["rlkl_counters"]["batches_seen"] == BATCHES
+    for key in b["state_dict"]:
+        assert torch.equal(a["state_dict"][key], b["state_dict"][key]), key
+    for x, y in zip(
+        a["optimizer_states"][0]["state"].values(),
+        b["optimizer_states"][0]["state"].values(),
+        strict=True,
+    ):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    kl_states = [k for k in b["callbacks"] if k.startswith(("KLController", "KLDrift"))]
+    assert len(kl_states) == 2
+    for key in kl_states:
+        assert a["callbacks"][key] == b["callbacks"][key]
+
+
+def test_a_run_killed_while_writing_and_after_a_checkpoint_resumes_each_time(tiny_lm_dir, tmp_path):
+    full = write_config(tmp_path, tiny_lm_dir, "full")
+    cut = write_config(tmp_path, tiny_lm_dir, "cut", stall_write=True, stall_at=6)
+    version = cut.parent / "runs" / "tiny" / "version_0"
+    last = version / "checkpoints" / "last.ckpt"
+    full_proc = start(full)
+
+    # 1. Killed half-way through writing last.ckpt after batch 4: the one after batch 2 stays.
+    kill_at_marker(start(cut), cut, "killed_in_write")
+    partial = partial_path(last)
+    assert 0 < partial.stat().st_size == int((cut.parent / "killed_in_write").read_text()) // 2
+    with pytest.raises(Exception):  # noqa: B017 (a torch RuntimeError or a pickle error)
+        torch.load(partial, weights_only=False)
+    assert check_checkpoint(last)["rlkl_counters"]["batches_seen"] == 2
+
+    # 2. Resumed from batch 2; killed again when batch 6 starts (last.ckpt after batch 4 and
+    # batch 5 logged after it).
+    kill_at_marker(start(cut, False, "--ckpt_path", "last"), cut, "killed_before_batch")
+    assert not partial.exists()  # the resumed run wrote last.ckpt again, through it
+    assert check_checkpoint(last)["rlkl_counters"]["batches_seen"] == 4
+    assert 4 in scalars(cut)["objective/kl"]  # batch 5 was logged after the last checkpoint
+
+    # 3. Resumed from batch 4, to the end.
+    finish(start(cut, False, "--ckpt_path", "last"), cut)
+    finish(full_proc, full)
+    assert [p.name for p in (cut.parent / "runs" / "tiny").iterdir()] == ["version_0"]
+    assert len(list(version.glob("events.out.tfevents.*"))) == 3  # one per process
+    assert_same_run(cut, full)
+    log = (cut.parent / "log.txt").read_text()
+    assert log.count(f"Restored all states from the checkpoint at {last}") == 2
+    # The uninterrupted run's console: no warning, no tips, a bar over the run's 6 batches.
+    console = (full.parent / "log.txt").read_text()
+    assert not re.findall(r"^.*\.py:\d+: .*$", console, flags=re.MULTILINE)
+    assert "Tip" not in console and "Epoch" not in console
+    assert re.search(r"Training +\S+ 6/6 ", console)
+
+
+def test_a_ddp_run_killed_after_a_checkpoint_resumes_with_the_readme_command(tiny_lm_dir, tmp_path):
+    full = write_config(tmp_path, tiny_lm_dir, "full")
+    cut = write_config(tmp_path, tiny_lm_dir, "cut", stall_at=4)
+    full_proc, cut_proc = start(full, True), start(cut, True)
+    kill_at_marker(cut_proc, cut, "killed_before_batch")
+    assert last_checkpoint(cut)["rlkl_counters"]["batches_seen"] == 2
+    assert 2 in scalars(cut)["objective/kl"]  # batch 3 was logged after the last checkpoint
+    finish(start(cut, True, "--ckpt_path", "last"), cut)
+    finish(full_proc, full)
+    assert_same_run(cut, full)
+    assert len(last_checkpoint(cut)["rlkl_rng"]["cpu"]) == 2  # both ranks' random streams
+    assert (cut.parent / "log.txt").read_text().count("Restored all states") == 1

@@ -1,0 +1,340 @@
+"""Exact resume: a run interrupted after N batches and resumed equals the uninterrupted run.
+
+Everything runs on the CPU with fixed seeds, and the comparisons are bit-for-bit (``==`` on
+floats, ``torch.equal`` on tensors): the same prompts in every batch, the same beta sequence,
+losses and KLs, the same drift-monitor window, and the same final weights and optimizer state.
+This holds because checkpoints carry the controller and monitor state, the sample counters, the
+optimizer, the torch RNG state (rollouts and minibatch order) and the data loader's position in
+its epoch, and the prompt order depends only on (seed, epoch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from helpers.trainers import fit_on_prompts
+from lightning.pytorch import Callback, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from rlkl_lightning import (
+    AdaptiveKLController,
+    KLControllerCallback,
+    KLDriftMonitor,
+    PPOModule,
+    RLOOModule,
+)
+from rlkl_lightning.checkpoints import AtomicCheckpointIO
+from rlkl_lightning.data import PromptDataModule
+
+WORDS = "the film was good bad this book is very not a story food nice dull plot".split()
+# 12 prompts, 4 per batch: 3 batches per epoch; 2 epochs = 6 batches, interrupted after 4.
+PROMPTS = [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(2 + i % 3)) for i in range(12)]
+BATCH = 4
+PPO_EPOCHS, MINIBATCHES = 1, 2
+STEPS_PER_BATCH = PPO_EPOCHS * MINIBATCHES  # trainer.global_step counts optimizer steps
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+#: Responses per prompt of the RLOO runs (RLOO with the KL in the loss: the other code paths).
+RLOO = {"responses_per_prompt": 2, "kl_placement": "loss"}
+
+
+def module(policy_dir, algorithm: str = "ppo") -> PPOModule | RLOOModule:
+    cls, extra = (RLOOModule, RLOO) if algorithm == "rloo" else (PPOModule, {})
+    return cls(
+        **extra,
+        policy=str(policy_dir),
+        init_kl_coef=0.2,
+        max_prompt_tokens=8,
+        max_new_tokens=6,
+        ppo_epochs=PPO_EPOCHS,
+        num_minibatches=MINIBATCHES,
+        lr=3e-3,
+        log_samples_every=0,
+    )
+
+
+class Recorder(Callback):
+    """What every batch used and produced, in training order."""
+
+    def __init__(self):
+        self.rows: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.rows.append(
+            {
+                "epoch": trainer.current_epoch,
+                "batch_idx": batch_idx,
+                "prompts": list(batch["prompt"]),
+                "beta_used": pl_module.kl_coef,
+            }
+        )
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        m = trainer.callback_metrics
+        for key in ("objective/kl", "objective/kl_coef", "loss/policy", "loss/value", "loss/kl"):
+            if key in m:
+                self.rows[-1][key] = float(m[key])
+
+
+class SimulatedCrash(RuntimeError):
+    """A failure in the middle of training (stands for a kill, an OOM, a node failure)."""
+
+
+class Crash(Callback):
+    """Crash the run when batch ``at`` (0-based, over the whole run) starts."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at * STEPS_PER_BATCH:
+            raise SimulatedCrash(f"crash at batch {self.at}")
+
+
+def run(
+    policy_dir, prompts_file, ckpt_dir, extra=(), ckpt_path=None, algorithm="ppo", checkpoint=True
+):
+    seed_everything(0)
+    model = module(policy_dir, algorithm)
+    controller = KLControllerCallback(AdaptiveKLController(0.2, target=0.35, horizon=40))
+    monitor = KLDriftMonitor(target=0.35, window=10, min_batches=2, verbose=False)
+    recorder = Recorder()
+    callbacks = [controller, monitor, recorder, *extra]
+    if checkpoint:
+        every_batch = dict(save_last=True, save_top_k=-1, every_n_train_steps=STEPS_PER_BATCH)
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, **every_batch))
+    data = PromptDataModule(prompts=str(prompts_file), heldout=None, batch_size=BATCH, seed=5)
+    trainer = fit_on_prompts(
+        model,
+        data,
+        callbacks=callbacks,
+        ckpt_path=ckpt_path,
+        max_epochs=2,
+        plugins=[AtomicCheckpointIO()],
+    )
+    return trainer, model, controller, monitor, recorder
+
+
+def _unique_storages(state: dict) -> list:
+    seen, out = set(), []
+    for tensor in state.values():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            out.append(tensor)
+    return out
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
+def test_interrupted_and_resumed_run_equals_the_uninterrupted_run(
+    tiny_lm_dir, prompts_file, tmp_path, algorithm
+):
+    samples = BATCH * (RLOO["responses_per_prompt"] if algorithm == "rloo" else 1)
+    _, full, full_ctl, full_mon, full_rec = run(
+        tiny_lm_dir, prompts_file, tmp_path / "full", algorithm=algorithm
+    )
+    assert len(full_rec.rows) == 6
+    assert len({r["beta_used"] for r in full_rec.rows}) == 6  # beta moves every batch
+
+    # Crashes when batch 4 (epoch 1, batch 1) starts: the last checkpoint is after batch 3.
+    with pytest.raises(SimulatedCrash):
+        run(tiny_lm_dir, prompts_file, tmp_path / "cut", extra=[Crash(at=4)], algorithm=algorithm)
+    last = tmp_path / "cut" / "last.ckpt"
+    saved = torch.load(last, weights_only=True)
+    assert saved["rlkl_counters"]["batches_seen"] == 4
+    assert saved["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 1
+
+    _, resumed, ctl, mon, rec = run(
+        tiny_lm_dir, prompts_file, tmp_path / "cut", ckpt_path=last, algorithm=algorithm
+    )
+    # The resumed run trains exactly the two batches the full run trained after batch 4,
+    # on the same prompts, with the same beta, and gets the same losses and KLs, bit for bit.
+    assert rec.rows == full_rec.rows[4:]
+    assert ctl.state_dict() == full_ctl.state_dict()
+    assert mon.state_dict() == full_mon.state_dict()
+    assert (ctl.n_batches, ctl.n_samples) == (6, 6 * samples)
+    assert resumed.kl_coef == full.kl_coef
+    assert (resumed.batches_seen, resumed.samples_seen) == (6, 6 * samples)
+    assert_same_tensors(
+        {k: v for k, v in resumed.state_dict().items()},
+        {k: v for k, v in full.state_dict().items()},
+    )
+    full_opt = torch.load(tmp_path / "full" / "last.ckpt", weights_only=True)
+    res_opt = torch.load(tmp_path / "cut" / "last.ckpt", weights_only=True)
+    for a, b in zip(
+        full_opt["optimizer_states"][0]["state"].values(),
+        res_opt["optimizer_states"][0]["state"].values(),
+        strict=True,
+    ):
+        assert_same_tensors(a, b)
+
+
+def test_checkpoints_do_not_change_the_run(tiny_lm_dir, prompts_file, tmp_path):
+    """Writing a checkpoint after every batch draws no random number and changes nothing."""
+    _, with_ckpt, *_, rec = run(tiny_lm_dir, prompts_file, tmp_path / "a")
+    _, without, *_, rec_without = run(tiny_lm_dir, prompts_file, None, checkpoint=False)
+    assert len(list((tmp_path / "a").glob("*.ckpt"))) == 7  # a file per batch, and last.ckpt
+    assert rec.rows == rec_without.rows
+    assert_same_tensors(with_ckpt.state_dict(), without.state_dict())
+
+
+def test_rng_states_saved_as_views_restore_each_ranks_stream():
+    """A DDP checkpoint of older versions held views into one gathered tensor."""
+    from types import SimpleNamespace
+
+    from rlkl_lightning.algorithms.resume import restore_rng_states
+
+    torch.manual_seed(1)
+    rank0 = torch.get_rng_state()
+    torch.manual_seed(2)
+    rank1 = torch.get_rng_state()
+    gathered = torch.stack([rank0, rank1])
+    views = {"cpu": list(gathered.unbind(0))}
+    assert views["cpu"][1].storage_offset() > 0  # what crashed torch.set_rng_state
+    trainer = SimpleNamespace(global_rank=1, world_size=2)
+    restore_rng_states(views, trainer, torch.device("cpu"), "test")
+    assert torch.equal(torch.get_rng_state(), rank1)
+
+
+def test_checkpoint_contents_and_no_reference_copy(tiny_lm_dir, prompts_file, tmp_path):
+    """Everything a resume needs is in the checkpoint; the frozen reference is not."""
+    with pytest.raises(SimulatedCrash):
+        run(tiny_lm_dir, prompts_file, tmp_path, extra=[Crash(at=1)])
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    weights = ckpt["state_dict"]
+    assert not [k for k in weights if k.startswith("reference.")]
+    assert any(k.startswith("policy.") for k in weights)
+    assert any(k.startswith("value_head.") for k in weights)
+    # Adding the reference back makes the file larger by the reference's weights: it holds
+    # no hidden copy of them either.
+    reference = module(tiny_lm_dir).reference.state_dict()
+    ref_bytes = sum(t.untyped_storage().nbytes() for t in _unique_storages(reference))
+    torch.save(
+        {**ckpt, "state_dict": {**weights, **{f"reference.{k}": v for k, v in reference.items()}}},
+        tmp_path / "with_ref.ckpt",
+    )
+    grown = (tmp_path / "with_ref.ckpt").stat().st_size - (tmp_path / "last.ckpt").stat().st_size
+    assert grown >= 0.95 * ref_bytes, (grown, ref_bytes)
+    states = ckpt["callbacks"]
+    controller = next(v for k, v in states.items() if k.startswith("KLControllerCallback"))
+    monitor = next(v for k, v in states.items() if k.startswith("KLDriftMonitor"))
+    assert controller["controller"]["law"] == "adaptive" and controller["n_samples"] == BATCH
+    assert len(monitor["values"]) == 1
+    assert ckpt["rlkl_counters"]["samples_seen"] == BATCH
+    assert ckpt["optimizer_states"][0]["state"]  # AdamW moments
+    assert len(ckpt["rlkl_rng"]["cpu"]) == 1  # one RNG state per process
+    # The data loader's place in its epoch (Lightning stores stateful loaders' states).
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
+        {"epoch": 0, "batches": 1}
+    ]
+
+
+# ---- through the LightningCLI: `fit --ckpt_path last` ---------------------------------------
+
+
+def cli_config(tmp_path, policy_dir, prompts_file, name: str) -> str:
+    config = {
+        "seed_everything": 0,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_epochs": 3,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                "init_args": {"save_dir": str(tmp_path / name / "runs"), "name": "run"},
+            },
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {
+                        "dirpath": str(tmp_path / name / "ckpt"),
+                        "save_last": True,
+                        "every_n_train_steps": STEPS_PER_BATCH,
+                    },
+                }
+            ],
+        },
+        "model": {
+            "class_path": "rlkl_lightning.PPOModule",
+            "init_args": {
+                "policy": str(policy_dir),
+                "init_kl_coef": 0.2,
+                "max_prompt_tokens": 8,
+                "max_new_tokens": 6,
+                "ppo_epochs": PPO_EPOCHS,
+                "num_minibatches": MINIBATCHES,
+                "lr": 3e-3,
+                "log_samples_every": 0,
+            },
+        },
+        "data": {
+            "class_path": "rlkl_lightning.data.PromptDataModule",
+            "init_args": {
+                "prompts": str(prompts_file),
+                "heldout": None,
+                "batch_size": BATCH,
+                "seed": 1,
+            },
+        },
+        "kl": {"controller": "adaptive", "target": 0.35, "horizon": 40.0, "window": 10},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def scalars(log_dir, key: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = {}
+    for version in sorted(log_dir.glob("run/version_*")):
+        events = EventAccumulator(str(version))
+        events.Reload()
+        values.update({e.step: e.value for e in events.Scalars(key)})
+    return values
+
+
+def test_cli_fit_ckpt_path_last_continues_exactly(tiny_lm_dir, prompts_file, tmp_path):
+    from rlkl_lightning.cli import main
+
+    n = 2  # batches before the stop; 4 in all (crossing the epoch boundary after batch 3)
+    full = cli_config(tmp_path, tiny_lm_dir, prompts_file, "full")
+    main(["fit", "--config", full, f"--trainer.max_steps={2 * n * STEPS_PER_BATCH}"])
+    cut = cli_config(tmp_path, tiny_lm_dir, prompts_file, "cut")
+    main(["fit", "--config", cut, f"--trainer.max_steps={n * STEPS_PER_BATCH}"])
+    main(
+        ["fit", "--config", cut, f"--trainer.max_steps={2 * n * STEPS_PER_BATCH}"]
+        + ["--ckpt_path", "last"]
+    )
+    a = torch.load(tmp_path / "full" / "ckpt" / "last.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "ckpt" / "last.ckpt", weights_only=True)
+    assert a["rlkl_counters"] == b["rlkl_counters"]
+    assert a["rlkl_counters"]["batches_seen"] == 2 * n
+    kl_states = [k for k in a["callbacks"] if k.startswith(("KLController", "KLDrift"))]
+    assert len(kl_states) == 2
+    for key in kl_states:  # controller (beta, counters) and the monitor's window of all KLs
+        assert a["callbacks"][key] == b["callbacks"][key]
+    assert len(a["callbacks"][kl_states[1]]["values"]) == 2 * n
+    assert_same_tensors(a["state_dict"], b["state_dict"])
+    for key in ("objective/kl_coef", "objective/kl", "loss/policy", "loss/value"):
+        full_log = scalars(tmp_path / "full" / "runs", key)
+        cut_log = scalars(tmp_path / "cut" / "runs", key)
+        assert len(full_log) == 2 * n
+        assert cut_log == full_log, key

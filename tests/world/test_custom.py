@@ -1,0 +1,342 @@
+"""A world from the user's texts: every format, cleaning, cache, determinism, errors, the study.
+
+One tiny world (a 1-layer model, 3 SFT steps) is built from a corpus in every format at once
+and shared by the tests; a second build checks determinism.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlkl_lightning.world import build as build_module
+from rlkl_lightning.world.custom import (
+    DEFAULT_TRAIN_CHARS,
+    CustomWorldConfig,
+    build_custom_world,
+    openings,
+    resolve,
+    sft_schedule,
+    subsample,
+    world_key,
+)
+from rlkl_lightning.world.read import clean_text, read_corpus
+
+ROOT = Path(__file__).resolve().parents[2]
+WORDS = (
+    "river stone quiet garden lamp window morning paper coffee train winter harbour "
+    "letter music field cloud bridge market candle forest"
+).split()
+
+
+def sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def tiny(**overrides) -> CustomWorldConfig:
+    """A world that builds in a few seconds (its model learns next to nothing)."""
+    settings = dict(
+        vocab_size=300, n_layer=1, n_head=2, n_embd=16, n_positions=64, sft_steps=3, batch_size=8
+    )
+    return CustomWorldConfig(**(settings | overrides))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict[str, Path]:
+    """The same kind of text in every format, with the mess real files have."""
+    import datasets
+
+    rng = random.Random(0)
+    tmp = tmp_path_factory.mktemp("corpus")
+    lines = [f"line {i}: {sentence(rng, 6)}" for i in range(30)]
+    lines[3] = "Crème brûlée ☕ and 東京 " + lines[3]  # unicode survives
+    lines[4] = lines[5]  # a duplicate
+    lines[6] = "long " * 400  # 2,000 characters: cut to max_chars
+    body = "\r\n".join(lines[:10]) + "\r\n\r\n" + "\r\n".join(lines[10:])  # CRLF, a blank line
+    (tmp / "lines.txt").write_bytes(body.encode())
+    paragraphs = [f"para {i} {sentence(rng, 5)}\n{sentence(rng, 5)}\n" for i in range(15)]
+    (tmp / "paragraphs.txt").write_text("\n".join(paragraphs))  # hard-wrapped prose
+    rows = [{"id": i, "review": f"csv {i} {sentence(rng, 7)}", "stars": i % 5} for i in range(15)]
+    rows[0]["review"] = 'a "quoted"\nmultiline field ' + rows[0]["review"]
+    datasets.Dataset.from_list(rows).to_csv(tmp / "table.csv", index=False)
+    with open(tmp / "rows.jsonl", "w") as handle:
+        for i in range(15):
+            row = {"meta": "x", "content": f"json {i} {sentence(rng, 7)}"}
+            handle.write(json.dumps(row) + "\n")
+    handle_rows = [{"sentence": f"arrow {i} {sentence(rng, 7)}", "n": i} for i in range(10)]
+    data = datasets.Dataset.from_list(handle_rows)
+    datasets.DatasetDict({"train": data, "test": data.select(range(2))}).save_to_disk(
+        str(tmp / "saved")
+    )
+    return {p.name: p for p in tmp.iterdir()}
+
+
+@pytest.fixture(scope="module")
+def sources(corpus) -> list[str]:
+    return [str(corpus[n]) for n in ("lines.txt", "paragraphs.txt", "table.csv", "rows.jsonl")] + [
+        str(corpus["saved"])
+    ]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("rlkl_cache")
+
+
+@pytest.fixture(scope="module")
+def world(sources, cache):
+    return build_custom_world(sources, tiny(), cache_dir=cache, progress=False, num_threads=1)
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def test_every_format_is_read_and_cleaned(corpus, sources):
+    texts, stats = read_corpus(sources, max_chars=1000)
+    assert stats["units"] == {
+        str(corpus["lines.txt"]): "line",
+        str(corpus["paragraphs.txt"]): "paragraph",
+    }
+    by_kind = {k: [t for t in texts if t.startswith(k)] for k in ("line", "para", "csv", "json")}
+    assert len(by_kind["line"]) == 27  # 30 lines: a duplicate, "Crème ...", "long ..."
+    assert len(by_kind["para"]) == 15 and all(len(t.split()) == 12 for t in by_kind["para"])
+    assert len(by_kind["csv"]) == 14 and len(by_kind["json"]) == 15  # by column name
+    assert sum(t.startswith("arrow") for t in texts) == 10  # the DatasetDict's train split
+    assert any(t.startswith("Crème brûlée ☕ and 東京") for t in texts)
+    assert 'a "quoted" multiline field csv 0' in " ".join(texts)  # newline in a field: a space
+    assert all("\r" not in t and "\n" not in t and t == t.strip() for t in texts)
+    assert stats["duplicates"] == 1 and stats["truncated"] == 1
+    assert stats["kept"] == len(texts) == stats["read"] - 1 == 29 + 15 + 15 + 15 + 10
+    assert max(len(t) for t in texts) == 999  # "long long ... long": cut at a space
+
+
+def test_units_and_cleaning(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("one two\nthree four\n\nfive six\n")
+    assert read_corpus(str(path), unit="line")[0] == ["one two", "three four", "five six"]
+    assert read_corpus(str(path), unit="paragraph")[0] == ["one two three four", "five six"]
+    # one text per line with a stray blank line among many lines: lines
+    path.write_text("\n".join(f"text {i}" for i in range(50)) + "\n\ntext 50\n")
+    assert len(read_corpus(str(path))[0]) == 51
+    assert clean_text("Cafe\u0301\x07 \t tab\x1b[0m", 100) == ("Café tab [0m", False)  # NFC
+    assert clean_text("aaaa bbbb cccc", 11) == ("aaaa bbbb", True)  # at a space
+    assert clean_text("a" * 30, 10) == ("a" * 10, True)  # no space near the end: hard cut
+
+
+def test_openings_leave_words_to_write():
+    texts = [
+        "one two three four five six seven",
+        "short text",
+        "a b c",
+        "東京は今日も晴れです。" * 3,
+    ]
+    prompts = openings(texts, 2, 5, seed=0)
+    assert prompts[0] in {" ".join(texts[0].split()[:k]) for k in range(2, 6)}
+    assert prompts[1] == "a b"  # "short text" has too few words; "a b c" keeps "c" to write
+    assert len(prompts) == 3 and texts[3].startswith(prompts[2]) and 4 <= len(prompts[2]) <= 10
+
+
+def test_sizes_scale_with_the_corpus():
+    config = CustomWorldConfig()
+    small, default, large = (
+        resolve(config, n, int(DEFAULT_TRAIN_CHARS * r))
+        for n, r in ((3_000, 0.1), (20_000, 1.0), (20_000, 8.0))
+    )
+    assert (small.vocab_size, default.vocab_size, large.vocab_size) == (640, 2048, 4096)
+    assert (small.n_layer, default.n_layer, large.n_layer) == (3, 3, 4)
+    assert small.n_embd == large.n_embd == 128
+    assert (small.num_validation, small.num_test) == (150, 300)
+    assert (default.num_validation, default.num_test) == (500, 1_000)
+    # 4 epochs of a small corpus; the token budget for a large one; never above 800 steps
+    assert sft_schedule(small, 2_550, 2_550 * 40).sft_steps == 319
+    assert sft_schedule(small, 18_500, 18_500 * 120).sft_steps == 261
+    assert sft_schedule(small, 18_500, 18_500 * 5).sft_steps == 800
+    assert sft_schedule(small, 50, 500).sft_steps == 100
+    given = sft_schedule(CustomWorldConfig(sft_steps=7, warmup_steps=0), 50, 500)
+    assert (given.sft_steps, given.warmup_steps, given.val_check_interval) == (7, 0, 3)
+
+
+# --- the built world -----------------------------------------------------------------------
+
+
+def test_world_holds_splits_prompts_tokenizer_model_and_study_settings(world, sources):
+    texts = set(read_corpus(sources)[0])
+    splits = {s: world.texts(s) for s in ("train", "validation", "test")}
+    assert {len(v) for k, v in splits.items() if k != "train"} == {10}
+    assert set().union(*map(set, splits.values())) == texts  # every text in one split
+    assert sum(map(len, splits.values())) == len(texts)
+    assert all(any(t.startswith(p) for t in splits["test"]) for p in world.prompts())
+    assert world.report["sft_steps"] == 3 and world.config.vocab_size == 300
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert AutoModelForCausalLM.from_pretrained(world.model_dir).config.n_embd == 16
+    assert len(AutoTokenizer.from_pretrained(world.model_dir)) == 300
+    study = yaml.safe_load((world.root / "study.yaml").read_text())
+    assert study["model"]["init_args"]["policy"] == "./model"
+    assert study["data"]["init_args"] == {"prompts": "./prompts.jsonl", "heldout": "./test.jsonl"}
+    assert 3 <= study["model"]["init_args"]["max_prompt_tokens"] <= 32
+
+
+def test_second_build_is_a_cache_hit(world, sources, cache, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("rebuilt a cached world")
+
+    monkeypatch.setattr(build_module, "_train_and_evaluate", fail)
+    again = build_custom_world(sources, tiny(), cache_dir=cache, progress=False)
+    assert again.root == world.root and world.root.parent == cache
+    assert again.report == world.report
+
+
+def test_same_seed_same_world_and_another_seed_another_world(world, sources, tmp_path):
+    from safetensors.torch import load_file
+
+    twin = build_custom_world(sources, tiny(), out=tmp_path / "twin", progress=False, num_threads=1)
+    assert twin.root == tmp_path / "twin"
+    for name in ("train.jsonl", "validation.jsonl", "test.jsonl", "prompts.jsonl"):
+        assert (twin.root / name).read_bytes() == (world.root / name).read_bytes(), name
+    tokenizer = "tokenizer/tokenizer.json"
+    assert (twin.root / tokenizer).read_bytes() == (world.root / tokenizer).read_bytes()
+    weights = [load_file(w.model_dir / "model.safetensors") for w in (world, twin)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(weights[0][k].equal(weights[1][k]) for k in weights[0])
+    # another seed into the same --out: that world is replaced by another split of the texts
+    other = build_custom_world(
+        sources, tiny(seed=1), out=tmp_path / "twin", progress=False, num_threads=1
+    )
+    assert other.root == twin.root and set(other.texts("test")) != set(world.texts("test"))
+    assert json.loads((other.root / "world.json").read_text())["settings"]["seed"] == 1
+    texts = read_corpus(sources)[0]
+    settings = resolve(tiny(), len(texts), 10_000)
+    assert world_key(texts, settings) != world_key(texts, resolve(tiny(seed=1), len(texts), 10_000))
+    assert world_key(texts, settings) != world_key(texts[1:], settings)
+
+
+def test_the_command_prints_the_world_and_the_study_command(
+    world, sources, cache, monkeypatch, capsys
+):
+    from rlkl_lightning.world.__main__ import main
+
+    monkeypatch.setenv("RLKL_CACHE", str(cache))
+    flags = ["--vocab_size=300", "--n_layer=1", "--n_head=2", "--n_embd=16", "--n_positions=64"]
+    flags += ["--sft_steps=3", "--batch_size=8", "--quiet"]
+    assert main(["--texts", *sources, *flags]).root == world.root  # cached: built by the fixture
+    printed = capsys.readouterr().out
+    assert f"world: {world.root}" in printed
+    assert "texts: 85 read (line, paragraph), 0 empty, 1 duplicates, 1 cut" in printed
+    assert "splits: train 64, validation 10, test 10" in printed
+    assert (
+        f"python -m rlkl_lightning.compare --config configs/compare.yaml --world {world.root}"
+        in printed
+    )
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+def test_bad_input_names_the_option_and_the_allowed_values(tmp_path, corpus):
+    def fails(sources, match, config=None, **kwargs):
+        with pytest.raises(ValueError, match=match):
+            build_custom_world(sources, config or tiny(), cache_dir=tmp_path, **kwargs)
+
+    (tmp_path / "notes.docx").write_bytes(b"PK")
+    fails([str(tmp_path / "notes.docx")], r"`--texts` .*unsupported type '.docx'; allowed: \[")
+    fails([str(tmp_path / "missing.txt")], "`--texts` file not found")
+    (tmp_path / "blank.txt").write_text("\n \r\n\t\n")
+    fails([str(tmp_path / "blank.txt")], "hold no non-empty text")
+    (tmp_path / "few.txt").write_text("\n".join(f"text number {i}" for i in range(30)))
+    fails([str(tmp_path / "few.txt")], r"too few texts .*`--num_validation`.*`--num_test`")
+    (tmp_path / "words.txt").write_text("\n".join(f"word{i}" for i in range(60)))
+    fails([str(tmp_path / "words.txt")], "`--prompt_min_words`")
+    (tmp_path / "two.csv").write_text("title,author\n" + "a b,c d\n" * 5)
+    fails(
+        [str(tmp_path / "two.csv")], r"no column named like text .*\['title', 'author'\].*--column"
+    )
+    fails([str(corpus["table.csv"])], r"`--column` 'body' not found", tiny(column="body"))
+    fails(
+        [str(corpus["saved"])],
+        r"no split 'validation'; allowed: \['test', 'train'\]",
+        tiny(split="validation"),
+    )
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("not a world")
+    mixed = [str(corpus[n]) for n in ("lines.txt", "rows.jsonl", "table.csv")]
+    fails(mixed, "`--out` .* is not a world", out=tmp_path / "mine")
+    assert (tmp_path / "mine" / "keep.txt").read_text() == "not a world"
+    fails(mixed, "`--out` .* is not a world", out=tmp_path / "mine" / "keep.txt")
+    with pytest.raises(
+        ValueError, match=r"`--unit` must be one of \['auto', 'line', 'paragraph'\]"
+    ):
+        CustomWorldConfig(unit="word")
+    with pytest.raises(ValueError, match="`--max_texts` must be an integer >= 1"):
+        CustomWorldConfig(max_texts=0)
+    with pytest.raises(ValueError, match="`--n_embd` \\(128\\) must be divisible by `--n_head`"):
+        CustomWorldConfig(n_head=3)
+    with pytest.raises(ValueError, match="`--n_positions` must be >= 48"):
+        CustomWorldConfig(n_positions=32)
+
+
+def test_a_large_corpus_is_subsampled_to_max_texts():
+    texts = [f"text {i}" for i in range(200)]
+    chosen = subsample(texts, 50, seed=0)
+    assert len(chosen) == 50 and chosen == sorted(chosen, key=texts.index)  # order kept
+    assert chosen == subsample(texts, 50, seed=0) != subsample(texts, 50, seed=1)
+    assert subsample(texts, 200, seed=0) is texts
+
+
+# --- the study on a world ------------------------------------------------------------------
+
+
+def test_study_runs_point_at_the_world(world, tmp_path):
+    from rlkl_lightning.compare import StudyConfig, parse_args
+    from rlkl_lightning.compare.runs import plan_runs
+
+    stale = {
+        "model": {
+            "init_args": {
+                "reference": "/elsewhere",
+                "tokenizer": "/elsewhere",
+                "gold_reward": {"class_path": "the.default.worlds.GoldReward"},
+            }
+        },
+        "data": {"init_args": {"prompt_words": 3, "prompt_column": "review", "num_heldout": 8}},
+    }
+    runs = {g: str(ROOT / "configs" / f"ppo_{g}.yaml") for g in ("fixed", "adaptive")}
+    study = StudyConfig(runs=runs, seeds=2, batches=2, overrides=stale, world=str(world.root))
+    planned = plan_runs(study, tmp_path)
+    assert len(planned) == 4
+    for run in planned:
+        config = yaml.safe_load(run.config.read_text())
+        model, data = config["model"]["init_args"], config["data"]["init_args"]
+        assert model["policy"] == str(world.model_dir.resolve())
+        assert not {"reference", "tokenizer", "gold_reward"} & model.keys()
+        assert data["prompts"] == str((world.root / "prompts.jsonl").resolve())
+        assert data["heldout"] == str((world.root / "test.jsonl").resolve())
+        assert "prompt_words" not in data and "prompt_column" not in data
+        assert data["num_heldout"] == 8  # the study's other overrides stay
+    with pytest.raises(ValueError, match="compare: `world` .* is not a world built by"):
+        plan_runs(StudyConfig(runs=runs, world=str(tmp_path)), tmp_path)
+    argv = ["--config", str(ROOT / "configs" / "compare.yaml"), "--world", str(world.root)]
+    assert parse_args(argv + ["--quick"])[0].world == str(world.root)  # the flag, also --quick
+
+
+def test_a_study_run_on_the_world_trains(world, tmp_path, monkeypatch):
+    from rlkl_lightning.cli import main
+    from rlkl_lightning.compare import StudyConfig
+    from rlkl_lightning.compare.runs import plan_runs
+
+    monkeypatch.chdir(tmp_path)
+    runs = {"adaptive": str(ROOT / "configs" / "ppo_adaptive.yaml")}
+    (run,) = plan_runs(StudyConfig(runs=runs, seeds=1, batches=1, world=str(world.root)), tmp_path)
+    cli = main(
+        ["fit", "--config", str(run.config), "--model.max_new_tokens=4", "--model.ppo_epochs=1"]
+        + ["--model.num_minibatches=1", "--data.batch_size=4", "--data.num_heldout=4"]
+        + ["--trainer.max_steps=1", "--trainer.val_check_interval=1"]
+    )
+    assert cli.model.batches_seen == 1
+    assert cli.model.policy.config.n_embd == 16  # the world's model
+    prompts = set(world.prompts())
+    assert set(cli.datamodule.prompt_dataset["prompt"]) == prompts
