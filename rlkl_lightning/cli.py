@@ -133,7 +133,7 @@ class RLKLCLI(LightningCLI):
         anything loads it (``last`` in :meth:`before_fit`, once resolved).
 
         Overrides LightningCLI's (private) step that runs right after the arguments are parsed;
-        ``tests/test_untrusted_files.py`` fails if Lightning stops calling it.
+        ``tests/system/test_untrusted_files.py`` fails if Lightning stops calling it.
         """
         subcommand = self.config.get("subcommand")
         if not subcommand:

@@ -12,7 +12,7 @@
 Which gradient each choice follows, on-policy (``y ~ pi``), with ``l_t = log pi(y_t|s_t) -
 log ref(y_t|s_t)`` and ``KL_t(s) = KL(pi(.|s)‖ref(.|s))`` (Tang & Munos 2025, arXiv 2506.09477;
 Liu et al. 2025, arXiv 2510.01555; each line is proven by exact enumeration in
-``tests/test_kl_gradients.py``)::
+``tests/kl/test_gradients.py``)::
 
     reward, k1:  E[sum_t grad log pi(y_t|s_t) * sum_{t'>=t} l_t'] = grad KL(pi‖ref) of the
                  sequence, exactly (the score-function identity removes E[grad sum_t l_t]).

@@ -157,7 +157,7 @@ def enable_gradient_checkpointing(model: nn.Module, option: str = "gradient_chec
     Uses transformers' own checkpointing (non-reentrant ``torch.utils.checkpoint``), active
     only in training mode, so the model is put in it: the KV-cache rollout switches to eval
     mode and keeps its cache. Losses
-    and gradients are those of the plain forward (``tests/test_precision.py``).
+    and gradients are those of the plain forward (``tests/models/test_precision.py``).
 
     Raises:
         ValueError: If the model does not support gradient checkpointing.

@@ -14,7 +14,7 @@ With ``p = softmax(z)`` and ``z = h W^T / T`` the gradient is simply::
 
 so :class:`TokenLogProbs` keeps one ``[N, V]`` buffer, turns it into ``-g p / T`` in place,
 adds ``g / T`` at the chosen tokens, and multiplies by ``W`` and ``h`` for the two input
-gradients. ``tests/test_fast_path.py`` compares values and gradients with autograd's.
+gradients. ``tests/perf/test_fast_path.py`` compares values and gradients with autograd's.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ fields of a ``LoraConfig``, or of another PEFT method's config with ``peft_type`
 YAML); only the adapters (and the value head) train, the base weights stay frozen. Without an
 explicit ``reference`` the reference is not a second model: :class:`AdaptersOff` runs the
 policy's own modules with every adapter disabled, which is the base model exactly
-(``tests/test_lora.py`` compares log-probs bit for bit). Known traps, each handled here and
+(``tests/models/test_lora.py`` compares log-probs bit for bit). Known traps, each handled here and
 tested:
 
 * peft#3447: leaving ``disable_adapter()`` makes every active adapter trainable again (peft

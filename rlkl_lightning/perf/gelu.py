@@ -21,7 +21,7 @@ def fuse_tanh_gelu(model: nn.Module) -> int:
     arXiv 1606.08415) as about eight element-wise operations, each a pass over the MLP
     activations forward and again backward. :class:`TanhGELU` evaluates the same formula with
     ``torch.nn.functional.gelu(x, approximate="tanh")``, one kernel; the results agree to float
-    rounding (``tests/test_fast_path.py``).
+    rounding (``tests/perf/test_fast_path.py``).
 
     Returns:
         The number of activation modules replaced.

@@ -18,7 +18,7 @@ def in_row_blocks(fn: Callable[..., Tensor], *tensors: Tensor) -> Tensor:
     rows of about :data:`BLOCK` elements, and the results are joined. On a CPU each block's
     element-wise passes then run in cache instead of streaming whole ``[B, T, V]`` tensors
     through memory several times. Rows do not mix, so the result equals ``fn(*tensors)`` bit for
-    bit (tests/test_rowwise.py). Other devices, and inputs that need gradients, get
+    bit (tests/perf/test_row_blocks.py). Other devices, and inputs that need gradients, get
     ``fn(*tensors)``.
     """
     first = tensors[0]

@@ -7,7 +7,7 @@ strength says how much they scale the adjective after them.
 
 The positive and negative words were chosen so that most of them are in the VADER
 lexicon (the default reward scores responses with VADER); domain words VADER does not
-know (``soggy``, ``flimsy``) are kept where English needs them. ``tests/test_world.py``
+know (``soggy``, ``flimsy``) are kept where English needs them. A test of the default world
 measures the overlap.
 """
 
