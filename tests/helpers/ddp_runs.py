@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +28,28 @@ SEED, PER_RANK, STEPS = 3, 2, 3
 INIT_BETA, TARGET, GAIN = 0.2, 0.05, 2.0
 
 
+_PORTS: set[int] = set()
+
+
+def free_port() -> int:
+    """A free TCP port for a DDP job's ``MASTER_PORT``, never the same twice in this process.
+
+    Lightning picks one the same way (bind to port 0, release) when ``MASTER_PORT`` is unset,
+    so two jobs started at once (two test workers, or one test's two runs) can draw the same.
+    """
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS:
+            _PORTS.add(port)
+            return port
+
+
 def train_py(config: Path, cwd: Path, *args: str) -> None:
     """``python train.py fit --config CONFIG ARGS`` as a process, with ``tests/`` importable."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    env["MASTER_PORT"] = str(free_port())  # used by a DDP run only
     command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(config), *args]
     proc = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.ddp_runs import free_port
 from helpers.kill_runs import BATCHES, write_config
 
 from rlkl_lightning.checkpoints import check_checkpoint, partial_path
@@ -50,6 +51,8 @@ def command(config: Path, ddp: bool, *extra: str) -> list[str]:
 
 def start(config: Path, ddp: bool = False, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    if ddp:
+        env["MASTER_PORT"] = str(free_port())
     log = open(config.parent / "log.txt", "a")  # noqa: SIM115
     return subprocess.Popen(
         command(config, ddp, *extra),
