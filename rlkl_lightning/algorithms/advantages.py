@@ -134,7 +134,9 @@ def group_advantages(
     """Advantages of ``k`` responses per prompt from their returns, with no value function.
 
     ``returns`` holds ``n`` groups of ``k = group_size`` consecutive responses to one prompt.
-    Within a group, with ``mean`` its mean and ``std`` its sample standard deviation::
+    Within a group, with ``mean`` its mean and ``std`` its sample standard deviation (Bessel-
+    corrected, divided by ``k - 1``: at ``k = 2`` the advantages are ``+-1/sqrt(2)``, a factor
+    ``sqrt(2)`` below those of the population std)::
 
         rloo:  A_i = r_i - 1/(k-1) sum_{j != i} r_j  =  k/(k-1) (r_i - mean)
         grpo:  A_i = (r_i - mean) / (std + eps)

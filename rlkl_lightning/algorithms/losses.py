@@ -71,7 +71,12 @@ def policy_loss(
     # Zero padding before exp(): garbage there can neither overflow nor send nan grads.
     log_ratio = zero_padding(logprobs - old_logprobs.detach(), valid)
     adv = zero_padding(advantages.detach(), valid)
-    ratio = torch.exp(log_ratio)
+    with torch.no_grad():
+        raw = torch.exp(log_ratio)
+        clip_active = -adv * torch.clamp(raw, 1.0 - cliprange, 1.0 + cliprange) > -adv * raw
+    # Where the clipped term is active the gradient is 0; cut the graph there, or an overflowed
+    # ratio (log-ratio > ~88.7 in float32) turns that 0 into 0 * inf = nan in exp's backward.
+    ratio = torch.exp(torch.where(clip_active, log_ratio.detach(), log_ratio))
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     loss = masked_mean(torch.maximum(unclipped, clipped), valid)

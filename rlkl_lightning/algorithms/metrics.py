@@ -2,7 +2,9 @@
 
 Pure functions of tensors; the module logs what they return. Per-token means are taken over
 the tokens of the global batch: each rank's sums are added over all ranks (``global_sum``),
-then divided, so they are right under DDP whatever the ranks' token counts.
+then divided, so they are right under DDP whatever the ranks' token counts. Under DDP the
+per-sample means (``objective/kl`` among them, the KL callbacks' input) are taken over the
+samples of the global batch the same way, whatever the ranks' sample counts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def batch_metrics(
     kl_coef: float,
     clock: list[float],
     global_sum: Callable[[Tensor], Tensor],
+    distributed: bool = False,
 ) -> dict[str, Tensor]:
     """The ``objective/*`` and ``perf/*`` metrics of a trained batch.
 
@@ -38,6 +41,9 @@ def batch_metrics(
         kl_coef: The beta the batch's rewards or losses used.
         clock: ``perf_counter`` times at the start, after rollout, after shaping, at the end.
         global_sum: Sums a tensor over all ranks (identity on one process).
+        distributed: Several ranks: per-sample means are sums over the global batch divided
+            by its number of samples (logged with ``sync_dist``, the plain mean over ranks of
+            per-rank means would weight a rank's samples by its share of ranks, not of samples).
     """
     mask = traj.response_mask
     n = mask.shape[0]
@@ -63,7 +69,32 @@ def batch_metrics(
         metrics[keys.kl_of(name)] = diagnostics[f"kl_{name}"].mean()
     if "gold" in diagnostics:
         metrics[keys.GOLD_SCORE] = diagnostics["gold"].mean()
+    if distributed:
+        metrics.update(_global_sample_means(traj, diagnostics, kl_estimator, kl_coef, global_sum))
     return metrics
+
+
+def _global_sample_means(
+    traj: Trajectory,
+    diagnostics: dict[str, Tensor],
+    kl_estimator: str,
+    kl_coef: float,
+    global_sum: Callable[[Tensor], Tensor],
+) -> dict[str, Tensor]:
+    """The per-sample means of :func:`batch_metrics` over the samples of all ranks (one sum)."""
+    per_sample = {keys.kl_of(name): diagnostics[f"kl_{name}"] for name in KL_ESTIMATORS}
+    per_sample[keys.SCORE] = traj.scores
+    per_sample[keys.RESPONSE_TOKENS] = traj.response_mask.sum(1)
+    if "gold" in diagnostics:
+        per_sample[keys.GOLD_SCORE] = diagnostics["gold"]
+    device = traj.response_mask.device
+    local = [v.to(device=device, dtype=torch.float64).sum() for v in per_sample.values()]
+    n = torch.tensor(float(traj.response_mask.shape[0]), dtype=torch.float64, device=device)
+    *sums, total = global_sum(torch.stack([*local, n])).unbind()
+    means = {key: value / total for key, value in zip(per_sample, sums, strict=True)}
+    means[keys.KL] = means[keys.kl_of(kl_estimator)]
+    means[keys.NON_SCORE_REWARD] = -kl_coef * means[keys.KL]
+    return means
 
 
 def gold_scores(

@@ -442,9 +442,14 @@ class RLPipeline(LightningModule):
     ) -> None:
         """Phase 5: count the batch and log every metric (docs/metrics.md)."""
         n = len(prompts)
+        distributed = self.trainer.world_size > 1
         self.batches_seen += 1
         self.skipped_in_a_row = 0
-        self.samples_seen += n * self.trainer.world_size
+        if distributed:  # ranks may hold different numbers of prompts (a data module's choice)
+            count = torch.tensor([float(n)], dtype=torch.float64, device=self.device)
+            self.samples_seen += int(global_sum(self._trainer, count).item())
+        else:
+            self.samples_seen += n
         metrics = batch_metrics(
             traj,
             diagnostics,
@@ -452,6 +457,7 @@ class RLPipeline(LightningModule):
             self.kl_coef,
             clock,
             lambda values: global_sum(self._trainer, values),
+            distributed,
         )
         metrics[keys.SAMPLES] = torch.tensor(float(self.samples_seen), dtype=torch.float32)
         skipped = torch.tensor(float(self.skipped_batches), dtype=torch.float32)

@@ -17,12 +17,13 @@ These pieces make the order of prompts a pure function of (seed, epoch, position
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, SequentialSampler
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -91,19 +92,46 @@ class RankShardSampler(DistributedSampler):
         return iter(order[self.rank : total : self.num_replicas])
 
 
+class EpochSequentialSampler(SequentialSampler):
+    """``0 .. n-1`` in every epoch, with the ``set_epoch`` Lightning calls before each one.
+
+    The order never changes; the epoch is recorded so that :class:`ResumableDataLoader` can
+    tell the epoch a checkpoint stopped in from the next one (a plain ``SequentialSampler``
+    has no epoch: a finished epoch would look unfinished and the next one be skipped).
+    """
+
+    def __init__(self, data_source: Any) -> None:
+        super().__init__(data_source)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Record the epoch (the order does not depend on it)."""
+        self.epoch = int(epoch)
+
+
 class ResumableDataLoader(DataLoader):
     """A DataLoader whose position inside the epoch is saved in checkpoints.
 
     Takes the arguments of :class:`torch.utils.data.DataLoader`. Lightning recognises the
     ``state_dict``/``load_state_dict`` pair, saves the state with every checkpoint and
     restores it before the resumed epoch starts. Use it with a sampler whose order depends
-    only on the epoch (:class:`EpochShuffleSampler`, a ``SequentialSampler``, or the
+    only on the epoch and that records it in ``epoch`` (:class:`EpochShuffleSampler`,
+    :class:`EpochSequentialSampler`, which replaces the default sequential order, or the
     ``DistributedSampler`` Lightning puts in under DDP), or the skipped batches are not the
     ones already seen.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        given = inspect.signature(DataLoader.__init__).bind(self, *args, **kwargs).arguments
+        given.pop("self")
+        if (
+            given.get("sampler") is None
+            and given.get("batch_sampler") is None
+            and not given.get("shuffle")
+            and isinstance(given["dataset"], Sized)
+        ):  # the default sequential order, with an epoch
+            given["sampler"] = EpochSequentialSampler(given["dataset"])
+        super().__init__(**given)
         self._epoch: int | None = None
         self._yielded = 0
         self._resume: dict[str, int] | None = None

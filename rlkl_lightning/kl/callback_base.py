@@ -41,7 +41,8 @@ class KLCallbackBase(Callback, ABC):
     samples in ``n_samples``. A usable KL goes to :meth:`on_kl`; after the first one the
     target's unit is checked once (:func:`~rlkl_lightning.kl.reading.check_target_unit`). A batch
     without one (a non-finite KL, or one the module did not log again since the last batch,
-    which counts no samples) is counted in ``n_skipped``; the first such batch warns.
+    which counts no samples) is counted in ``n_skipped``; the first batch of each kind warns,
+    naming it (a stale value is reported as stale, not as a non-finite one).
     :meth:`after_batch` then runs, whatever the KL was. The counters are saved in checkpoints.
 
     A subclass implements :meth:`on_kl`, may override :meth:`after_batch` and
@@ -87,7 +88,9 @@ class KLCallbackBase(Callback, ABC):
         self.n_skipped = 0
         self.unit_checked = False
         self._last: Any = None
+        self._stale = False
         self._warned_stale = False
+        self._warned_nonfinite = False
 
     @abstractmethod
     def on_kl(
@@ -122,16 +125,18 @@ class KLCallbackBase(Callback, ABC):
         )
         self._last = value
         n = batch_size_of(batch, self.batch_size_fn, owner) if fresh else 0
-        if not fresh and not self._warned_stale:
+        local = float(value.item() if isinstance(value, torch.Tensor) else value)
+        kl, n_global = global_mean(trainer, local, n)
+        self._stale = n_global == 0 and not fresh  # nothing fresh anywhere: a stale batch
+        if not fresh and n_global > 0 and not self._warned_stale:  # other ranks logged theirs
             self._warned_stale = True
             rank_zero_warn(
-                f"{owner}: {self.monitor!r} was not logged in this training batch; the "
-                "value in trainer.callback_metrics is from an earlier batch and is ignored. "
-                "Log the KL in every training batch.",
+                f"{owner}: {self.monitor!r} was not logged in this training batch on this "
+                "rank; its stale value in trainer.callback_metrics is ignored and the KL is "
+                "that of the other ranks. Log the KL in every training batch.",
                 category=RuntimeWarning,
             )
-        local = float(value.item() if isinstance(value, torch.Tensor) else value)
-        return global_mean(trainer, local, n)
+        return kl, n_global
 
     @override
     def on_train_batch_end(
@@ -154,14 +159,32 @@ class KLCallbackBase(Callback, ABC):
                 self._check_unit(trainer)
         else:
             self.n_skipped += 1
-            if self.n_skipped == 1:
-                rank_zero_warn(
-                    f"{type(self).__name__}: no finite KL for batch {self.n_batches} ({kl}); "
-                    f"{self.skip_effect()}. Further skipped batches are counted in `n_skipped` "
-                    "without a warning.",
-                    category=RuntimeWarning,
-                )
+            self._warn_skip(kl)
         self.after_batch(trainer, pl_module)
+
+    def _warn_skip(self, kl: float) -> None:
+        """Warn at the first stale batch and at the first non-finite KL, each saying which."""
+        owner = type(self).__name__
+        if getattr(self, "_stale", False):
+            if self._warned_stale:
+                return
+            self._warned_stale = True
+            rank_zero_warn(
+                f"{owner}: {self.monitor!r} was not logged in this training batch (batch "
+                f"{self.n_batches}): the value in trainer.callback_metrics is stale, from an "
+                f"earlier batch; {self.skip_effect()}. Log the KL in every training batch. "
+                "Further skipped batches are counted in `n_skipped` without a warning.",
+                category=RuntimeWarning,
+            )
+            return
+        if self._warned_nonfinite:
+            return
+        self._warned_nonfinite = True
+        rank_zero_warn(
+            f"{owner}: no finite KL for batch {self.n_batches} ({kl}); {self.skip_effect()}. "
+            "Further skipped batches are counted in `n_skipped` without a warning.",
+            category=RuntimeWarning,
+        )
 
     def _check_unit(self, trainer: pl.Trainer) -> None:
         """Check the target's unit, unless an earlier KL callback has the same unit and target.

@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
@@ -86,6 +87,10 @@ class KLControllerCallback(KLCallbackBase):
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch. Defaults to
             :func:`infer_batch_size` (leading size of the batch's first field).
         prog_bar: Also show beta in the progress bar.
+        negative_kl_tolerance: A batch KL below ``-negative_kl_tolerance`` (in ``unit``) warns
+            at once: a KL is never negative, and an estimate that far below 0 is a sign error
+            or a wrong reference, not sampling noise. The update goes on; such batches are
+            counted in ``n_negative``. ``math.inf`` disables the check.
 
     Example::
 
@@ -102,8 +107,19 @@ class KLControllerCallback(KLCallbackBase):
         log_key: str | None = keys.KL_COEF,
         batch_size_fn: Callable[[Any], int] | None = None,
         prog_bar: bool = False,
+        negative_kl_tolerance: float = 0.1,
     ) -> None:
         owner = type(self).__name__
+        tolerance = negative_kl_tolerance
+        if (
+            isinstance(tolerance, bool)
+            or not isinstance(tolerance, (int, float))
+            or not (tolerance >= 0)
+        ):
+            raise ValueError(
+                f"{owner}: negative_kl_tolerance must be a number >= 0 (math.inf disables the "
+                f"check), got {tolerance!r}"
+            )
         missing = [
             name
             for name in ("value", "update", "state_dict", "load_state_dict")
@@ -121,6 +137,8 @@ class KLControllerCallback(KLCallbackBase):
         self.attribute = attribute
         self.log_key = log_key
         self.prog_bar = prog_bar
+        self.negative_kl_tolerance = float(tolerance)
+        self.n_negative = 0
 
     @property
     @override
@@ -168,6 +186,18 @@ class KLControllerCallback(KLCallbackBase):
     def on_kl(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, kl: float, n_samples: int
     ) -> None:
+        if kl < -self.negative_kl_tolerance:
+            self.n_negative += 1
+            if self.n_negative == 1:
+                rank_zero_warn(
+                    f"{type(self).__name__}: {self.monitor!r} is {kl:.4g} "
+                    f"({UNIT_NAMES[self.unit]}) in batch {self.n_batches}, below "
+                    f"-negative_kl_tolerance={-self.negative_kl_tolerance:g}. A KL is never "
+                    "negative: check the sign (log pi - log pi_ref) and the reference. The "
+                    "controller takes it as a KL below target and lowers beta; further such "
+                    "batches are counted in `n_negative` without a warning.",
+                    category=RuntimeWarning,
+                )
         self.controller.update(kl, n_samples)
 
     @override
@@ -184,9 +214,14 @@ class KLControllerCallback(KLCallbackBase):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"controller": self.controller.state_dict(), **super().state_dict()}
+        return {
+            "controller": self.controller.state_dict(),
+            "n_negative": self.n_negative,
+            **super().state_dict(),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.controller.load_state_dict(state_dict["controller"])
+        self.n_negative = state_dict.get("n_negative", 0)
         super().load_state_dict(state_dict)

@@ -24,6 +24,10 @@ from rlkl_lightning.kl.reading import UNIT_NAMES
 
 #: Values of ``kl_monitor/state``.
 LOW, IN_BAND, HIGH = -1, 0, 1
+#: The default warm-up judges first a window that holds none of the first batches: ``2 *
+#: window`` of them, but at most this many (the KL's rise from 0 took up to 20-30 batches in
+#: the study, whatever the window).
+RISE_BATCHES = 20
 
 
 def _is_real(x: Any) -> bool:
@@ -40,7 +44,9 @@ class KLDriftMonitor(KLCallbackBase):
     ``avg`` gives the state: ``+1`` if ``avg > high * target``, ``-1`` if
     ``avg < low * target``, else ``0``. Entering ``+1`` or ``-1`` warns (``RuntimeWarning``)
     once; the monitor warns again only after the average has changed state again (e.g. back into
-    the band and out once more).
+    the band and out once more). With a hysteresis ``h`` an excursion ends only once the average
+    is back inside by a margin, below ``(1 - h) * high * target`` or above
+    ``(1 + h) * low * target``, so an average hovering at a band edge is one excursion.
 
     Logged every training batch: ``kl_monitor/avg_kl`` (window mean), ``kl_monitor/target`` and,
     after the first ``min_batches`` values, ``kl_monitor/state`` and ``kl_monitor/warnings`` (the
@@ -64,9 +70,12 @@ class KLDriftMonitor(KLCallbackBase):
         min_batches: Warm-up: the number of batches with a usable KL before the state is first
             evaluated, an int >= 1. A policy starts at its reference, so its KL starts at 0 and
             rises over the first batches, and the window average lags it by up to a window. The
-            default ``3 * window`` judges first a window that holds none of the first
-            ``2 * window`` batches, so that rise alone does not warn "too low" (docs/callbacks.md,
+            default ``window + min(2 * window, 20)`` (``3 * window`` up to a window of 10; 120
+            batches with the default window of 100) judges first a window that holds none of
+            the batches of that rise, so it alone does not warn "too low" (docs/callbacks.md,
             "The drift monitor", has the measurement).
+        hysteresis: Fraction ``h`` in ``[0, 1)`` of a band edge by which the average must come
+            back inside before an excursion ends (``0``: at the edge itself).
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch, used to
             weight the mean over ranks. Defaults to
             :func:`~rlkl_lightning.kl.reading.infer_batch_size`.
@@ -93,6 +102,7 @@ class KLDriftMonitor(KLCallbackBase):
         verbose: bool = True,
         min_batches: int | None = None,
         batch_size_fn: Callable[[Any], int] | None = None,
+        hysteresis: float = 0.1,
     ) -> None:
         owner = type(self).__name__
         if not _is_real(target) or not 0 < target < math.inf:
@@ -103,12 +113,21 @@ class KLDriftMonitor(KLCallbackBase):
             raise ValueError(f"{owner}: high must be > 1 (math.inf disables it), got {high!r}")
         if not _is_real(low) or not 0 <= low < 1:
             raise ValueError(f"{owner}: low must lie in [0, 1) (0 disables it), got {low!r}")
+        if not _is_real(hysteresis) or not 0 <= hysteresis < 1:
+            raise ValueError(f"{owner}: hysteresis must lie in [0, 1), got {hysteresis!r}")
+        if low * (1 + hysteresis) >= high * (1 - hysteresis):
+            raise ValueError(
+                f"{owner}: with hysteresis={hysteresis!r} the band's exits cross: low x "
+                f"(1 + hysteresis) must stay below high x (1 - hysteresis) (low={low!r}, "
+                f"high={high!r})"
+            )
         super().__init__(unit=unit, monitor=monitor, batch_size_fn=batch_size_fn)
         if min_batches is None:
-            min_batches = 3 * window
+            min_batches = window + min(2 * window, RISE_BATCHES)
         if isinstance(min_batches, bool) or not isinstance(min_batches, int) or min_batches < 1:
             raise ValueError(
-                f"{owner}: min_batches must be an int >= 1 (None: 3 x window), got {min_batches!r}"
+                f"{owner}: min_batches must be an int >= 1 (None: window + min(2 x window, "
+                f"{RISE_BATCHES})), got {min_batches!r}"
             )
         self.target = float(target)
         self.window = window
@@ -117,6 +136,7 @@ class KLDriftMonitor(KLCallbackBase):
         self.strict = strict
         self.verbose = verbose
         self.min_batches = min_batches
+        self.hysteresis = float(hysteresis)
         self.values: deque[float] = deque(maxlen=window)
         self.state = IN_BAND
         self.n_warnings_high = 0
@@ -146,6 +166,11 @@ class KLDriftMonitor(KLCallbackBase):
                 experiment.add_custom_scalars({"KL control": {title: ["Multiline", curves]}})
 
     def _classify(self, avg: float) -> int:
+        # An excursion lasts until the average is back inside by the hysteresis margin.
+        if self.state == HIGH and avg > (1 - self.hysteresis) * self.high * self.target:
+            return HIGH
+        if self.state == LOW and avg < (1 + self.hysteresis) * self.low * self.target:
+            return LOW
         if avg > self.high * self.target:
             return HIGH
         if self.low > 0 and avg < self.low * self.target:

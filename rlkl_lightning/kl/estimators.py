@@ -32,6 +32,8 @@ process; reducing across ranks is the caller's job.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -98,8 +100,10 @@ def per_token_kl(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") 
     if estimator == "k2":
         return 0.5 * log_ratio.square()
     # k3 = exp(-l) - 1 + l (http://joschu.net/blog/kl-approx.html); expm1 keeps precision for
-    # small |l|, and the clamp removes rounding below the true minimum of 0.
-    return torch.clamp_min(torch.expm1(-log_ratio) + log_ratio, 0.0)
+    # small |l|, and the clamp removes rounding below the true minimum of 0. At l = -inf (a
+    # token the policy gives probability 0) exp(-l) dominates: +inf, not inf - inf = nan.
+    k3 = torch.clamp_min(torch.expm1(-log_ratio) + log_ratio, 0.0)
+    return torch.where(log_ratio == -math.inf, math.inf, k3)
 
 
 def exact_kl(logits: Tensor, ref_logits: Tensor) -> Tensor:

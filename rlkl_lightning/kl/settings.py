@@ -44,8 +44,10 @@ class KLSettings:
         low: the monitor warns when the average KL falls below ``low`` x target.
         strict: stop training on a drift excursion instead of warning.
         min_batches: drift monitor's warm-up: batches with a usable KL before it first judges
-            the average (None: the monitor's default, ``3 * window``: the KL starts at 0 and
-            rises, and that rise alone should not warn "too low").
+            the average (None: the monitor's default, ``window + min(2 * window, 20)``: the KL
+            starts at 0 and rises, and that rise alone should not warn "too low").
+        hysteresis: the monitor's excursion ends only once the average is back inside the
+            band by this fraction of the edge (0: at the edge).
     """
 
     controller: str = "adaptive"
@@ -62,6 +64,7 @@ class KLSettings:
     low: float = default_of(KLDriftMonitor, "low")
     strict: bool = default_of(KLDriftMonitor, "strict")
     min_batches: int | None = default_of(KLDriftMonitor, "min_batches")
+    hysteresis: float = default_of(KLDriftMonitor, "hysteresis")
 
     def __post_init__(self) -> None:
         if self.controller not in KL_LAWS:
@@ -102,5 +105,6 @@ class KLSettings:
             unit=self.unit,
             strict=self.strict,
             min_batches=self.min_batches,
+            hysteresis=self.hysteresis,
         )
         return [controller, monitor]

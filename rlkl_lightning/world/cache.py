@@ -3,7 +3,8 @@
 Each stage is cached under a hash of the settings that make it (:class:`.WorldConfig`), in
 ``$RLKL_CACHE`` if set, else ``~/.cache/rlkl_lightning``. A stage is built in a temporary
 directory and renamed into place when complete (:func:`build_stage`), so an interrupted build
-never leaves a half-made stage; a lock file keeps two processes from building the same stage
+never leaves a half-made stage and a stage being rebuilt stays until its successor is
+complete; a lock file keeps two processes from building the same stage
 at once.
 
 ``<cache>/corpus-<hash>/``
@@ -90,6 +91,9 @@ def build_stage(
 ) -> None:
     """Build ``target`` with ``make(tmp_dir)`` unless it is complete; atomic rename.
 
+    An existing ``target`` that is not the wanted stage is replaced only once the new one is
+    complete: an interrupted rebuild leaves it as it was.
+
     Args:
         target: The stage's directory.
         marker: File that ``make`` writes last: its presence marks a complete stage.
@@ -109,20 +113,35 @@ def build_stage(
     with _lock(target.parent / f".{target.name}.lock"):
         if done():  # another process finished it meanwhile
             return
-        for stale in target.parent.glob(f".tmp-{target.name}-*"):  # left by a killed build
-            shutil.rmtree(stale, ignore_errors=True)
-        if target.exists():  # incomplete (tampered with) or another build: rebuild
-            shutil.rmtree(target)
+        for prefix in (".tmp", ".old"):  # left by a killed build
+            for stale in target.parent.glob(f"{prefix}-{target.name}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
         try:
             make(tmp)
             if not (tmp / marker).is_file():
                 raise RuntimeError(f"building {target.name} did not write {marker}")
-            os.replace(tmp, target)
+            _swap_in(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     if progress:
         info(f"{label}: built {target}")
+
+
+def _swap_in(new: Path, target: Path) -> None:
+    """Put the complete directory ``new`` at ``target``; an existing ``target`` goes only now.
+
+    The old directory (incomplete, or a world being replaced) is renamed aside before the new
+    one is renamed into place and only then deleted, so an interruption at any earlier moment
+    (e.g. Ctrl-C during a rebuild's training) leaves the old one where it was.
+    """
+    if not target.exists():
+        os.replace(new, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".old-{target.name}-", dir=target.parent))
+    os.replace(target, old / target.name)
+    os.replace(new, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -174,6 +174,12 @@ def test_grpo_is_the_group_normalised_return():
         std = (sum((v - mean) ** 2 for v in x) / (k - 1)) ** 0.5
         want = torch.tensor([(v - mean) / (std + 1e-4) for v in x], dtype=torch.float64)
         torch.testing.assert_close(adv[group * k : (group + 1) * k], want, rtol=0, atol=1e-12)
+    # The std is Bessel-corrected (k - 1): with k = 2 the advantages are +-1/sqrt(2), not +-1.
+    pair = group_advantages(torch.tensor([0.0, 3.0, 5.0, 1.0], dtype=torch.float64), 2, "grpo", 0.0)
+    half = 0.5**0.5
+    torch.testing.assert_close(
+        pair, torch.tensor([-half, half, half, -half], dtype=torch.float64), rtol=0, atol=1e-15
+    )
     # A group of equal returns has nothing to learn from, whatever the method.
     same = torch.full((4,), 0.7)
     assert torch.equal(group_advantages(same, 4, "grpo"), torch.zeros(4))

@@ -193,3 +193,45 @@ def test_errors():
         policy_loss(x, x, x, torch.ones(2, 2), 0.2)
     with pytest.raises(ValueError, match="no valid entries"):
         policy_loss(x, x, x, torch.zeros(2, 3), 0.2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_policy_loss_gradient_is_zero_where_clipping_is_active_even_if_the_ratio_overflows(dtype):
+    """A log-ratio of 100 or 1000 overflows exp(); where A > 0 the clipped term is active.
+
+    The per-token loss there is -A * (1 + eps) whatever the ratio, so its gradient is exactly
+    0; the other tokens keep theirs (-A * ratio / n, as in the plain case).
+    """
+    eps = 0.2
+    adv = torch.tensor([[1.0, 2.0, -1.0, 0.5]], dtype=dtype)
+    log_ratio = torch.tensor([[100.0, 1000.0, 0.1, 0.05]], dtype=dtype)
+    old = torch.full_like(adv, -3.0)
+    logprobs = (old + log_ratio).requires_grad_(True)
+    loss, stats = policy_loss(logprobs, old, adv, torch.ones_like(adv), eps)
+    n = 4
+    r2, r3 = math.exp(0.1), math.exp(0.05)
+    expected = (-1.0 * 1.2 - 2.0 * 1.2 + 1.0 * r2 - 0.5 * r3) / n
+    torch.testing.assert_close(loss.item(), expected, rtol=1e-6, atol=0)
+    loss.backward()
+    grad = logprobs.grad[0].tolist()
+    assert grad[:2] == [0.0, 0.0]  # not nan
+    assert grad[2:] == pytest.approx([1.0 * r2 / n, -0.5 * r3 / n], rel=1e-6)
+    assert stats.clipfrac.item() == 0.5
+
+
+def test_policy_loss_gradient_unchanged_by_the_overflow_guard_on_finite_ratios():
+    """Against the plain formula (no guard) on random finite ratios: the same loss and grad."""
+    g = torch.Generator().manual_seed(1)
+    old = torch.randn(4, 6, generator=g, dtype=torch.float64) - 2
+    adv = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    logprobs = (old + 0.5 * torch.randn(4, 6, generator=g, dtype=torch.float64)).requires_grad_()
+    mask = torch.ones(4, 6)
+    loss, _ = policy_loss(logprobs, old, adv, mask, 0.2)
+    (grad,) = torch.autograd.grad(loss, logprobs)
+    plain = logprobs.detach().clone().requires_grad_()
+    ratio = torch.exp(plain - old)
+    want = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
+    (want_grad,) = torch.autograd.grad(want, plain)
+    assert loss.item() == want.item()
+    assert torch.equal(grad, want_grad)
+    assert (grad == 0).any() and (grad != 0).any()  # both kinds of token are present

@@ -50,6 +50,21 @@ class LogsKL(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+def test_a_stale_kl_is_reported_as_stale_not_as_non_finite():
+    """The first skipped batch holds a value not logged again: the warning says stale."""
+    recorder = Recorder()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(LogsKL([1.0, None, None, math.nan, 2.0]), [recorder])
+    ours = [str(w.message) for w in record if str(w.message).startswith("Recorder:")]
+    assert not any("no finite KL for batch 2" in m for m in ours), ours
+    assert len(ours) == 2, ours
+    assert "'objective/kl' was not logged in this training batch (batch 2)" in ours[0]
+    assert "stale" in ours[0] and "no finite KL" not in ours[0]
+    assert ours[1].startswith("Recorder: no finite KL for batch 4 (nan); it is ignored.")
+    assert recorder.kls == [(1.0, 3), (2.0, 2)] and recorder.n_skipped == 3
+
+
 def test_a_minimal_subclass_gets_counting_skips_and_state_for_free():
     kls = [1.0, math.nan, None, 2.0, math.inf, 4.0]
     recorder = Recorder()

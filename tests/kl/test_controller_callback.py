@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import warnings
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -132,6 +133,40 @@ def test_nonfinite_kl_skips_the_update_and_warns_once():
     assert callback.value == pytest.approx(expected[-1], rel=1e-12, abs=0)
     assert module.seen[4] == module.seen[3] and module.seen[7] == module.seen[6]
     assert (callback.n_batches, callback.n_skipped) == (len(kls), 2)
+
+
+def test_a_kl_below_the_negative_tolerance_is_flagged_at_once():
+    """A sign error (-5 nats) warns in the batch it first appears, however early; noise-sized
+    negatives (-0.05) do not; the update itself is unchanged (the law's beta sequence)."""
+    kls = [0.5, -0.05, -5.0, 1.0, -4.0, 2.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
+    callback = KLControllerCallback(adaptive())
+    module = KLModule(kls)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(module, [callback])
+    ours = [str(w.message) for w in record if "negative_kl_tolerance" in str(w.message)]
+    assert len(ours) == 1
+    assert ours[0].startswith("KLControllerCallback: 'objective/kl' is -5 (nats per sequence) ")
+    assert "in batch 3, below -negative_kl_tolerance=-0.1" in ours[0]
+    assert callback.n_negative == 2
+    expected = expected_betas(kls, batch_sizes())
+    assert callback.value == pytest.approx(expected[-1], rel=1e-12, abs=0)
+    restored = KLControllerCallback(adaptive())
+    restored.load_state_dict(callback.state_dict())
+    assert restored.n_negative == 2
+    old = {k: v for k, v in callback.state_dict().items() if k != "n_negative"}
+    restored.load_state_dict(old)  # a checkpoint from before the check
+    assert restored.n_negative == 0
+    # math.inf disables it; a NaN or negative tolerance is refused, naming the option.
+    quiet = KLControllerCallback(adaptive(), negative_kl_tolerance=math.inf)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(KLModule(kls), [quiet])
+    assert not [w for w in record if "negative_kl_tolerance" in str(w.message)]
+    assert quiet.n_negative == 0
+    for bad in (math.nan, -0.1, "0.1"):
+        with pytest.raises(ValueError, match=r"negative_kl_tolerance must be a number >= 0"):
+            KLControllerCallback(adaptive(), negative_kl_tolerance=bad)
 
 
 def test_a_kl_not_logged_again_is_not_used_twice():

@@ -410,6 +410,7 @@ FEEDS = {
     "low": [(KLDriftMonitor, "low")],
     "strict": [(KLDriftMonitor, "strict")],
     "min_batches": [(KLDriftMonitor, "min_batches")],
+    "hysteresis": [(KLDriftMonitor, "hysteresis")],
 }
 
 
@@ -422,9 +423,12 @@ def test_every_kl_settings_default_is_the_default_of_the_signature_it_feeds():
     # target, and unset bounds defer to the law (see the test above).
     others = {"controller", "target", "min_kl_coef", "max_kl_coef"}
     assert {f.name for f in dataclasses.fields(KLSettings)} == set(FEEDS) | others
-    # The monitor's warm-up reaches it: None is its default (3 x window), a number is kept.
+    # The monitor's warm-up reaches it: None is its default (window + min(2 x window, 20)), a
+    # number is kept; so does the hysteresis.
     assert KLSettings(window=7).callbacks(0.1)[1].min_batches == 21
+    assert KLSettings(window=50).callbacks(0.1)[1].min_batches == 70
     assert KLSettings(window=7, min_batches=3).callbacks(0.1)[1].min_batches == 3
+    assert KLSettings(hysteresis=0.0).callbacks(0.1)[1].hysteresis == 0.0
     assert _default(AdaptiveKLController, "target") is inspect.Parameter.empty
     assert _default(KLDriftMonitor, "target") is inspect.Parameter.empty
     assert (settings_.min_kl_coef, settings_.max_kl_coef) == (None, None)

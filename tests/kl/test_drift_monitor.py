@@ -18,8 +18,9 @@ from rlkl_lightning.kl.controllers import AdaptiveKLController
 from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
 
 # target 1, band [0.5, 2], window 3. Window means by batch (state once 3 values are in):
-#  0-4: 1 1 1 1 2.0 (2.0 is not > 2: in band)   5-8: 3 4 4 3 -> high, warns at 5 only
-#  9-11: 2 1 0.7 -> back in band                 12-14: 0.4 0.1 0.4 -> low, warns at 12 only
+#  0-4: 1 1 1 1 2.0 (2.0 is not > 2: in band)   5-9: 3 4 4 3 2 -> high, warns at 5 only (2
+#  is not back below (1 - 0.1) x 2 = 1.8, the default hysteresis)
+#  10-11: 1 0.7 -> back in band                  12-14: 0.4 0.1 0.4 -> low, warns at 12 only
 #  15-17: 0.7 1 2 -> in band                     18-19: 3 4 -> high again, warns at 18
 KLS = [1, 1, 1, 1, 4, 4, 4, 4, 1, 1, 1, 0.1, 0.1, 0.1, 1, 1, 1, 4, 4, 4]
 HIGH_AT, LOW_AT = [5, 18], [12]
@@ -123,7 +124,7 @@ def test_logs_window_average_state_and_target_every_batch():
     module, mon = KLModule(KLS), monitor()
     fit(module, [mon])
     means = window_means([f32(k) for k in KLS], 3)
-    states = [0] * 5 + [1] * 4 + [0] * 3 + [-1] * 3 + [0] * 3 + [1] * 2
+    states = [0] * 5 + [1] * 5 + [0] * 2 + [-1] * 3 + [0] * 3 + [1] * 2
     for i, logged in module.logged.items():
         assert logged["kl_monitor/avg_kl"] == pytest.approx(means[i], rel=1e-6, abs=0)
         assert logged["kl_monitor/target"] == 1.0
@@ -153,6 +154,48 @@ def test_high_to_low_directly_is_a_new_excursion_and_min_batches_delays_the_firs
     module, mon, rec = KLModule(kls), KLDriftMonitor(1.0, window=1, min_batches=3), WarnRecorder()
     fit(module, [mon, rec])
     assert rec.at == [(3, "high")] and mon.n_skipped == 1
+
+
+@pytest.mark.parametrize(
+    ("kls", "hysteresis", "warned_at"),
+    [
+        # hovering at 2 x target: 1.9 is not back below 1.8, 1.5 is
+        ([2.5, 1.9, 2.5, 1.9, 2.5, 1.5, 2.5], None, [(0, "high"), (6, "high")]),
+        (
+            [2.5, 1.9, 2.5, 1.9, 2.5, 1.5, 2.5],
+            0.0,
+            [(0, "high"), (2, "high"), (4, "high"), (6, "high")],
+        ),
+        # hovering at 0.5 x target: 0.52 is not back above 0.55, 0.6 is
+        ([0.4, 0.52, 0.4, 0.52, 0.4, 0.6, 0.4], None, [(0, "low"), (6, "low")]),
+        ([0.4, 0.52, 0.4, 0.52, 0.4, 0.6, 0.4], 0.0, [(i, "low") for i in (0, 2, 4, 6)]),
+        # straight from high to low is a new excursion whatever the hysteresis
+        ([3.0, 0.1, 3.0], None, [(0, "high"), (1, "low"), (2, "high")]),
+    ],
+)
+def test_hysteresis_makes_an_average_hovering_at_a_band_edge_one_excursion(
+    kls, hysteresis, warned_at
+):
+    extra = {} if hysteresis is None else {"hysteresis": hysteresis}
+    mon = KLDriftMonitor(1.0, window=1, min_batches=1, **extra)
+    assert mon.hysteresis == (0.1 if hysteresis is None else hysteresis)
+    module, rec = KLModule(kls), WarnRecorder()
+    _, messages, _ = fit(module, [mon, rec])
+    assert rec.at == warned_at
+    assert len(messages) == len(warned_at)
+
+
+def test_default_warm_up_in_batches():
+    """3 x window up to a window of 10 (as measured), then window + 20: 120 batches, not 300,
+    with the default window of 100."""
+    assert [KLDriftMonitor(1.0, window=w).min_batches for w in (1, 5, 10, 11, 100)] == [
+        3,
+        15,
+        30,
+        31,
+        120,
+    ]
+    assert KLDriftMonitor(1.0).min_batches == 120
 
 
 # objective/kl of the first 40 batches of the study's `adaptive` run with seed 2 (nats per
@@ -284,6 +327,9 @@ def test_error_when_the_monitored_key_was_never_logged():
         ({"target": 1.0, "min_batches": 2.5}, r"min_batches must be an int >= 1"),
         ({"target": 1.0, "min_batches": True}, "min_batches"),
         ({"target": 1.0, "min_batches": 0}, "min_batches"),
+        ({"target": 1.0, "hysteresis": 1.0}, r"hysteresis must lie in \[0, 1\)"),
+        ({"target": 1.0, "hysteresis": math.nan}, "hysteresis"),
+        ({"target": 1.0, "low": 0.9, "high": 1.05}, "the band's exits cross"),
         ({"target": 1.0, "batch_size_fn": 3}, "batch_size_fn"),
     ],
 )

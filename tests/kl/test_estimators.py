@@ -322,3 +322,15 @@ def test_reduction_errors():
             fn(values, torch.ones(2, 4))
         with pytest.raises(ValueError, match="only 0 and 1"):
             fn(values, torch.full((2, 3), 0.5))
+
+
+def test_k3_is_plus_inf_for_a_policy_log_prob_of_minus_inf():
+    """l = -inf: exp(-l) - 1 + l is dominated by exp(-l) = +inf (the limit), not inf - inf."""
+    inf = float("inf")
+    lp = torch.tensor([-inf, -2.0, -inf, 0.0], dtype=F64)
+    lq = torch.tensor([-1.0, -inf, -0.5, -0.5], dtype=F64)
+    k3 = per_token_kl(lp, lq, "k3")
+    assert k3[0].item() == inf and k3[2].item() == inf and k3[1].item() == inf
+    assert k3[3].item() == pytest.approx(math.exp(-0.5) - 1 + 0.5, rel=1e-14)
+    # nan stays nan: a broken input is not turned into a number.
+    assert per_token_kl(torch.tensor([float("nan")]), torch.tensor([0.0]), "k3").isnan().all()

@@ -164,3 +164,59 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_p
     assert not torch.equal(rng[0], rng[1])  # each rank has its own random stream
     controller = next(v for k, v in ckpt["callbacks"].items() if k.startswith("KLController"))
     assert controller == rank0["controller"]
+
+
+def test_uneven_per_rank_batches_give_the_kl_callbacks_the_sample_weighted_kl(
+    tmp_path, tiny_lm_dir
+):
+    """Rank 0 trains 1 prompt per batch, rank 1 trains 3, through PPOModule's own logging.
+
+    What the controller and the drift monitor read (``objective/kl`` after Lightning's
+    ``sync_dist``) must be the mean over the 4 samples of the global batch, computed here from
+    each rank's recorded per-sample KLs; the plain mean of the two ranks' means differs by far
+    more than the tolerance in every batch. The exponential law has no clip, so each beta
+    pins the exact KL the controller used: beta' = beta * exp(k (kl - target)).
+    """
+    import math
+
+    import yaml
+    from helpers.ddp_runs import GAIN, TARGET
+    from helpers.tiny_models import make_tiny_lm
+
+    per_rank = [1, 3]
+    lms = (tiny_lm_dir, make_tiny_lm(tmp_path / "reference", seed=1))
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("\n".join(PROMPTS) + "\n")  # 12 = 3 batches x (1 + 3)
+    path = config(tmp_path, lms, prompts_file, "uneven", "", 1)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["trainer"]["use_distributed_sampler"] = False
+    cfg["trainer"]["callbacks"] = []
+    cfg["trainer"]["enable_checkpointing"] = False
+    cfg["model"]["init_args"]["cut_batch"] = -1
+    cfg["data"] = {
+        "class_path": "helpers.uneven_prompts.UnevenPrompts",
+        "init_args": {"prompts": str(prompts_file), "per_rank": per_rank, "batches": STEPS},
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+    train_py(path, tmp_path, *ddp)
+    (rank0, rank1), _ = records(tmp_path / "uneven", 2)
+
+    weighted = []
+    for step in range(STEPS):
+        b0, b1 = rank0["batches"][step], rank1["batches"][step]
+        assert (len(b0["kl_seq"]), len(b1["kl_seq"])) == tuple(per_rank)
+        kl = (sum(b0["kl_seq"]) + sum(b1["kl_seq"])) / sum(per_rank)
+        unweighted = (sum(b0["kl_seq"]) / per_rank[0] + sum(b1["kl_seq"]) / per_rank[1]) / 2
+        assert abs(kl - unweighted) > 1e-3 * abs(kl)  # the two means differ: not vacuous
+        weighted.append(kl)
+        for b in (b0, b1):
+            assert close(b["metrics"]["objective/kl"], kl)
+            # the monitor's window (4 batches) holds the weighted KLs so far
+            assert close(b["metrics"]["kl_monitor/avg_kl"], sum(weighted) / len(weighted))
+        assert b0["beta_used"] == b1["beta_used"]
+    betas = [b["beta_used"] for b in rank0["batches"]] + [rank0["kl_coef"]]
+    for step, kl in enumerate(weighted):
+        assert close(betas[step + 1], betas[step] * math.exp(GAIN * (kl - TARGET)))
+    assert rank0["controller"]["n_samples"] == STEPS * sum(per_rank)
+    assert rank0["samples_seen"] == rank1["samples_seen"] == STEPS * sum(per_rank)

@@ -338,3 +338,36 @@ def test_cli_fit_ckpt_path_last_continues_exactly(tiny_lm_dir, prompts_file, tmp
         cut_log = scalars(tmp_path / "cut" / "runs", key)
         assert len(full_log) == 2 * n
         assert cut_log == full_log, key
+
+
+def test_cli_resume_of_a_finished_run_with_more_epochs_trains_them(
+    tiny_lm_dir, prompts_file, tmp_path
+):
+    """A finished run of 1 epoch (3 batches) resumed with max_epochs=2 trains epoch 1's 3
+    batches, and ends where one run of 2 epochs ends, bit for bit.
+
+    File order (``shuffle: false``) and a checkpoint after every batch: the last one is
+    written after the epoch's last batch, before Lightning counts the epoch as finished, and
+    the resumed run goes straight to epoch 1, whose batches must not be taken as seen.
+    """
+    from rlkl_lightning.cli import main
+
+    per_epoch = len(PROMPTS) // BATCH
+    paths = {}
+    for name in ("full", "cut"):
+        paths[name] = cli_config(tmp_path, tiny_lm_dir, prompts_file, name)
+        config = yaml.safe_load(open(paths[name]))
+        config["data"]["init_args"]["shuffle"] = False
+        open(paths[name], "w").write(yaml.safe_dump(config))
+    main(["fit", "--config", paths["full"], "--trainer.max_epochs=2"])
+    main(["fit", "--config", paths["cut"], "--trainer.max_epochs=1"])
+    first = torch.load(tmp_path / "cut" / "ckpt" / "last.ckpt", weights_only=True)
+    assert first["rlkl_counters"]["batches_seen"] == per_epoch
+    main(["fit", "--config", paths["cut"], "--trainer.max_epochs=2", "--ckpt_path", "last"])
+    a = torch.load(tmp_path / "full" / "ckpt" / "last.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "ckpt" / "last.ckpt", weights_only=True)
+    assert b["rlkl_counters"]["batches_seen"] == a["rlkl_counters"]["batches_seen"] == 2 * per_epoch
+    assert b["global_step"] == a["global_step"] == 2 * per_epoch * STEPS_PER_BATCH
+    assert_same_tensors(a["state_dict"], b["state_dict"])
+    for key in (k for k in a["callbacks"] if k.startswith(("KLController", "KLDrift"))):
+        assert a["callbacks"][key] == b["callbacks"][key]

@@ -437,6 +437,36 @@ def test_interrupted_build_leaves_no_half_world(world, cache, monkeypatch):
     assert rebuilt.root == target and (target / "report.json").is_file()
 
 
+def test_interrupted_rebuild_leaves_the_old_stage(tmp_path):
+    """A stage being replaced (e.g. a world rebuilt into its --out) goes only once the new one
+    is complete: Ctrl-C during the rebuild leaves the old one whole, and nothing beside it."""
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "model.bin").write_bytes(b"old weights")
+    (target / "done.json").write_text('{"key": "old"}')
+
+    def interrupted(out: Path) -> None:
+        (out / "model.bin").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    def is_new(d: Path) -> bool:
+        return json.loads((d / "done.json").read_text())["key"] == "new"
+
+    with pytest.raises(KeyboardInterrupt):
+        cache_module.build_stage(target, "done.json", interrupted, False, complete=is_new)
+    assert (target / "model.bin").read_bytes() == b"old weights"
+    assert json.loads((target / "done.json").read_text()) == {"key": "old"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".mine.lock", "mine"]
+
+    def make(out: Path) -> None:
+        (out / "model.bin").write_bytes(b"new weights")
+        (out / "done.json").write_text('{"key": "new"}')
+
+    cache_module.build_stage(target, "done.json", make, False, complete=is_new)
+    assert (target / "model.bin").read_bytes() == b"new weights" and is_new(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".mine.lock", "mine"]
+
+
 def test_incomplete_cache_entry_is_rebuilt(world, cache):
     config = WorldConfig.tiny(sft_steps=2)
     target = cache / f"world-{config.world_key()}"
