@@ -12,6 +12,7 @@ taken from a checkpoint.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from rlkl_lightning.checkpoints import (
     first_resumed_step,
     newest_last_checkpoint,
 )
+from rlkl_lightning.cli_errors import VERBOSE_ENV, user_message
 from rlkl_lightning.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
 from rlkl_lightning.kl.settings import KLSettings
 
@@ -61,6 +63,11 @@ class RLKLCLI(LightningCLI):
         self._searched: list[str] = []  # where `--ckpt_path last` looked across versions
         self._checked: str | None = None  # a checkpoint already checked by check_checkpoint
         super().__init__(*args, **kwargs)
+
+    def init_parser(self, **kwargs: Any):
+        """A parser that raises its errors, for :func:`main` to print them alone (no usage dump)."""
+        kwargs.setdefault("exit_on_error", False)
+        return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         """Add the ``kl`` group."""
@@ -218,7 +225,31 @@ def _default_checkpoint_dir(trainer: Trainer) -> Path:
 
 
 def main(args: list[str] | None = None) -> RLKLCLI:
-    """Entry point of ``train.py``."""
+    """Entry point of ``train.py``: a user's mistake ends the run with its message, last.
+
+    An error a user can cause (the package's own ``ValueError``/``RuntimeError``, or a value
+    the parser refuses) prints ``error: MESSAGE`` alone on stderr and exits with status 2;
+    ``--verbose`` (anywhere in ``args``) or the environment variable ``RLKL_VERBOSE=1`` raise
+    it with its traceback instead. Any other exception is a bug and keeps its traceback.
+    """
+    given = list(sys.argv[1:] if args is None else args)
+    verbose = "--verbose" in given or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+    given = [a for a in given if a != "--verbose"]
+    if args is None:
+        sys.argv[1:] = given  # LightningCLI reads the command line itself
+    try:
+        return _cli(None if args is None else given)
+    except Exception as error:
+        message = None if verbose else user_message(error)
+        if message is None:
+            raise
+        sys.stdout.flush()
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _cli(args: list[str] | None) -> RLKLCLI:
+    """Parse ``args``, build and run, as ``train.py`` does."""
     return RLKLCLI(
         LightningModule,
         LightningDataModule,
