@@ -36,6 +36,7 @@ from rlkl_lightning.checkpoints import (
 from rlkl_lightning.cli_errors import VERBOSE_ENV, user_message
 from rlkl_lightning.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
 from rlkl_lightning.kl.settings import KLSettings
+from rlkl_lightning.run_settings import RunSettings, trajectory_settings
 
 
 class RLKLCLI(LightningCLI):
@@ -55,7 +56,10 @@ class RLKLCLI(LightningCLI):
     * ``trainer.enable_checkpointing: false`` also drops the ``ModelCheckpoint`` callbacks a
       config lists (Lightning would refuse the combination);
     * the progress bar counts the batches of the run, and stock notes that do not apply to RL
-      runs are hidden (:mod:`rlkl_lightning.console`).
+      runs are hidden (:mod:`rlkl_lightning.console`);
+    * a resume whose settings change the trajectory (KL law, target, horizon, model, batch
+      size, ...) is refused with the differences listed, unless ``--resume_with_changes true``
+      (:class:`~rlkl_lightning.run_settings.RunSettings`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -70,8 +74,16 @@ class RLKLCLI(LightningCLI):
         return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
-        """Add the ``kl`` group."""
+        """Add the ``kl`` group and ``--resume_with_changes``."""
         parser.add_class_arguments(KLSettings, "kl")
+        parser.add_argument(
+            "--resume_with_changes",
+            type=bool,
+            default=False,
+            help="Resume although the settings that shape the trajectory (KL law, target, "
+            "horizon, model, batch size, ...) differ from the checkpoint's: the callbacks' "
+            "states are carried over and the changes printed (default: refuse, listing them).",
+        )
 
     def before_instantiate_classes(self) -> None:
         """With ``fit --ckpt_path last``, log into the version directory of the run resumed.
@@ -128,6 +140,9 @@ class RLKLCLI(LightningCLI):
         if init_kl_coef is not None:
             kl: KLSettings = self._get(self.config_init, "kl")
             trainer.callbacks[:0] = kl.callbacks(float(init_kl_coef))
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        allow = bool(config.get("resume_with_changes"))
+        trainer.callbacks.insert(0, RunSettings(trajectory_settings(config), allow))
         return trainer
 
     def _parse_ckpt_path(self) -> None:

@@ -53,7 +53,8 @@ def tiny_cli_config(tiny_lm_dir, tmp_path, name="config.yaml", **groups) -> Path
             config[group].update(values)
         else:
             config[group] = values
-    path = tmp_path / name
+    path = tmp_path / "cli_configs" / name  # not default_root_dir: the CLI saves config.yaml there
+    path.parent.mkdir(exist_ok=True)
     path.write_text(yaml.safe_dump(config))
     return path
 
