@@ -11,6 +11,7 @@ taken from a checkpoint.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -90,8 +91,9 @@ class RLKLCLI(LightningCLI):
 
         Applies to a logger with ``save_dir``, ``name`` and ``version`` (``TensorBoardLogger``,
         ``CSVLogger``) whose ``version`` is not set. The checkpoint is checked here, before any
-        model loads.
+        model loads. A logger whose package is missing stops the run first, naming the extra.
         """
+        _check_logger_packages(self._get(self.config, "trainer").get("logger"))
         if self.subcommand != "fit" or self._get(self.config, "ckpt_path") != "last":
             return
         logger = self._get(self.config, "trainer").get("logger")
@@ -189,6 +191,37 @@ class RLKLCLI(LightningCLI):
         quiet_resume_notes()
         if path not in ("best", "hpc", "registry") and os.path.realpath(path) != self._checked:
             check_checkpoint(path)
+
+
+# Logger class -> (the module it needs, the rlkl_lightning extra that installs it, or None).
+LOGGER_PACKAGES = {
+    "MLFlowLogger": ("mlflow", "mlflow"),
+    "WandbLogger": ("wandb", "wandb"),
+    "CometLogger": ("comet_ml", None),
+    "NeptuneLogger": ("neptune", None),
+}
+
+
+def _check_logger_packages(logger: Any) -> None:
+    """Refuse a logger whose package is missing in one line that names the extra to install.
+
+    Lightning's own error comes after the config is parsed and every class built, in a wall of
+    tracebacks with the install hint in the middle.
+    """
+    loggers = logger if isinstance(logger, list) else [logger]
+    for item in loggers:
+        name = str(getattr(item, "class_path", "")).rpartition(".")[2]
+        if name not in LOGGER_PACKAGES:
+            continue
+        module, extra = LOGGER_PACKAGES[name]
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            how = f"pip install 'rlkl_lightning[{extra}]'" if extra else f"pip install {module}"
+            raise ValueError(
+                f"`trainer.logger`: {name} needs the `{module}` package, which is not "
+                f"installed: {how}"
+            ) from None
 
 
 def _last_checkpoint(trainer: Trainer) -> str | None:
