@@ -75,7 +75,8 @@ def test_kl_metrics_and_beta_reach_mlflow_and_csv(tiny_lm_dir, tmp_path, monkeyp
         assert from_mlflow.keys() == from_csv[key].keys(), key
         for step, value in from_mlflow.items():
             # CSV writes floats with repr: both carry the float32 the module logged.
-            assert value == from_csv[key][step] or (math.isnan(value) and math.isnan(from_csv[key][step])), key
+            logged = from_csv[key][step]
+            assert value == logged or (math.isnan(value) and math.isnan(logged)), key
     controller = next(c for c in run.trainer.callbacks if isinstance(c, KLControllerCallback))
     last = max(from_csv[keys.KL_COEF])
     assert from_csv[keys.KL_COEF][last] == pytest.approx(controller.value, rel=1e-6)
