@@ -139,12 +139,14 @@ class RLKLCLI(LightningCLI):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         init_kl_coef = getattr(self.model, "kl_coef", None)
+        kl_callbacks = []
         if init_kl_coef is not None:
             kl: KLSettings = self._get(self.config_init, "kl")
-            trainer.callbacks[:0] = kl.callbacks(float(init_kl_coef))
+            kl_callbacks = kl.callbacks(float(init_kl_coef))
         config = self.config[self.subcommand] if self.subcommand else self.config
         allow = bool(config.get("resume_with_changes"))
-        trainer.callbacks.insert(0, RunSettings(trajectory_settings(config), allow))
+        guard = RunSettings(trajectory_settings(config), allow)  # has no batch hooks
+        trainer.callbacks[:0] = [*kl_callbacks, guard]
         return trainer
 
     def _parse_ckpt_path(self) -> None:
