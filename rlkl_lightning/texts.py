@@ -258,6 +258,9 @@ def _load_dataset(
             )
         for path in paths:
             check_text_file(path, owner, option)
+        if all(p.stat().st_size == 0 for p in paths):  # `datasets` fails on it with its own error
+            names = ", ".join(repr(str(p)) for p in paths[:3])
+            raise ValueError(f"{owner}: `{option}` {names} is empty; allowed: a file of texts")
         builder = builders.pop()
         kwargs = {"sep": "\t"} if suffixes == {".tsv"} else {}
         names = ", ".join(p.name for p in paths[:3]) + (" ..." if len(paths) > 3 else "")

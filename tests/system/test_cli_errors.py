@@ -66,6 +66,22 @@ def test_cli_errors_end_with_the_projects_message(args, message, tiny_lm_dir, tm
     # config after two tracebacks (70-80 lines); the model's errors come after "Seed set to 0".
 
 
+def test_an_empty_prompts_file_and_a_checkpoint_directory_are_named(tiny_lm_dir, tmp_path, capfd):
+    config = str(tiny_cli_config(tiny_lm_dir, tmp_path))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")  # `datasets` failed on it with its SchemaInferenceError
+    message = cli_error(["fit", "--config", config, f"--data.init_args.prompts={empty}"], capfd)
+    assert (
+        message == f"PromptDataModule: `prompts` {str(empty)!r} is empty; allowed: a file of texts"
+    )
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "last.ckpt").write_bytes(b"")
+    message = cli_error(["fit", "--config", config, f"--ckpt_path={folder}"], capfd)
+    assert message.startswith(f"`ckpt_path` {str(folder)!r} is a directory, not a checkpoint file")
+    assert f"resume from another checkpoint in {str(folder)!r} (last.ckpt)" in message
+
+
 def test_a_hub_name_fails_in_seconds_when_the_hub_cannot_be_reached(
     tiny_lm_dir, tmp_path, capfd, monkeypatch
 ):
