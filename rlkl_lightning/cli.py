@@ -66,7 +66,6 @@ class RLKLCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         quiet_lightning_notes()
         self._searched: list[str] = []  # where `--ckpt_path last` looked across versions
-        self._checked: str | None = None  # a checkpoint already checked by check_checkpoint
         super().__init__(*args, **kwargs)
 
     def init_parser(self, **kwargs: Any):
@@ -108,7 +107,6 @@ class RLKLCLI(LightningCLI):
         if found is None:
             return  # before_fit says where it looked
         checkpoint = check_checkpoint(found)
-        self._checked = os.path.realpath(found)
         version = found.parent.parent.name
         number = version.removeprefix("version_")
         init.version = int(number) if number.isdigit() else version
@@ -175,13 +173,13 @@ class RLKLCLI(LightningCLI):
         named = str(path).partition(":")[0] in ("last", "best", "hpc", "registry")
         if path is not None and not named:
             check_checkpoint(path)
-            self._checked = os.path.realpath(path)
 
     def before_fit(self) -> None:
         """Resolve ``--ckpt_path last`` (an error if there is nothing), check the file.
 
         The file Lightning will load (a path, or ``last`` once resolved) is checked before
-        anything loads it.
+        anything loads it, and the settings it was written with are compared with this run's
+        (:class:`~rlkl_lightning.run_settings.RunSettings`).
         """
         path = self._get(self.config_init, "ckpt_path")
         if path == "last":
@@ -191,8 +189,14 @@ class RLKLCLI(LightningCLI):
         if path is None:
             return
         quiet_resume_notes()
-        if path not in ("best", "hpc", "registry") and os.path.realpath(path) != self._checked:
-            check_checkpoint(path)
+        if path in ("best", "hpc", "registry"):
+            return
+        # Checked again if checked before (memory-mapped: cheap): its settings are compared
+        # here, before Lightning restores anything or the run's config.yaml is rewritten.
+        checkpoint = check_checkpoint(path)
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RunSettings):
+                callback.compare(checkpoint)
 
 
 # Logger class -> (the module it needs, the rlkl_lightning extra that installs it, or None).

@@ -85,6 +85,7 @@ class RunSettings(Callback):
         self.settings = dict(settings)
         self.allow_changes = allow_changes
         self.changes: list[str] = []  # of the last resume
+        self._compared: int | None = None  # id of the checkpoint compared last
 
     @property
     @override
@@ -100,6 +101,17 @@ class RunSettings(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Compare before any callback's state is restored (Lightning calls this hook first)."""
+        self.compare(checkpoint)
+
+    def compare(self, checkpoint: dict[str, Any] | None) -> None:
+        """Refuse (or, allowed, print) a change of settings; the CLI calls it before ``fit``.
+
+        Called before ``fit``, nothing of the run is touched by a refusal: not the weights,
+        not the ``config.yaml`` the run's directory keeps.
+        """
+        if not isinstance(checkpoint, dict) or self._compared == id(checkpoint):
+            return
+        self._compared = id(checkpoint)
         state = (checkpoint.get("callbacks") or {}).get(self.state_key)
         if not isinstance(state, dict) or not isinstance(state.get("settings"), dict):
             return  # a checkpoint written without the CLI, or before this check existed

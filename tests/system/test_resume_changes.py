@@ -52,8 +52,11 @@ def resume(config, *args) -> list[str]:
     ],
 )
 def test_a_resume_with_other_settings_is_refused_listing_them(finished, args, listed, capfd):
-    config, _ = finished
+    config, last = finished
+    saved_config = last.parent.parent / "config.yaml"  # the run's, written by the CLI
+    before = (saved_config.read_text(), last.read_bytes())
     message = cli_error(resume(config, *args), capfd)
+    assert (saved_config.read_text(), last.read_bytes()) == before  # refused before fit
     assert message.startswith("`ckpt_path`: this run's settings differ from the checkpoint's")
     lines = message.splitlines()
     assert [line.strip() for line in lines[1:-1]] == listed  # exactly the changed options
