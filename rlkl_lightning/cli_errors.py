@@ -24,6 +24,11 @@ _NOT_FINITE = re.compile(
     r"Got value: (?P<value>[+-]?(?:nan|inf|infinity))\s*$",
     re.IGNORECASE | re.MULTILINE,
 )
+_UNION_NOT_FINITE = re.compile(  # an Optional number: `float | None`, `int | None`
+    r"Expected a <class '(?P<type>float|int)'>.*Given value: "
+    r"(?P<value>[+-]?(?:nan|inf|infinity))\s*$",
+    re.IGNORECASE | re.DOTALL,
+)
 _OUTER_KEY = re.compile(r"^Parser key \"(?P<key>[^\"]+)\":", re.MULTILINE)
 _CLASS_PROBLEM = re.compile(r"- Problem with given class_path '(?P<cls>[^']+)':\n(?P<body>.*)")
 
@@ -50,8 +55,10 @@ def project_error(error: BaseException) -> BaseException | None:
 def parser_message(message: str) -> str:
     """The parser's message without the subtypes, the NoneType branch and the quoted config."""
     found = _NOT_FINITE.search(message)
+    outer = _OUTER_KEY.match(message)
+    if found is None and outer and (union := _UNION_NOT_FINITE.search(message)):
+        found = {"key": outer["key"], "type": union["type"], "value": union["value"]}
     if found:
-        outer = _OUTER_KEY.match(message)
         key = found["key"]
         if outer and outer["key"] != key:  # `model` -> `model.init_args.lr`
             key = f"{outer['key']}.init_args.{key}"

@@ -44,6 +44,11 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
             ["--data.init_args.batch_size=inf"],
             "`data.init_args.batch_size` must be an integer (NaN and inf are refused), got inf",
         ),
+        (  # an Optional float: the parser's note was a Union of two refusals
+            ["--kl.min_kl_coef=nan"],
+            "`kl.min_kl_coef` must be a finite number (NaN and inf are refused), got nan",
+        ),
+        (["--kl.min_batches=inf"], "`kl.min_batches` must be an integer (NaN and inf are refused)"),
         (["--kl.controller=pid"], "`kl.controller` must be one of ('fixed', 'adaptive',"),
         (["--kl.unit=nats"], "`kl.unit` must be one of ('sequence', 'token'), got 'nats'"),
         (["--kl.target=0"], "`kl.target` must be a finite number > 0, got 0.0"),

@@ -415,3 +415,17 @@ def test_a_reference_no_better_than_unigram_warns():
         warn_if_no_better_than_unigram(
             {"test_perplexity": 79.9, "unigram_test_perplexity": 80.0}, "w"
         )
+
+
+def test_the_command_prints_a_bad_option_alone(tmp_path, capsys):
+    from rlkl_lightning.world.__main__ import main
+
+    for flag, message in [
+        ("--sft_steps=nan", "`sft_steps` must be an integer (NaN and inf are refused), got nan"),
+        ("--lr=inf", "`lr` must be a finite number (NaN and inf are refused), got inf"),
+        ("--bogus", "unrecognized arguments: --bogus"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            main(["--texts", str(tmp_path / "a.txt"), flag])
+        assert info.value.code == f"error: {message}"  # printed alone, exit status 1
+        assert "usage:" not in capsys.readouterr().err
