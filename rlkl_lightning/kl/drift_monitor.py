@@ -244,6 +244,14 @@ class KLDriftMonitor(KLCallbackBase):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_target = state_dict.get("target", self.target)
+        if saved_target != self.target:  # the CLI refuses this unless --resume_with_changes
+            rank_zero_warn(
+                f"{type(self).__name__}: the checkpoint's target was {saved_target:g}, this "
+                f"monitor's is {self.target:g}: its window of KL values is carried over and "
+                f"judged against {self.target:g}",
+                category=RuntimeWarning,
+            )
         self.values = deque(state_dict.get("values", []), maxlen=self.window)
         self.state = state_dict.get("state", IN_BAND)
         self.n_warnings_high = state_dict.get("n_warnings_high", 0)

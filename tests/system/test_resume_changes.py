@@ -73,7 +73,8 @@ def test_another_model_with_the_same_shapes_is_refused(finished, tiny_lm_dir, tm
 def test_resume_with_changes_carries_the_states_over_and_says_so(finished, caplog):
     config, last = finished
     saved = torch.load(last, weights_only=True)["callbacks"]
-    with caplog.at_level(logging.INFO):
+    carried = r"KLDriftMonitor: the checkpoint's target was 1, this monitor's is 3: its window"
+    with caplog.at_level(logging.INFO), pytest.warns(RuntimeWarning, match=carried):
         run = main(
             ["fit", "--config", str(config), "--ckpt_path", str(last), "--trainer.max_steps=3"]
             + ["--kl.target=3", "--resume_with_changes=true"]
