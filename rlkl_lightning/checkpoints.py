@@ -152,9 +152,10 @@ def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> dict
     file = Path(path).expanduser()
 
     def fail(problem: str) -> ValueError:
-        others = sorted(p.name for p in file.parent.glob("*.ckpt") if p.name != file.name)
+        folder = file if file.is_dir() else file.parent  # a directory: the checkpoints in it
+        others = sorted(p.name for p in folder.glob("*.ckpt") if p.name != file.name)
         hint = (
-            f"resume from another checkpoint in {str(file.parent)!r} ({', '.join(others)})"
+            f"resume from another checkpoint in {str(folder)!r} ({', '.join(others)})"
             if others
             else "resume from another checkpoint"
         )
@@ -164,6 +165,8 @@ def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> dict
             f"start a new run without `{option}`"
         )
 
+    if file.is_dir():
+        raise fail("is a directory, not a checkpoint file")
     if not file.is_file():
         raise fail("does not exist")
     if file.stat().st_size == 0:

@@ -11,7 +11,9 @@ taken from a checkpoint.
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +34,10 @@ from rlkl_lightning.checkpoints import (
     first_resumed_step,
     newest_last_checkpoint,
 )
+from rlkl_lightning.cli_errors import VERBOSE_ENV, user_message
 from rlkl_lightning.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
 from rlkl_lightning.kl.settings import KLSettings
+from rlkl_lightning.run_settings import RunSettings, trajectory_settings
 
 
 class RLKLCLI(LightningCLI):
@@ -53,26 +57,42 @@ class RLKLCLI(LightningCLI):
     * ``trainer.enable_checkpointing: false`` also drops the ``ModelCheckpoint`` callbacks a
       config lists (Lightning would refuse the combination);
     * the progress bar counts the batches of the run, and stock notes that do not apply to RL
-      runs are hidden (:mod:`rlkl_lightning.console`).
+      runs are hidden (:mod:`rlkl_lightning.console`);
+    * a resume whose settings change the trajectory (KL law, target, horizon, model, batch
+      size, ...) is refused with the differences listed, unless ``--resume_with_changes true``
+      (:class:`~rlkl_lightning.run_settings.RunSettings`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         quiet_lightning_notes()
         self._searched: list[str] = []  # where `--ckpt_path last` looked across versions
-        self._checked: str | None = None  # a checkpoint already checked by check_checkpoint
         super().__init__(*args, **kwargs)
 
+    def init_parser(self, **kwargs: Any):
+        """A parser that raises its errors, for :func:`main` to print them alone (no usage dump)."""
+        kwargs.setdefault("exit_on_error", False)
+        return super().init_parser(**kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
-        """Add the ``kl`` group."""
+        """Add the ``kl`` group and ``--resume_with_changes``."""
         parser.add_class_arguments(KLSettings, "kl")
+        parser.add_argument(
+            "--resume_with_changes",
+            type=bool,
+            default=False,
+            help="Resume although the settings that shape the trajectory (KL law, target, "
+            "horizon, model, batch size, ...) differ from the checkpoint's: the callbacks' "
+            "states are carried over and the changes printed (default: refuse, listing them).",
+        )
 
     def before_instantiate_classes(self) -> None:
         """With ``fit --ckpt_path last``, log into the version directory of the run resumed.
 
         Applies to a logger with ``save_dir``, ``name`` and ``version`` (``TensorBoardLogger``,
         ``CSVLogger``) whose ``version`` is not set. The checkpoint is checked here, before any
-        model loads.
+        model loads. A logger whose package is missing stops the run first, naming the extra.
         """
+        _check_logger_packages(self._get(self.config, "trainer").get("logger"))
         if self.subcommand != "fit" or self._get(self.config, "ckpt_path") != "last":
             return
         logger = self._get(self.config, "trainer").get("logger")
@@ -87,7 +107,6 @@ class RLKLCLI(LightningCLI):
         if found is None:
             return  # before_fit says where it looked
         checkpoint = check_checkpoint(found)
-        self._checked = os.path.realpath(found)
         version = found.parent.parent.name
         number = version.removeprefix("version_")
         init.version = int(number) if number.isdigit() else version
@@ -118,9 +137,14 @@ class RLKLCLI(LightningCLI):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         init_kl_coef = getattr(self.model, "kl_coef", None)
+        kl_callbacks = []
         if init_kl_coef is not None:
             kl: KLSettings = self._get(self.config_init, "kl")
-            trainer.callbacks[:0] = kl.callbacks(float(init_kl_coef))
+            kl_callbacks = kl.callbacks(float(init_kl_coef))
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        allow = bool(config.get("resume_with_changes"))
+        guard = RunSettings(trajectory_settings(config), allow)  # has no batch hooks
+        trainer.callbacks[:0] = [*kl_callbacks, guard]
         return trainer
 
     def _parse_ckpt_path(self) -> None:
@@ -149,13 +173,13 @@ class RLKLCLI(LightningCLI):
         named = str(path).partition(":")[0] in ("last", "best", "hpc", "registry")
         if path is not None and not named:
             check_checkpoint(path)
-            self._checked = os.path.realpath(path)
 
     def before_fit(self) -> None:
         """Resolve ``--ckpt_path last`` (an error if there is nothing), check the file.
 
         The file Lightning will load (a path, or ``last`` once resolved) is checked before
-        anything loads it.
+        anything loads it, and the settings it was written with are compared with this run's
+        (:class:`~rlkl_lightning.run_settings.RunSettings`).
         """
         path = self._get(self.config_init, "ckpt_path")
         if path == "last":
@@ -165,8 +189,45 @@ class RLKLCLI(LightningCLI):
         if path is None:
             return
         quiet_resume_notes()
-        if path not in ("best", "hpc", "registry") and os.path.realpath(path) != self._checked:
-            check_checkpoint(path)
+        if path in ("best", "hpc", "registry"):
+            return
+        # Checked again if checked before (memory-mapped: cheap): its settings are compared
+        # here, before Lightning restores anything or the run's config.yaml is rewritten.
+        checkpoint = check_checkpoint(path)
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RunSettings):
+                callback.compare(checkpoint)
+
+
+# Logger class -> (the module it needs, the rlkl_lightning extra that installs it, or None).
+LOGGER_PACKAGES = {
+    "MLFlowLogger": ("mlflow", "mlflow"),
+    "WandbLogger": ("wandb", "wandb"),
+    "CometLogger": ("comet_ml", None),
+    "NeptuneLogger": ("neptune", None),
+}
+
+
+def _check_logger_packages(logger: Any) -> None:
+    """Refuse a logger whose package is missing in one line that names the extra to install.
+
+    Lightning's own error comes after the config is parsed and every class built, in a wall of
+    tracebacks with the install hint in the middle.
+    """
+    loggers = logger if isinstance(logger, list) else [logger]
+    for item in loggers:
+        name = str(getattr(item, "class_path", "")).rpartition(".")[2]
+        if name not in LOGGER_PACKAGES:
+            continue
+        module, extra = LOGGER_PACKAGES[name]
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            how = f"pip install 'rlkl_lightning[{extra}]'" if extra else f"pip install {module}"
+            raise ValueError(
+                f"`trainer.logger`: {name} needs the `{module}` package, which is not "
+                f"installed: {how}"
+            ) from None
 
 
 def _last_checkpoint(trainer: Trainer) -> str | None:
@@ -218,7 +279,31 @@ def _default_checkpoint_dir(trainer: Trainer) -> Path:
 
 
 def main(args: list[str] | None = None) -> RLKLCLI:
-    """Entry point of ``train.py``."""
+    """Entry point of ``train.py``: a user's mistake ends the run with its message, last.
+
+    An error a user can cause (the package's own ``ValueError``/``RuntimeError``, or a value
+    the parser refuses) prints ``error: MESSAGE`` alone on stderr and exits with status 2;
+    ``--verbose`` (anywhere in ``args``) or the environment variable ``RLKL_VERBOSE=1`` raise
+    it with its traceback instead. Any other exception is a bug and keeps its traceback.
+    """
+    given = list(sys.argv[1:] if args is None else args)
+    verbose = "--verbose" in given or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+    given = [a for a in given if a != "--verbose"]
+    if args is None:
+        sys.argv[1:] = given  # LightningCLI reads the command line itself
+    try:
+        return _cli(None if args is None else given)
+    except Exception as error:
+        message = None if verbose else user_message(error)
+        if message is None:
+            raise
+        sys.stdout.flush()
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _cli(args: list[str] | None) -> RLKLCLI:
+    """Parse ``args``, build and run, as ``train.py`` does."""
     return RLKLCLI(
         LightningModule,
         LightningDataModule,

@@ -71,6 +71,7 @@ def load_texts(
     column_option: str = "prompt_column",
     keep: Literal["start", "end"] = "start",
     max_chars: int = MAX_TEXT_CHARS,
+    prose: bool = False,
 ) -> list[str]:
     """Read one text column from local files, a local dataset directory or the hub.
 
@@ -87,6 +88,8 @@ def load_texts(
             cut on the left).
         max_chars: Longest text kept, in characters (warned once per source when texts are
             cut).
+        prose: A column picked as the only text one must look like prose (see
+            :func:`pick_text_column`); a named ``column`` is taken as it is.
 
     Returns:
         The non-empty texts, stripped of surrounding whitespace, in file order.
@@ -101,7 +104,7 @@ def load_texts(
     with tempfile.TemporaryDirectory(prefix="rlkl-texts-", ignore_cleanup_errors=True) as cache:
         dataset, where = _load_dataset(source, split, owner, source_option, cache)
         if column is None:
-            column = pick_text_column(dataset, f"{owner}: {where}", column_option)
+            column = pick_text_column(dataset, f"{owner}: {where}", column_option, prose)
         if column not in dataset.column_names:
             raise ValueError(
                 f"{owner}: `{column_option}` {column!r} not found in {where}; "
@@ -157,12 +160,25 @@ TEXT_COLUMNS = (
 )
 
 
-def pick_text_column(dataset: datasets.Dataset, where: str, column_option: str) -> str:
+#: A column picked as the only text one, with ``prose=True``, is refused when fewer than this
+#: fraction of its non-empty values are distinct, or its values average fewer words than
+#: :data:`PROSE_MIN_WORDS`: a label or a category column (``pos``/``neg``), not a corpus.
+PROSE_MIN_DISTINCT = 0.5
+PROSE_MIN_WORDS = 3.0
+
+
+def pick_text_column(
+    dataset: datasets.Dataset, where: str, column_option: str, prose: bool = False
+) -> str:
     """The text column of ``dataset``: a name from :data:`TEXT_COLUMNS`, else the only text one.
 
+    With ``prose``, the only text column must look like prose (mostly distinct values of a
+    few words or more); a column named like text is taken as it is.
+
     Raises:
-        ValueError: If no column has such a name and the data has no or several text columns;
-            the message lists the columns and names ``column_option``.
+        ValueError: If no column has such a name and the data has no or several text columns,
+            or (``prose``) the only one looks like labels; the message lists the columns and
+            names ``column_option``.
     """
     by_lower = {name.lower(): name for name in dataset.column_names}
     for name in TEXT_COLUMNS:
@@ -173,6 +189,17 @@ def pick_text_column(dataset: datasets.Dataset, where: str, column_option: str) 
         for name, feature in dataset.features.items()
         if getattr(feature, "dtype", None) in ("string", "large_string")
     ]
+    if len(strings) == 1 and prose:
+        values = [v for v in dataset[strings[0]] if isinstance(v, str) and v.strip()]
+        distinct = len(set(values))
+        words = sum(len(v.split()) for v in values) / max(len(values), 1)
+        if distinct < PROSE_MIN_DISTINCT * len(values) or words < PROSE_MIN_WORDS:
+            raise ValueError(
+                f"{where}: no column named like text ({', '.join(TEXT_COLUMNS[:4])}, ...), and "
+                f"the only text column {strings[0]!r} does not look like prose ({distinct:,} "
+                f"distinct values in {len(values):,} rows, {words:.1f} words on average); name "
+                f"the text column with `{column_option}` (columns: {dataset.column_names})"
+            )
     if len(strings) == 1:
         return strings[0]
     raise ValueError(
@@ -231,6 +258,9 @@ def _load_dataset(
             )
         for path in paths:
             check_text_file(path, owner, option)
+        if all(p.stat().st_size == 0 for p in paths):  # `datasets` fails on it with its own error
+            names = ", ".join(repr(str(p)) for p in paths[:3])
+            raise ValueError(f"{owner}: `{option}` {names} is empty; allowed: a file of texts")
         builder = builders.pop()
         kwargs = {"sep": "\t"} if suffixes == {".tsv"} else {}
         names = ", ".join(p.name for p in paths[:3]) + (" ..." if len(paths) > 3 else "")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli_runs import cli_error
 from helpers.kill_runs import BATCHES, STEPS_PER_BATCH, write_config
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -118,17 +119,16 @@ def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version_directory(
 
 
 def test_ckpt_path_last_with_nothing_to_resume_says_where_it_looked(
-    tiny_lm_dir, tmp_path, monkeypatch
+    tiny_lm_dir, tmp_path, monkeypatch, capfd
 ):
     config = write_config(tmp_path, tiny_lm_dir, "run")
     monkeypatch.chdir(config.parent)
-    with pytest.raises(ValueError) as info:
-        cli(config, "--ckpt_path", "last")
-    assert str(info.value) == (
+    # The CLI prints the message alone, last (exit status 2).
+    assert cli_error(["fit", "--config", str(config), "--ckpt_path", "last"], capfd) == (
         "`--ckpt_path last`: there is no checkpoint to resume: no last*.ckpt in "
         f"{Path('runs', 'tiny', 'version_*', 'checkpoints')}. Start a new run without "
         "`--ckpt_path`, or pass a checkpoint file as `--ckpt_path PATH`"
     )
     with pytest.raises(ValueError, match="this run saves no checkpoints"):
-        cli(config, "--ckpt_path", "last", "--trainer.enable_checkpointing=false")
+        cli(config, "--ckpt_path", "last", "--trainer.enable_checkpointing=false", "--verbose")
     assert not list(config.parent.rglob("*.ckpt"))  # stopped before training

@@ -146,7 +146,22 @@ class KLDriftMonitor(KLCallbackBase):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(monitor=self.monitor, target=self.target)
+        # Not the target: a resume with another target (a deliberate change, see
+        # rlkl_lightning/run_settings.py) carries the window over instead of dropping it.
+        return self._generate_state_key(monitor=self.monitor)
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Read a state saved under the older key, which held the target too."""
+        states = checkpoint.get("callbacks")
+        if not isinstance(states, dict) or self.state_key in states:
+            return
+        old = self._generate_state_key(monitor=self.monitor, target=0.0).partition(", 'target'")
+        found = [k for k in states if isinstance(k, str) and k.startswith(old[0] + ", 'target'")]
+        if len(found) == 1:
+            states[self.state_key] = states[found[0]]
 
     @property
     def avg_kl(self) -> float:
@@ -248,11 +263,20 @@ class KLDriftMonitor(KLCallbackBase):
             "n_warnings_high": self.n_warnings_high,
             "n_warnings_low": self.n_warnings_low,
             "stopped_batch": self.stopped_batch,
+            "target": self.target,
             **super().state_dict(),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_target = state_dict.get("target", self.target)
+        if saved_target != self.target:  # the CLI refuses this unless --resume_with_changes
+            rank_zero_warn(
+                f"{type(self).__name__}: the checkpoint's target was {saved_target:g}, this "
+                f"monitor's is {self.target:g}: its window of KL values is carried over and "
+                f"judged against {self.target:g}",
+                category=RuntimeWarning,
+            )
         self.values = deque(state_dict.get("values", []), maxlen=self.window)
         self.state = state_dict.get("state", IN_BAND)
         self.n_warnings_high = state_dict.get("n_warnings_high", 0)

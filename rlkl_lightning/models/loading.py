@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -23,14 +25,16 @@ def resolve_model_path(name_or_path: str, option: str = "policy") -> str:
     """Map ``"default"`` to the default world's SFT model (built on first use); else pass through.
 
     Anything that is not an existing directory and does not look like a path (``.``, ``/``,
-    ``~``) is taken as a Hugging Face hub name.
+    ``~``) is taken as a Hugging Face hub name: one that is not cached while the hub cannot be
+    reached fails here, in seconds, instead of after the hub client's retries.
 
     Args:
         name_or_path: ``"default"``, a local directory or a hub name.
         option: Name of the option that gave ``name_or_path``, for error messages.
 
     Raises:
-        ValueError: if a path-like name does not exist.
+        ValueError: if a path-like name does not exist, or a hub name is neither cached nor
+            reachable.
     """
     if name_or_path == "default":
         from rlkl_lightning.world import default_model_dir
@@ -45,7 +49,51 @@ def resolve_model_path(name_or_path: str, option: str = "policy") -> str:
             "saved with `save_pretrained`, a Hugging Face model name, or 'default' for the "
             "default world"
         )
+    if not _in_hub_cache(name_or_path) and (reason := _hub_unreachable()) is not None:
+        raise ValueError(
+            f"`{option}`: {name_or_path!r} is not a local directory, not in the Hugging Face "
+            f"cache, and {reason}; allowed: a local directory saved with `save_pretrained`, a "
+            "Hugging Face model name (cached, or with the hub reachable), or 'default' for the "
+            "default world"
+        )
     return expanded
+
+
+_HUB_REACHABLE: dict[str, str | None] = {}  # endpoint -> why it cannot be reached, or None
+
+
+def _in_hub_cache(name: str) -> bool:
+    """Whether the Hugging Face cache holds a config of the hub repository ``name``."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("config.json", "tokenizer_config.json"):
+        try:
+            if isinstance(try_to_load_from_cache(name, filename), str):
+                return True
+        except Exception:  # an invalid repository name: the hub's own error says so later
+            return False
+    return False
+
+
+def _hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub cannot be reached (offline mode, no route), or None; probed once a process.
+
+    The hub client would retry five times with back-off (about a minute) before failing.
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "the hub is off (HF_HUB_OFFLINE is set)"
+    endpoint = constants.ENDPOINT
+    if endpoint not in _HUB_REACHABLE:
+        url = urlsplit(endpoint)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            socket.create_connection((url.hostname, port), timeout=timeout).close()
+            _HUB_REACHABLE[endpoint] = None
+        except OSError as error:
+            _HUB_REACHABLE[endpoint] = f"the hub ({endpoint}) cannot be reached: {error}"
+    return _HUB_REACHABLE[endpoint]
 
 
 def load_tokenizer(name_or_path: str, option: str = "tokenizer", trust_remote_code: bool = False):

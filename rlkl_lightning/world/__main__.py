@@ -23,6 +23,7 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     parser = ArgumentParser(
+        exit_on_error=False,  # main prints the message alone, without the usage dump
         prog="python -m rlkl_lightning.world",
         description=(
             "Build a world (tokenizer, SFT reference model, prompts, validation and held-out "
@@ -53,8 +54,18 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None):
-    """Build the world and print where it is; returns the ``World``."""
-    args = parse_args(argv)
+    """Build the world and print where it is; returns the ``World``.
+
+    A bad option or input ends with ``error: MESSAGE`` alone and exit status 1.
+    """
+    from argparse import ArgumentError
+
+    from rlkl_lightning.cli_errors import parser_message
+
+    try:
+        args = parse_args(argv)
+    except ArgumentError as error:
+        sys.exit(f"error: {parser_message(str(error))}")
     progress = not args["quiet"]
     if not args["texts"]:
         from rlkl_lightning.world import build_world

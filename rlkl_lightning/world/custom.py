@@ -25,7 +25,9 @@ import hashlib
 import json
 import math
 import random
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -233,8 +235,33 @@ def build_custom_world(
     def make(tmp: Path) -> None:
         _make(tmp, key, settings, splits, prompts, stats, progress, num_threads)
 
+    if out is not None and _key(target) not in (None, key):
+        print(
+            f"{OWNER}: replacing the world in {str(target)!r}: it was built from other texts "
+            "or settings",
+            file=sys.stderr,
+            flush=True,
+        )
     build_stage(target, _MARKER, make, progress, label=_LABEL, complete=lambda d: _key(d) == key)
-    return open_world(target)
+    world = open_world(target)
+    warn_if_no_better_than_unigram(world.report, str(target))
+    return world
+
+
+def warn_if_no_better_than_unigram(report: dict[str, Any], where: str) -> None:
+    """Warn when the reference's held-out perplexity does not beat the unigram baseline.
+
+    Such a reference has learned nothing beyond word frequencies: a KL to it says little.
+    """
+    ppl, unigram = report.get("test_perplexity"), report.get("unigram_test_perplexity")
+    if isinstance(ppl, int | float) and isinstance(unigram, int | float) and not ppl < unigram:
+        warnings.warn(
+            f"{OWNER}: the reference of the world in {where!r} does not beat the unigram "
+            f"baseline (held-out perplexity {ppl:.2f}, unigram {unigram:.2f}): it has learned "
+            "no more than word frequencies; give more texts or more `--sft_steps`",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _make(

@@ -2,8 +2,10 @@
 
 What :func:`read_corpus` takes (each entry of ``sources``):
 
-* ``.txt``: plain UTF-8 text. ``unit="line"``: one text per line; ``"paragraph"``: one text
-  per paragraph (lines up to a blank line, joined with spaces: hard-wrapped prose);
+* ``.txt``, or a file of any other suffix (rt-polarity's ``.pos``/``.neg``): plain UTF-8
+  text (a file that is not text is refused). ``unit="line"``: one text per line;
+  ``"paragraph"``: one text per paragraph (lines up to a blank line, joined with spaces:
+  hard-wrapped prose);
   ``"auto"`` (the default) takes paragraphs when blank lines are frequent (at least 5 blocks,
   and one per :data:`LINES_PER_PARAGRAPH` non-blank lines: blank lines separate paragraphs),
   else lines (a one-text-per-line file with a few stray blank lines).
@@ -67,7 +69,7 @@ def read_corpus(
         ``duplicates`` and ``kept`` texts and gives the unit taken for each ``.txt`` file.
 
     Raises:
-        ValueError: A source is missing, of an unknown type, not UTF-8 or unparsable; a
+        ValueError: A source is missing, not text, not UTF-8 or unparsable; a
             column is missing; an option is out of range; nothing is left. The message names
             the option (``--texts``, ``--column``, ``--unit``, ``--max_chars``).
     """
@@ -82,7 +84,8 @@ def read_corpus(
     units: dict[str, str] = {}
     for source in sources:
         for path in _expand(Path(source).expanduser()):
-            if path.suffix.lower() == ".txt":
+            suffix = path.suffix.lower()
+            if path.is_file() and (suffix == ".txt" or suffix not in FILE_BUILDERS):
                 texts, units[str(path)] = _read_txt(path, unit)
             else:
                 texts = load_texts(
@@ -92,6 +95,7 @@ def read_corpus(
                     owner=OWNER,
                     source_option="--texts",
                     column_option="--column",
+                    prose=True,
                 )
             raw += texts
     cleaned, truncated = [], 0
@@ -137,18 +141,23 @@ def _expand(path: Path) -> list[Path]:
         raise ValueError(f"{OWNER}: `--texts` file not found: {str(path)!r}")
     if path.is_dir() and not is_saved_dataset(path):
         return check_directory(path, OWNER, "--texts")
-    if path.is_file() and path.suffix.lower() not in FILE_BUILDERS:
-        raise ValueError(
-            f"{OWNER}: `--texts` file {str(path)!r} has an unsupported type "
-            f"{path.suffix or '(no suffix)'!r}; allowed: {sorted(FILE_BUILDERS)} or a directory "
-            "(of such files, or written by datasets' save_to_disk)"
-        )
-    return [path]
+    return [path]  # a file of another suffix is read as plain text (_read_txt checks it is)
 
 
 def _read_txt(path: Path, unit: str) -> tuple[list[str], str]:
     """The texts of a plain text file, and the unit taken (``"line"`` or ``"paragraph"``)."""
-    check_text_file(path, OWNER, "--texts")
+    try:
+        check_text_file(path, OWNER, "--texts")
+    except ValueError as error:
+        if path.suffix.lower() == ".txt":
+            raise
+        reason = str(error).partition(f"{str(path)!r} ")[2].partition("; allowed")[0]
+        raise ValueError(
+            f"{OWNER}: `--texts` file {str(path)!r} is not plain text ({reason}); allowed: "
+            f"UTF-8 text of any suffix (one text per line or paragraph), "
+            f"{sorted(set(FILE_BUILDERS) - {'.txt'})} tables, or a directory (of such files, "
+            "or written by datasets' save_to_disk)"
+        ) from None
     with open(path, encoding="utf-8-sig") as handle:  # universal newlines: CRLF, CR
         lines = [line.strip() for line in handle]
     blocks: list[list[str]] = [[]]

@@ -292,7 +292,8 @@ def test_works_next_to_the_controller_callback_with_distinct_state_keys():
     kl_cb, mon = KLControllerCallback(controller), monitor()
     fit(module, [kl_cb, mon])
     assert kl_cb.state_key != mon.state_key
-    assert mon.state_key == "KLDriftMonitor{'monitor': 'objective/kl', 'target': 1.0}"
+    assert mon.state_key == "KLDriftMonitor{'monitor': 'objective/kl'}"  # no target: a resume
+    # with another target carries the window over (tests/system/test_resume_changes.py)
     assert kl_cb.n_batches == mon.n_batches == len(KLS)
     assert module.kl_coef == kl_cb.value != 0.1
 

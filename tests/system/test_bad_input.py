@@ -9,12 +9,14 @@ warned, and the next batch trains normally.
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import warnings
 
 import pytest
 import torch
 import yaml
+from helpers.cli_runs import cli_error
 from helpers.trainers import cpu_trainer, fit_on_prompts
 from lightning.pytorch import LightningModule, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -500,9 +502,9 @@ def test_corrupt_checkpoint_files_give_a_clear_error(trained_checkpoint, tmp_pat
     assert "(empty.ckpt, foreign.ckpt, junk.ckpt, truncated.ckpt)" in str(info.value)
 
 
-def test_cli_ckpt_path_last_pointing_at_a_corrupt_file_stops_before_training(tiny_lm_dir, tmp_path):
-    from rlkl_lightning.cli import main
-
+def test_cli_ckpt_path_last_pointing_at_a_corrupt_file_stops_before_training(
+    tiny_lm_dir, tmp_path, capfd
+):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     ckpt_dir = tmp_path / "ckpt"
@@ -535,10 +537,10 @@ def test_cli_ckpt_path_last_pointing_at_a_corrupt_file_stops_before_training(tin
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    with pytest.raises(ValueError, match=r"`ckpt_path` '.*last.ckpt' cannot be read") as info:
-        main(["fit", "--config", str(path), "--ckpt_path", "last"])
-    assert "resume from another checkpoint in" in str(info.value)
-    assert "(epoch=0-step=2.ckpt)" in str(info.value)
+    message = cli_error(["fit", "--config", str(path), "--ckpt_path", "last"], capfd)
+    assert re.match(r"`ckpt_path` '.*last.ckpt' cannot be read", message)
+    assert "resume from another checkpoint in" in message
+    assert "(epoch=0-step=2.ckpt)" in message
 
 
 def test_checkpoint_of_another_model_names_the_mismatch(trained_checkpoint, tmp_path):

@@ -16,6 +16,7 @@ import enum
 import json
 import os
 import pickle
+import re
 import shutil
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from helpers.cli_runs import cli_error
 from helpers.trainers import cpu_trainer
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -160,17 +162,20 @@ def cli_config(tiny_lm_dir, tmp_path, **model) -> Path:
 
 
 def test_cli_refuses_a_checkpoint_whose_pickle_runs_code(
-    tiny_lm_dir, good_checkpoint, tmp_path, monkeypatch
+    tiny_lm_dir, good_checkpoint, tmp_path, monkeypatch, capfd
 ):
     from rlkl_lightning import cli
 
     config = cli_config(tiny_lm_dir, tmp_path)
     marker = tmp_path / "marker"
     bad = poisoned(good_checkpoint, tmp_path / "bad.ckpt", marker)
+    # The CLI prints the message last and alone (exit status 2); --verbose raises it.
+    message = cli_error(["fit", "--config", str(config), "--ckpt_path", str(bad)], capfd)
+    assert re.match(r"`ckpt_path` '.*bad.ckpt' holds a pickled object", message)
     with pytest.raises(ValueError, match=r"`ckpt_path` '.*bad.ckpt' holds a pickled object"):
-        cli.main(["fit", "--config", str(config), "--ckpt_path", str(bad)])
-    with pytest.raises(ValueError, match=r"`weights_only` must be true or unset"):
-        cli.main(["fit", "--config", str(config), "--weights_only", "false"])
+        cli.main(["fit", "--config", str(config), "--ckpt_path", str(bad), "--verbose"])
+    message = cli_error(["fit", "--config", str(config), "--weights_only", "false"], capfd)
+    assert message.startswith("`weights_only` must be true or unset")
     # Without our check, Lightning's own restore gets weights_only=True from the CLI, which
     # holds even where the environment turns torch's default off.
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -22,10 +24,13 @@ from rlkl_lightning.world.custom import (
     resolve,
     sft_schedule,
     subsample,
+    warn_if_no_better_than_unigram,
     world_key,
 )
 from rlkl_lightning.world.read import clean_text, read_corpus
 
+# The tiny worlds here learn next to nothing, and say so (tested where it is the point).
+pytestmark = pytest.mark.filterwarnings("ignore:.*does not beat the unigram:RuntimeWarning")
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = (
     "river stone quiet garden lamp window morning paper coffee train winter harbour "
@@ -242,8 +247,13 @@ def test_bad_input_names_the_option_and_the_allowed_values(tmp_path, corpus):
         with pytest.raises(ValueError, match=match):
             build_custom_world(sources, config or tiny(), cache_dir=tmp_path, **kwargs)
 
-    (tmp_path / "notes.docx").write_bytes(b"PK")
-    fails([str(tmp_path / "notes.docx")], r"`--texts` .*unsupported type '.docx'; allowed: \[")
+    with zipfile.ZipFile(tmp_path / "notes.docx", "w") as docx:  # a zip, as .docx files are
+        docx.writestr("word/document.xml", "<w:document/>")
+    fails(
+        [str(tmp_path / "notes.docx")],
+        r"`--texts` file '.*notes.docx' is not plain text \(holds a NUL byte \(line 1\).*\); "
+        r"allowed: UTF-8 text of any suffix .*\['.csv', '.json', '.jsonl', '.parquet', '.tsv'\]",
+    )
     fails([str(tmp_path / "missing.txt")], "`--texts` file not found")
     (tmp_path / "blank.txt").write_text("\n \r\n\t\n")
     fails([str(tmp_path / "blank.txt")], "hold no non-empty text")
@@ -340,3 +350,82 @@ def test_a_study_run_on_the_world_trains(world, tmp_path, monkeypatch):
     assert cli.model.policy.config.n_embd == 16  # the world's model
     prompts = set(world.prompts())
     assert set(cli.datamodule.prompt_dataset["prompt"]) == prompts
+
+
+# --- text as it comes ----------------------------------------------------------------------
+
+
+def test_plain_text_of_any_suffix_builds_a_world_and_a_rebuild_says_so(tmp_path, capsys):
+    """rt-polarity ships as `rt-polarity.pos` and `rt-polarity.neg`: one review per line."""
+    rng = random.Random(1)
+    for name in ("rt-polarity.pos", "rt-polarity.neg"):
+        lines = [f"{name[12:]} {i} {sentence(rng, 8)} ." for i in range(60)]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    files = [str(tmp_path / "rt-polarity.pos"), str(tmp_path / "rt-polarity.neg")]
+    texts, stats = read_corpus(files)
+    assert len(texts) == 120 and texts[0] == "pos 0 " + texts[0][6:] and texts[60][:5] == "neg 0"
+    assert set(stats["units"].values()) == {"line"}
+    out = tmp_path / "rt"
+    # 3 SFT steps teach the tiny model nothing: it is worse than word frequencies, and says so.
+    unigram = r"the reference of the world in '.*rt' does not beat the unigram baseline"
+    with pytest.warns(RuntimeWarning, match=unigram):
+        world = build_custom_world(files, tiny(), out=out, progress=False, num_threads=1)
+    assert sum(world.corpus.stats["num_texts"].values()) == 120  # every review, in a split
+    assert world.report["test_perplexity"] > world.report["unigram_test_perplexity"]
+    assert "replacing" not in capsys.readouterr().err  # a new world replaces nothing
+    with pytest.warns(RuntimeWarning, match=unigram):  # the same world: cached, not rebuilt
+        build_custom_world(files, tiny(), out=out, progress=False, num_threads=1)
+    assert "replacing" not in capsys.readouterr().err
+    with pytest.warns(RuntimeWarning, match=unigram):
+        build_custom_world(files, tiny(seed=1), out=out, progress=False, num_threads=1)
+    assert capsys.readouterr().err == (
+        f"rlkl_lightning.world: replacing the world in {str(out)!r}: it was built from other "
+        "texts or settings\n"
+    )
+
+
+def test_a_label_column_is_not_guessed_as_the_corpus(tmp_path):
+    rows = "".join(f"{'pos' if i % 2 else 'neg'},{i % 5}\n" for i in range(40))
+    (tmp_path / "labels.csv").write_text("label,stars\n" + rows)
+    with pytest.raises(
+        ValueError,
+        match=r"only text column 'label' does not look like prose \(2 distinct values in 40 rows, "
+        r"1.0 words on average\); name the text column with `--column` \(columns: "
+        r"\['label', 'stars'\]\)",
+    ):
+        read_corpus([str(tmp_path / "labels.csv")])
+    # Prose in a column of any name is still found alone, and a named column is taken as it is.
+    prose = "".join(f"{i},the {i} quiet garden by the river\n" for i in range(40))
+    (tmp_path / "prose.csv").write_text("id,words\n" + prose)
+    assert len(read_corpus([str(tmp_path / "prose.csv")])[0]) == 40
+    assert read_corpus([str(tmp_path / "labels.csv")], column="label")[0] == ["neg", "pos"]
+
+
+def test_a_reference_no_better_than_unigram_warns():
+    with pytest.warns(RuntimeWarning, match=r"does not beat the unigram baseline \(held-out "):
+        warn_if_no_better_than_unigram(
+            {"test_perplexity": 90.0, "unigram_test_perplexity": 80.0}, "w"
+        )
+    with pytest.warns(RuntimeWarning, match=r"perplexity 80.00, unigram 80.00\)"):
+        warn_if_no_better_than_unigram(
+            {"test_perplexity": 80.0, "unigram_test_perplexity": 80.0}, "w"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_no_better_than_unigram(
+            {"test_perplexity": 79.9, "unigram_test_perplexity": 80.0}, "w"
+        )
+
+
+def test_the_command_prints_a_bad_option_alone(tmp_path, capsys):
+    from rlkl_lightning.world.__main__ import main
+
+    for flag, message in [
+        ("--sft_steps=nan", "`sft_steps` must be an integer (NaN and inf are refused), got nan"),
+        ("--lr=inf", "`lr` must be a finite number (NaN and inf are refused), got inf"),
+        ("--bogus", "unrecognized arguments: --bogus"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            main(["--texts", str(tmp_path / "a.txt"), flag])
+        assert info.value.code == f"error: {message}"  # printed alone, exit status 1
+        assert "usage:" not in capsys.readouterr().err

@@ -1,0 +1,141 @@
+"""A user's mistake on the command line ends with the project's message, alone and last.
+
+``rlkl_lightning.cli.main`` prints ``error: MESSAGE`` on stderr and exits with status 2 for the
+package's own errors and the parser's; ``--verbose`` or ``RLKL_VERBOSE=1`` give the traceback,
+and an exception that is not a user's mistake keeps it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from helpers.cli_runs import cli_error, tiny_cli_config, train_py
+
+SHIPPED = "configs/ppo_adaptive.yaml"
+
+
+def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
+    option = "--model.init_args.init_kl_coef=nan"  # was 55 lines of usage and a validator note
+    message = (
+        "`model.init_args.init_kl_coef` must be a finite number (NaN and inf are refused), got nan"
+    )
+    status, output = train_py(
+        ["fit", "--config", SHIPPED, option, f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    )
+    lines = output.rstrip("\n").splitlines()
+    assert status == 2
+    assert lines[-1] == f"error: {message}"
+    assert len(lines) <= 15, output
+    assert "Traceback" not in output and "usage:" not in output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kl.target=nan"], "`kl.target` must be a finite number (NaN and inf are refused)"),
+        (["--kl.target=-inf"], "`kl.target` must be a finite number (NaN and inf are refused)"),
+        (["--kl.horizon=inf"], "`kl.horizon` must be a finite number (NaN and inf are refused)"),
+        (
+            ["--model.init_args.lr=nan"],
+            "`model.init_args.lr` must be a finite number (NaN and inf are refused), got nan",
+        ),
+        (
+            ["--data.init_args.batch_size=inf"],
+            "`data.init_args.batch_size` must be an integer (NaN and inf are refused), got inf",
+        ),
+        (  # an Optional float: the parser's note was a Union of two refusals
+            ["--kl.min_kl_coef=nan"],
+            "`kl.min_kl_coef` must be a finite number (NaN and inf are refused), got nan",
+        ),
+        (["--kl.min_batches=inf"], "`kl.min_batches` must be an integer (NaN and inf are refused)"),
+        (["--kl.controller=pid"], "`kl.controller` must be one of ('fixed', 'adaptive',"),
+        (["--kl.unit=nats"], "`kl.unit` must be one of ('sequence', 'token'), got 'nats'"),
+        (["--kl.target=0"], "`kl.target` must be a finite number > 0, got 0.0"),
+        (["--model.init_args.max_new_tokens=0"], "PPOModule: `max_new_tokens` must be"),
+        (["--model.init_args.kl_estimator=k4"], "PPOModule: `kl_estimator` must be one of"),
+        (["--data.init_args.batch_size=0"], "PromptDataModule: `batch_size` must be >= 1 or None"),
+        (["--model.init_args.policy=/no/such/model"], "`policy`: model path '/no/such/model'"),
+        (["--model.init_args.polcy=x"], "`model` (rlkl_lightning.PPOModule): Option 'polcy'"),
+        (["--trainer.max_stepz=3"], "unrecognized arguments: --trainer.max_stepz=3"),
+        (["--weights_only=false"], "`weights_only` must be true or unset"),
+        (["--ckpt_path=last"], "`--ckpt_path last`: there is no checkpoint to resume"),
+    ],
+)
+def test_cli_errors_end_with_the_projects_message(args, message, tiny_lm_dir, tmp_path, capfd):
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    printed = cli_error(["fit", "--config", str(config), *args], capfd)
+    assert printed.startswith(message), printed
+    assert "\n" not in printed.strip() and "Given value" not in printed
+    # PPOModule's and PromptDataModule's errors were wrapped in a Union error quoting the whole
+    # config after two tracebacks (70-80 lines); the model's errors come after "Seed set to 0".
+
+
+def test_an_empty_prompts_file_and_a_checkpoint_directory_are_named(tiny_lm_dir, tmp_path, capfd):
+    config = str(tiny_cli_config(tiny_lm_dir, tmp_path))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")  # `datasets` failed on it with its SchemaInferenceError
+    message = cli_error(["fit", "--config", config, f"--data.init_args.prompts={empty}"], capfd)
+    assert (
+        message == f"PromptDataModule: `prompts` {str(empty)!r} is empty; allowed: a file of texts"
+    )
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "last.ckpt").write_bytes(b"")
+    message = cli_error(["fit", "--config", config, f"--ckpt_path={folder}"], capfd)
+    assert message.startswith(f"`ckpt_path` {str(folder)!r} is a directory, not a checkpoint file")
+    assert f"resume from another checkpoint in {str(folder)!r} (last.ckpt)" in message
+
+
+def test_a_hub_name_fails_in_seconds_when_the_hub_cannot_be_reached(
+    tiny_lm_dir, tmp_path, capfd, monkeypatch
+):
+    from huggingface_hub import constants
+
+    from rlkl_lightning.models import loading
+
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: closed
+    monkeypatch.setattr(loading, "_HUB_REACHABLE", {})
+    start = time.monotonic()
+    printed = cli_error(["fit", "--config", str(config), "--model.init_args.policy=no/such"], capfd)
+    assert time.monotonic() - start < 10
+    assert printed.startswith(
+        "`policy`: 'no/such' is not a local directory, not in the Hugging Face cache, and the "
+        "hub (http://127.0.0.1:9) cannot be reached: "
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # no probe at all
+    printed = cli_error(["fit", "--config", str(config), "--model.init_args.policy=no/such"], capfd)
+    assert "and the hub is off (HF_HUB_OFFLINE is set); allowed: a local directory" in printed
+
+
+def test_verbose_raises_with_the_traceback(tiny_lm_dir, tmp_path, monkeypatch):
+    from argparse import ArgumentError
+
+    from rlkl_lightning.cli import main
+
+    config = str(tiny_cli_config(tiny_lm_dir, tmp_path))
+    with pytest.raises(ValueError, match=r"`kl.target` must be a finite number > 0"):
+        main(["fit", "--config", config, "--kl.target=0", "--verbose"])
+    monkeypatch.setenv("RLKL_VERBOSE", "1")
+    with pytest.raises(ArgumentError, match=r"Expected a <class 'float'>. Got value: nan"):
+        main(["fit", "--config", config, "--kl.target=nan"])
+
+
+def test_an_error_that_is_not_a_users_mistake_keeps_its_traceback(tiny_lm_dir, tmp_path):
+    from rlkl_lightning import cli
+
+    config = str(tiny_cli_config(tiny_lm_dir, tmp_path))
+
+    class Broken(cli.RLKLCLI):
+        def before_fit(self):
+            raise ValueError("not ours: raised outside the package")  # this file is a test
+
+    original = cli.RLKLCLI
+    cli.RLKLCLI = Broken
+    try:
+        with pytest.raises(ValueError, match="not ours"):
+            cli.main(["fit", "--config", config])
+    finally:
+        cli.RLKLCLI = original
