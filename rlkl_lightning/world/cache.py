@@ -146,18 +146,36 @@ def _swap_in(new: Path, target: Path) -> None:
 
 @contextlib.contextmanager
 def _lock(path: Path) -> Iterator[None]:
-    """An exclusive inter-process lock (POSIX ``flock``; no-op where unavailable)."""
+    """An exclusive inter-process lock (POSIX ``flock``; no-op where unavailable).
+
+    The lock file is removed when the lock is released, so no ``.NAME.lock`` is left beside
+    a world. A process that waited on a file removed meanwhile locks the new file instead (it
+    checks that the path still names the file it holds), so two never hold the lock at once.
+    """
     try:
         import fcntl
     except ImportError:  # Windows: the atomic rename still keeps the cache consistent
         yield
         return
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    while True:
+        handle = open(path, "a")  # noqa: SIM115 (closed when the lock is released)
         try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                break  # the file the path names: the lock is ours
+        except FileNotFoundError:
+            pass  # removed by its last holder: lock the new file
+        except BaseException:
+            handle.close()
+            raise
+        handle.close()  # closing releases the lock on the removed file
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
 
 
 def _make_corpus(config: WorldConfig, out: Path, progress: bool) -> None:

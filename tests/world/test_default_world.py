@@ -6,6 +6,7 @@ import inspect
 import json
 import math
 import re
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -456,7 +457,7 @@ def test_interrupted_rebuild_leaves_the_old_stage(tmp_path):
         cache_module.build_stage(target, "done.json", interrupted, False, complete=is_new)
     assert (target / "model.bin").read_bytes() == b"old weights"
     assert json.loads((target / "done.json").read_text()) == {"key": "old"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".mine.lock", "mine"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no lock file left
 
     def make(out: Path) -> None:
         (out / "model.bin").write_bytes(b"new weights")
@@ -464,7 +465,30 @@ def test_interrupted_rebuild_leaves_the_old_stage(tmp_path):
 
     cache_module.build_stage(target, "done.json", make, False, complete=is_new)
     assert (target / "model.bin").read_bytes() == b"new weights" and is_new(target)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".mine.lock", "mine"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_the_build_lock_excludes_while_its_file_is_removed_after_each_holder(tmp_path):
+    """Each holder removes the lock file; a waiter on the removed file locks the new one."""
+    path = tmp_path / ".mine.lock"
+    inside, most, guard = [0], [0], threading.Lock()
+
+    def hold() -> None:
+        with cache_module._lock(path):
+            with guard:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.02)
+            with guard:
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=hold) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] == 1  # never two holders at once
+    assert not path.exists()
 
 
 def test_incomplete_cache_entry_is_rebuilt(world, cache):
