@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -145,20 +146,34 @@ def _expand(path: Path) -> list[Path]:
 
 
 def _read_txt(path: Path, unit: str) -> tuple[list[str], str]:
-    """The texts of a plain text file, and the unit taken (``"line"`` or ``"paragraph"``)."""
+    """The texts of a plain text file, and the unit taken (``"line"`` or ``"paragraph"``).
+
+    UTF-8 is expected; a file in a single-byte encoding (rt-polarity's ``.pos``/``.neg`` are
+    Latin-1) is read as Windows-1252, or Latin-1 where that fails, with a warning.
+    """
+    encoding = "utf-8-sig"  # -sig: a leading BOM, as datasets
     try:
         check_text_file(path, OWNER, "--texts")
     except ValueError as error:
-        if path.suffix.lower() == ".txt":
-            raise
-        reason = str(error).partition(f"{str(path)!r} ")[2].partition("; allowed")[0]
-        raise ValueError(
-            f"{OWNER}: `--texts` file {str(path)!r} is not plain text ({reason}); allowed: "
-            f"UTF-8 text of any suffix (one text per line or paragraph), "
-            f"{sorted(set(FILE_BUILDERS) - {'.txt'})} tables, or a directory (of such files, "
-            "or written by datasets' save_to_disk)"
-        ) from None
-    with open(path, encoding="utf-8-sig") as handle:  # universal newlines: CRLF, CR
+        single = _single_byte_encoding(path) if "is not UTF-8 text" in str(error) else None
+        if single is None:
+            if path.suffix.lower() == ".txt":
+                raise
+            reason = str(error).partition(f"{str(path)!r} ")[2].partition("; allowed")[0]
+            raise ValueError(
+                f"{OWNER}: `--texts` file {str(path)!r} is not plain text ({reason}); allowed: "
+                f"UTF-8 text of any suffix (one text per line or paragraph), "
+                f"{sorted(set(FILE_BUILDERS) - {'.txt'})} tables, or a directory (of such "
+                "files, or written by datasets' save_to_disk)"
+            ) from None
+        encoding = single
+        warnings.warn(
+            f"{OWNER}: `--texts` file {str(path)!r} is not UTF-8; read as {encoding} "
+            f"({str(error).partition('is not UTF-8 text: ')[2].partition('; allowed')[0]})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    with open(path, encoding=encoding) as handle:  # universal newlines: CRLF, CR
         lines = [line.strip() for line in handle]
     blocks: list[list[str]] = [[]]
     for line in lines:
@@ -174,3 +189,15 @@ def _read_txt(path: Path, unit: str) -> tuple[list[str], str]:
     if unit == "paragraph":
         return [" ".join(b) for b in blocks], unit
     return [line for b in blocks for line in b], unit
+
+
+def _single_byte_encoding(path: Path) -> str | None:
+    """``"cp1252"`` or ``"latin-1"`` for single-byte text; None if the file has NUL bytes."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        return None  # binary, or UTF-16
+    try:
+        data.decode("cp1252")
+    except UnicodeDecodeError:
+        return "latin-1"  # decodes any byte
+    return "cp1252"

@@ -429,3 +429,21 @@ def test_the_command_prints_a_bad_option_alone(tmp_path, capsys):
             main(["--texts", str(tmp_path / "a.txt"), flag])
         assert info.value.code == f"error: {message}"  # printed alone, exit status 1
         assert "usage:" not in capsys.readouterr().err
+
+
+def test_single_byte_text_is_read_with_a_warning_and_binary_is_still_refused(tmp_path):
+    """rt-polarity's files are Latin-1, not UTF-8: taken as they come, decoded right, said so."""
+    pos, neg = tmp_path / "rt-polarity.pos", tmp_path / "rt-polarity.neg"
+    pos.write_bytes("a caf\xe9 of a film .\nit\x92s fine .\n".encode("latin-1"))
+    neg.write_bytes("na\xefve and dull .\n".encode("latin-1"))
+    with pytest.warns(RuntimeWarning, match=r"rt-polarity.pos' is not UTF-8; read as cp1252"):
+        texts, _ = read_corpus([str(pos), str(neg)])
+    assert texts == ["a café of a film .", "it’s fine .", "naïve and dull ."]
+    undefined = tmp_path / "odd.txt"  # 0x81 has no character in cp1252: Latin-1 then
+    undefined.write_bytes(b"caf\xe9 \x81 ok\n")
+    with pytest.warns(RuntimeWarning, match="read as latin-1"):
+        assert read_corpus([str(undefined)])[0] == ["café ok"]  # a control character: a space
+    binary = tmp_path / "model.pos"
+    binary.write_bytes(b"\xe9\x00\x01\x02 weights")
+    with pytest.raises(ValueError, match=r"model.pos' is not plain text"):
+        read_corpus([str(binary)])
