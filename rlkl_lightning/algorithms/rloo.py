@@ -28,7 +28,9 @@ from rlkl_lightning.algorithms.advantages import group_advantages
 from rlkl_lightning.algorithms.checks import RLOO_RULES, check_all
 from rlkl_lightning.algorithms.losses import policy_loss
 from rlkl_lightning.algorithms.pipeline import RLPipeline
+from rlkl_lightning.algorithms.update import Reduce
 from rlkl_lightning.kl.estimators import sequence_kl
+from rlkl_lightning.masked import masked_mean
 from rlkl_lightning.models.logprobs import score_tokens
 from rlkl_lightning.trajectory import Trajectory
 
@@ -109,18 +111,31 @@ class RLOOModule(RLPipeline):
         return traj._replace(advantages=advantages[:, None] * mask)
 
     @override
-    def loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped policy loss on the group advantages (+ ``kl_coef`` x the KL loss)."""
+    def loss(
+        self, minibatch: Trajectory, reduce: Reduce = masked_mean
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Clipped policy loss on the group advantages (+ ``kl_coef`` x the KL loss).
+
+        The per-token terms are made one number by ``reduce`` (the loss aggregation).
+        """
+        hp = self.hparams
         mb = minibatch
-        new = score_tokens(self.policy, mb, self.hparams.temperature, logits=False)
+        new = score_tokens(self.policy, mb, hp.temperature, logits=False)
         pg_loss, pg_stats = policy_loss(
-            new.logprobs, mb.logprobs, mb.advantages, mb.response_mask, self.hparams.cliprange
+            new.logprobs,
+            mb.logprobs,
+            mb.advantages,
+            mb.response_mask,
+            hp.cliprange,
+            reduce,
+            hp.cliprange_high,
+            hp.importance_ratio,
         )
         stats = {
             keys.LOSS_POLICY: pg_loss.detach(),
             keys.APPROX_KL: pg_stats.approx_kl,
             keys.CLIPFRAC: pg_stats.clipfrac,
         }
-        loss = self.add_kl_loss(pg_loss, stats, new.logprobs, mb)
+        loss = self.add_kl_loss(pg_loss, stats, new.logprobs, mb, reduce)
         stats[keys.LOSS_TOTAL] = loss.detach()
         return loss, stats
