@@ -9,7 +9,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from rlkl_lightning.algorithms.advantages import GROUP_ADVANTAGES
+from rlkl_lightning.algorithms.advantages import GROUP_ADVANTAGES, GROUP_SCALES
 from rlkl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS
 from rlkl_lightning.algorithms.losses import IMPORTANCE_RATIOS
 from rlkl_lightning.kl.estimators import KL_ESTIMATORS
@@ -94,6 +94,10 @@ PPO_RULES = [
 RLOO_RULES = [
     ("responses_per_prompt", _int_at_least(2), "an integer >= 2"),
     ("advantage", lambda x: x in GROUP_ADVANTAGES, f"one of {GROUP_ADVANTAGES}"),
+    ("scale_rewards", lambda x: x in GROUP_SCALES, f"one of {GROUP_SCALES}"),
+    ("ent_coef", _finite_above(0, strict=False), "a finite number >= 0"),
+    ("mask_truncated_completions", lambda x: isinstance(x, bool), "True or False"),
+    ("drop_zero_std_groups", lambda x: isinstance(x, bool), "True or False"),
 ]
 
 
