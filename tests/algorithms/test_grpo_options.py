@@ -140,3 +140,10 @@ def test_the_options_that_drop_responses_refuse_two_processes(tiny_lm_dir):
     module._trainer = SimpleNamespace(world_size=2)
     with pytest.raises(ValueError, match="`drop_zero_std_groups`=True needs one process"):
         module.on_fit_start()
+
+
+def test_the_batch_scale_divides_by_the_standard_deviation_of_all_returns(tiny_lm_dir):
+    """One process: ``_batch_std`` (two passes through the strategy's sum) is ``std()``."""
+    module = rloo(tiny_lm_dir, advantage="grpo", scale_rewards="batch")
+    got = module._batch_std(RETURNS.to(torch.float32))
+    torch.testing.assert_close(got, RETURNS.std(), rtol=0, atol=1e-6)
