@@ -147,3 +147,46 @@ def test_the_batch_scale_divides_by_the_standard_deviation_of_all_returns(tiny_l
     module = rloo(tiny_lm_dir, advantage="grpo", scale_rewards="batch")
     got = module._batch_std(RETURNS.to(torch.float32))
     torch.testing.assert_close(got, RETURNS.std(), rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def other_reference(tmp_path_factory):
+    """A reference that differs from the policy, so the KL term is not 0."""
+    from helpers.tiny_models import make_tiny_lm
+
+    return str(make_tiny_lm(tmp_path_factory.mktemp("reference"), seed=1))
+
+
+@pytest.mark.parametrize("cls", ["PPOModule", "RLOOModule"])
+def test_every_term_of_the_loss_goes_through_the_aggregation(tiny_lm_dir, other_reference, cls):
+    """Weights ``mask / sum(mask)`` make every aggregated term a token mean again, so the loss
+    and each statistic equal the default's (policy, value, entropy and KL terms alike); and
+    weights that double one response change every term."""
+    from functools import partial
+
+    from rlkl_lightning import PPOModule
+    from rlkl_lightning.algorithms.aggregation import weighted_sum
+
+    seed_everything(0)
+    extra = {"responses_per_prompt": K} if cls == "RLOOModule" else {}
+    module_cls = RLOOModule if cls == "RLOOModule" else PPOModule
+    args = module_args(
+        tiny_lm_dir, reference=other_reference, init_kl_coef=0.5, kl_placement="loss", **extra
+    )
+    module = module_cls(**args, ent_coef=0.1)
+    disable_dropout(module.policy)
+    prompts = [p for p in PROMPTS[:2] for _ in range(K)]
+    traj, scores = module.rollout(prompts)
+    traj = module.shape(module.score(prompts, traj, scores)[0])
+    traj = traj._replace(logprobs=traj.logprobs + 0.1)  # ratios and KL weights other than 1
+    mask = traj.response_mask
+    loss, stats = module.loss(traj)
+    same, same_stats = module.loss(traj, partial(weighted_sum, weights=mask / mask.sum()))
+    torch.testing.assert_close(same, loss, rtol=1e-6, atol=1e-7)
+    for key, value in stats.items():
+        torch.testing.assert_close(same_stats[key], value, rtol=1e-6, atol=1e-7)
+    heavier = mask / mask.sum()
+    heavier[0] *= 2
+    _, other = module.loss(traj, partial(weighted_sum, weights=heavier))
+    for key in [k for k in stats if k.startswith("loss/")]:
+        assert not torch.allclose(other[key], stats[key]), key
