@@ -14,6 +14,8 @@ GOLD_SCORE = "objective/gold_score"
 NON_SCORE_REWARD = "objective/non_score_reward"
 ENTROPY = "objective/entropy"
 RESPONSE_TOKENS = "objective/response_tokens"
+FRAC_REWARD_ZERO_STD = "objective/frac_reward_zero_std"  #: RLOOModule: groups of equal scores
+TRAINED_FRACTION = "objective/trained_fraction"  #: RLOOModule: responses the update kept
 
 
 def kl_of(estimator: str) -> str:

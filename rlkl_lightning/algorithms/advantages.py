@@ -17,9 +17,11 @@ from torch import Tensor
 
 from rlkl_lightning.masked import valid_mask, zero_padding
 
-__all__ = ["GROUP_ADVANTAGES", "gae", "group_advantages", "shape_rewards"]
+__all__ = ["GROUP_ADVANTAGES", "GROUP_SCALES", "gae", "group_advantages", "shape_rewards"]
 
 GROUP_ADVANTAGES = ("rloo", "grpo")
+#: What ``grpo`` advantages are divided by: the group's standard deviation, the batch's, or 1.
+GROUP_SCALES = ("group", "batch", "none")
 
 
 def _check_unit_interval(name: str, value: float) -> None:
@@ -129,7 +131,12 @@ def gae(
 
 @torch.no_grad()
 def group_advantages(
-    returns: Tensor, group_size: int, method: str = "rloo", eps: float = 1e-4
+    returns: Tensor,
+    group_size: int,
+    method: str = "rloo",
+    eps: float = 1e-4,
+    scale: str = "group",
+    batch_std: Tensor | None = None,
 ) -> Tensor:
     """Advantages of ``k`` responses per prompt from their returns, with no value function.
 
@@ -153,6 +160,12 @@ def group_advantages(
         method: ``"rloo"`` or ``"grpo"``.
         eps: Added to the standard deviation (``grpo``), so that a group of equal returns
             gets advantages 0.
+        scale: ``grpo`` only: divide by the group's ``std`` (``group``), by the sample standard
+            deviation of all returns (``batch``) or by nothing (``none``: Dr. GRPO, Liu et al.
+            2025, arXiv 2503.20783, which drops the division as a bias towards easy and hard
+            prompts). ``rloo`` takes only ``group`` (it never divides).
+        batch_std: with ``scale="batch"``, the standard deviation to use (the global batch's
+            under DDP); None: that of ``returns``.
 
     Returns:
         ``[n * k]`` advantages (each group's sum is 0), dtype of ``returns`` (float32 at least).
@@ -174,8 +187,16 @@ def group_advantages(
         )
     r = returns.to(torch.promote_types(returns.dtype, torch.float32)).view(-1, group_size)
     centred = r - r.mean(dim=1, keepdim=True)
+    if scale not in GROUP_SCALES or (method == "rloo" and scale != "group"):
+        allowed = GROUP_SCALES if method == "grpo" else ("group",)
+        raise ValueError(f"group_advantages: `scale` must be one of {allowed}, got {scale!r}")
     if method == "rloo":
         advantages = centred * (group_size / (group_size - 1))
-    else:
+    elif scale == "group":
         advantages = centred / (r.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        std = r.std() if batch_std is None else batch_std.to(r.dtype)
+        advantages = centred / (std + eps)
+    else:
+        advantages = centred
     return advantages.flatten()

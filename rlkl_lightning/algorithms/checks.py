@@ -9,7 +9,9 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from rlkl_lightning.algorithms.advantages import GROUP_ADVANTAGES
+from rlkl_lightning.algorithms.advantages import GROUP_ADVANTAGES, GROUP_SCALES
+from rlkl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS
+from rlkl_lightning.algorithms.losses import IMPORTANCE_RATIOS
 from rlkl_lightning.kl.estimators import KL_ESTIMATORS
 from rlkl_lightning.kl.loss import KL_LOSS_ESTIMATORS, KL_PLACEMENTS
 
@@ -68,6 +70,9 @@ PIPELINE_RULES = [
     ("top_p", lambda x: 0 < x <= 1, "in (0, 1]"),
     ("lr", _finite_above(0), "a finite number > 0"),
     ("cliprange", _finite_above(0), "a finite number > 0"),
+    ("cliprange_high", _none_or_positive, "None or a finite number > 0"),
+    ("importance_ratio", lambda x: x in IMPORTANCE_RATIOS, f"one of {IMPORTANCE_RATIOS}"),
+    ("loss_aggregation", lambda x: x in LOSS_AGGREGATIONS, f"one of {LOSS_AGGREGATIONS}"),
     ("weight_decay", _finite_above(0, strict=False), "a finite number >= 0"),
     ("warmup_batches", lambda x: x >= 0, "an integer >= 0"),
     ("log_samples_every", lambda x: x >= 0, "an integer >= 0 (0 = never)"),
@@ -89,6 +94,10 @@ PPO_RULES = [
 RLOO_RULES = [
     ("responses_per_prompt", _int_at_least(2), "an integer >= 2"),
     ("advantage", lambda x: x in GROUP_ADVANTAGES, f"one of {GROUP_ADVANTAGES}"),
+    ("scale_rewards", lambda x: x in GROUP_SCALES, f"one of {GROUP_SCALES}"),
+    ("ent_coef", _finite_above(0, strict=False), "a finite number >= 0"),
+    ("mask_truncated_completions", lambda x: isinstance(x, bool), "True or False"),
+    ("drop_zero_std_groups", lambda x: isinstance(x, bool), "True or False"),
 ]
 
 

@@ -1,11 +1,13 @@
 """PPO losses on padded token batches: clipped surrogate, clipped value loss, entropy.
 
 Tensors are ``[B, T]`` over response tokens with ``mask[b, t]`` nonzero on valid tokens.
-Losses are means over all valid tokens of the (mini)batch. Padded positions never
+Losses are means over all valid tokens of the (mini)batch, or what ``reduce`` makes of the
+per-token terms (the loss aggregation). Padded positions never
 affect a loss, a statistic or a gradient, whatever they hold (even ``nan``/``inf``).
 """
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -13,7 +15,10 @@ from torch import Tensor
 
 from rlkl_lightning.masked import masked_mean, valid_mask, zero_padding
 
-__all__ = ["PolicyStats", "entropy_from_logits", "policy_loss", "value_loss"]
+__all__ = ["IMPORTANCE_RATIOS", "PolicyStats", "entropy_from_logits", "policy_loss", "value_loss"]
+
+#: ``importance_ratio``: one ratio per token (PPO) or per sequence (GSPO, arXiv 2507.18071).
+IMPORTANCE_RATIOS = ("token", "sequence")
 
 
 class PolicyStats(NamedTuple):
@@ -43,13 +48,24 @@ def policy_loss(
     advantages: Tensor,
     mask: Tensor,
     cliprange: float,
+    reduce: Callable[[Tensor, Tensor], Tensor] = masked_mean,
+    cliprange_high: float | None = None,
+    importance_ratio: str = "token",
 ) -> tuple[Tensor, PolicyStats]:
     """PPO clipped surrogate loss (Schulman et al. 2017, arXiv 1707.06347, eqn. 7).
 
-    With ``ratio_t = exp(logprobs_t - old_logprobs_t)`` and ``eps = cliprange``, eqn. 7
-    maximizes ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)``; as a loss::
+    With ``ratio_t = exp(logprobs_t - old_logprobs_t)``, ``eps = cliprange`` and ``eps_high =
+    cliprange_high`` (``eps`` if None), eqn. 7 maximizes ``min(ratio * A, clip(ratio, 1 - eps,
+    1 + eps_high) * A)``; as a loss::
 
-        loss = masked_mean(max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)))
+        loss = reduce(max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps_high)))
+
+    A larger ``eps_high`` is DAPO's clip-higher (Yu et al. 2025, arXiv 2503.14476): tokens the
+    policy makes more likely keep their gradient longer. With ``importance_ratio="sequence"``
+    every token of response ``b`` gets GSPO's sequence ratio (Zheng et al. 2025, arXiv
+    2507.18071), the geometric mean of its token ratios, with its gradient::
+
+        ratio_b = exp(sum_t m[b, t] (logprobs - old_logprobs)[b, t] / sum_t m[b, t])
 
     Args:
         logprobs: ``[B, T]`` log-probabilities of the sampled tokens under the current
@@ -57,34 +73,51 @@ def policy_loss(
         old_logprobs: ``[B, T]`` the same under the policy that sampled them (detached).
         advantages: ``[B, T]`` advantage estimates (detached; usually whitened).
         mask: ``[B, T]``, nonzero on valid response tokens.
-        cliprange: Clip range ``eps > 0`` (0.2 in the paper).
+        cliprange: Clip range ``eps > 0`` (0.2 in the paper), below 1 (and above, by default).
+        reduce: ``reduce(per_token, valid)`` to a scalar (the loss aggregation,
+            :mod:`~rlkl_lightning.algorithms.aggregation`); the mean over valid tokens.
+        cliprange_high: Clip range above 1, ``> 0``; None: ``cliprange``.
+        importance_ratio: ``token`` or ``sequence``.
 
     Returns:
         ``(loss, stats)``: the scalar loss and :class:`PolicyStats`.
 
     Raises:
-        ValueError: On shape mismatches, ``cliprange <= 0``, or no valid token.
+        ValueError: On shape mismatches, clip ranges ``<= 0``, an unknown
+            ``importance_ratio``, or no valid token.
     """
     _check_cliprange("cliprange", cliprange)
+    high = cliprange if cliprange_high is None else cliprange_high
+    _check_cliprange("cliprange_high", high)
+    if importance_ratio not in IMPORTANCE_RATIOS:
+        raise ValueError(
+            f"policy_loss: `importance_ratio` must be one of {IMPORTANCE_RATIOS}, "
+            f"got {importance_ratio!r}"
+        )
     others = [("old_logprobs", old_logprobs), ("advantages", advantages)]
     valid = valid_mask(logprobs, mask, "policy_loss", name="logprobs", others=others)
     # Zero padding before exp(): garbage there can neither overflow nor send nan grads.
-    log_ratio = zero_padding(logprobs - old_logprobs.detach(), valid)
+    token_log_ratio = zero_padding(logprobs - old_logprobs.detach(), valid)
     adv = zero_padding(advantages.detach(), valid)
+    log_ratio = token_log_ratio
+    if importance_ratio == "sequence":
+        lengths = valid.sum(dim=1, keepdim=True).clamp(min=1).to(token_log_ratio.dtype)
+        log_ratio = zero_padding(token_log_ratio.sum(dim=1, keepdim=True) / lengths, valid)
     with torch.no_grad():
         raw = torch.exp(log_ratio)
-        clip_active = -adv * torch.clamp(raw, 1.0 - cliprange, 1.0 + cliprange) > -adv * raw
+        clip_active = -adv * torch.clamp(raw, 1.0 - cliprange, 1.0 + high) > -adv * raw
     # Where the clipped term is active the gradient is 0; cut the graph there, or an overflowed
     # ratio (log-ratio > ~88.7 in float32) turns that 0 into 0 * inf = nan in exp's backward.
     ratio = torch.exp(torch.where(clip_active, log_ratio.detach(), log_ratio))
     unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(unclipped, clipped), valid)
+    clipped = -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
+    loss = reduce(torch.maximum(unclipped, clipped), valid)
 
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).to(ratio.dtype), valid)
         # k3 with samples from pi_old: r - 1 - log r, r = pi_theta / pi_old; never negative.
-        approx_kl = masked_mean(ratio - 1.0 - log_ratio, valid)
+        token_ratio = torch.exp(token_log_ratio)
+        approx_kl = masked_mean(token_ratio - 1.0 - token_log_ratio, valid)
     return loss, PolicyStats(clipfrac=clipfrac, approx_kl=approx_kl)
 
 
@@ -94,6 +127,7 @@ def value_loss(
     returns: Tensor,
     mask: Tensor,
     cliprange_value: float,
+    reduce: Callable[[Tensor, Tensor], Tensor] = masked_mean,
 ) -> tuple[Tensor, Tensor]:
     """Clipped value loss (PPO value clipping).
 
@@ -112,6 +146,7 @@ def value_loss(
         returns: ``[B, T]`` value targets ``R`` (GAE returns).
         mask: ``[B, T]``, nonzero on valid response tokens.
         cliprange_value: ``c > 0``; ``float("inf")`` disables clipping.
+        reduce: ``reduce(per_token, valid)`` to a scalar (the loss aggregation); the mean.
 
     Returns:
         ``(loss, clipfrac)``: scalar loss and the detached scalar fraction of valid
@@ -135,7 +170,7 @@ def value_loss(
     )
     unclipped = (v - target) ** 2
     clipped = (v_clipped - target) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), valid)
+    loss = 0.5 * reduce(torch.maximum(unclipped, clipped), valid)
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).to(v.dtype), valid)
     return loss, clipfrac

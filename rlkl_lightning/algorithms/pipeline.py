@@ -52,12 +52,12 @@ from rlkl_lightning.algorithms.resume import (
     with_frozen_weights,
 )
 from rlkl_lightning.algorithms.rollout import sample_and_score
-from rlkl_lightning.algorithms.update import OneThread, run_update
+from rlkl_lightning.algorithms.update import OneThread, Reduce, run_update
 from rlkl_lightning.algorithms.validation import HeldoutPerplexity, encode_texts
 from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.kl import estimators as klmod
 from rlkl_lightning.kl.loss import kl_loss
-from rlkl_lightning.masked import masked_sum
+from rlkl_lightning.masked import masked_mean, masked_sum
 from rlkl_lightning.models.forward import no_grad
 from rlkl_lightning.models.loading import (
     disable_dropout,
@@ -138,7 +138,14 @@ class RLPipeline(LightningModule):
         weight_decay: AdamW weight decay.
         lr_schedule: ``constant`` or ``linear`` (decay to 0 over the training batches).
         warmup_batches: linear warm-up length in batches.
-        cliprange: PPO ratio clip epsilon.
+        cliprange: PPO ratio clip epsilon (below 1, and above unless ``cliprange_high``).
+        cliprange_high: the clip epsilon above 1 (DAPO's clip-higher: larger than
+            ``cliprange``); None: ``cliprange``.
+        importance_ratio: ``token`` (PPO's ratio per token) or ``sequence`` (GSPO's: each
+            response's geometric mean of its token ratios, on all its tokens).
+        loss_aggregation: how an optimizer step's per-token loss terms become its loss:
+            ``token_mean``, ``sequence_mean``, ``fixed_length`` (Dr. GRPO) or
+            ``batch_token_mean`` (DAPO); see :mod:`rlkl_lightning.algorithms.aggregation`.
         score_clip: clip reward-model scores to ``[-score_clip, score_clip]`` (None: no clip).
         max_grad_norm: gradient-norm clip (None: no clip).
         log_samples_every: write a table of sampled generations to TensorBoard every this many
@@ -196,6 +203,9 @@ class RLPipeline(LightningModule):
         lr_schedule: str = "constant",
         warmup_batches: int = 0,
         cliprange: float = 0.2,
+        cliprange_high: float | None = None,
+        importance_ratio: str = "token",
+        loss_aggregation: str = "token_mean",
         score_clip: float | None = None,
         max_grad_norm: float | None = 1.0,
         log_samples_every: int = 50,
@@ -377,8 +387,14 @@ class RLPipeline(LightningModule):
         """Phase 3: advantages (and returns) from scores, KL and ``kl_coef``; per algorithm."""
         raise NotImplementedError
 
-    def loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one (micro-)minibatch and its detached statistics; per algorithm."""
+    def loss(
+        self, minibatch: Trajectory, reduce: Reduce = masked_mean
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one (micro-)minibatch and its detached statistics; per algorithm.
+
+        ``reduce(per_token, mask)`` makes the per-token terms one number (the loss aggregation,
+        :mod:`rlkl_lightning.algorithms.aggregation`); by default their mean.
+        """
         raise NotImplementedError
 
     @property
@@ -387,7 +403,12 @@ class RLPipeline(LightningModule):
         return self.kl_coef if self.hparams.kl_placement == "reward" else 0.0
 
     def add_kl_loss(
-        self, loss: Tensor, stats: dict[str, Tensor], logprobs: Tensor, minibatch: Trajectory
+        self,
+        loss: Tensor,
+        stats: dict[str, Tensor],
+        logprobs: Tensor,
+        minibatch: Trajectory,
+        reduce: Reduce = masked_mean,
     ) -> Tensor:
         """``loss`` plus ``kl_coef x kl_loss`` with ``kl_placement="loss"`` (else ``loss``).
 
@@ -398,6 +419,7 @@ class RLPipeline(LightningModule):
             stats: Its statistics, updated in place.
             logprobs: ``[B, R]`` the policy's log-probs of the minibatch (with gradient).
             minibatch: Supplies the rollout and reference log-probs and the mask.
+            reduce: The loss aggregation of the per-token KL terms (the policy loss's).
         """
         hp = self.hparams
         if hp.kl_placement != "loss":
@@ -409,6 +431,7 @@ class RLPipeline(LightningModule):
             minibatch.response_mask,
             hp.kl_loss_estimator,
             hp.kl_loss_weight_clip,
+            reduce,
         )
         stats[keys.LOSS_KL] = term.detach()
         return loss + self.kl_coef * term
@@ -416,7 +439,7 @@ class RLPipeline(LightningModule):
     def update(self, traj: Trajectory) -> dict[str, Tensor]:
         """Phase 4: ``ppo_epochs`` x ``num_minibatches`` optimizer steps over the trajectory.
 
-        Each minibatch's loss is the token-weighted mean of its micro-batches' losses; the
+        Each minibatch's loss aggregates its per-token terms as ``loss_aggregation`` says; the
         returned statistics are means over the optimizer steps.
         """
         with self.update_threads() as self.threads:

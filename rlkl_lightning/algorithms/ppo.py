@@ -27,6 +27,7 @@ from rlkl_lightning.algorithms.advantages import gae, shape_rewards
 from rlkl_lightning.algorithms.checks import PPO_RULES, check_all
 from rlkl_lightning.algorithms.losses import entropy_from_logits, policy_loss, value_loss
 from rlkl_lightning.algorithms.pipeline import RLPipeline
+from rlkl_lightning.algorithms.update import Reduce
 from rlkl_lightning.checkpoints import plain
 from rlkl_lightning.masked import masked_mean, masked_whiten
 from rlkl_lightning.models.forward import trunk_forward
@@ -141,20 +142,30 @@ class PPOModule(RLPipeline):
         return traj._replace(advantages=masked_whiten(advantages, mask), returns=returns)
 
     @override
-    def loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(
+        self, minibatch: Trajectory, reduce: Reduce = masked_mean
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped policy loss + ``vf_coef`` x clipped value loss (- ``ent_coef`` x entropy).
 
         With ``kl_placement="loss"``, plus ``kl_coef`` x the KL loss (:meth:`add_kl_loss`).
+        Every term's per-token values are made one number by ``reduce`` (the aggregation).
         """
         hp = self.hparams
         mb = minibatch
         threads = self.threads
-        value_side = threads.beside(self._value_loss, mb)  # started now if in a helper thread
+        value_side = threads.beside(self._value_loss, mb, reduce)  # now, if in a helper thread
         # Without an entropy bonus no [B, R, V] logits are needed: the fused head (logprobs.py).
         new = score_tokens(self.policy, mb, hp.temperature, bool(hp.ent_coef), threads.defer)
         mask = mb.response_mask
         pg_loss, pg_stats = policy_loss(
-            new.logprobs, mb.logprobs, mb.advantages, mask, hp.cliprange
+            new.logprobs,
+            mb.logprobs,
+            mb.advantages,
+            mask,
+            hp.cliprange,
+            reduce,
+            hp.cliprange_high,
+            hp.importance_ratio,
         )
         vf_loss, vf_clipfrac = value_side(new.hidden)
         loss = pg_loss + hp.vf_coef * vf_loss
@@ -166,16 +177,18 @@ class PPOModule(RLPipeline):
             keys.VALUE_CLIPFRAC: vf_clipfrac,
         }
         if hp.ent_coef:
-            entropy = masked_mean(entropy_from_logits(new.logits), mask)
+            entropy = reduce(entropy_from_logits(new.logits), mask)
             loss = loss - hp.ent_coef * entropy
             stats[keys.LOSS_ENTROPY_BONUS] = entropy.detach()
-        loss = self.add_kl_loss(loss, stats, new.logprobs, mb)
+        loss = self.add_kl_loss(loss, stats, new.logprobs, mb, reduce)
         stats[keys.LOSS_TOTAL] = loss.detach()
         return loss, stats
 
     def _value_loss(
-        self, mb: Trajectory, policy_hidden: Tensor | None = None
+        self, mb: Trajectory, reduce: Reduce, policy_hidden: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         values = self.values(mb, policy_hidden)
         hp = self.hparams
-        return value_loss(values, mb.values, mb.returns, mb.response_mask, hp.cliprange_value)
+        return value_loss(
+            values, mb.values, mb.returns, mb.response_mask, hp.cliprange_value, reduce
+        )

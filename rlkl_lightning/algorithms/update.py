@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from rlkl_lightning import metric_keys as keys
+from rlkl_lightning.algorithms.aggregation import token_weights, weighted_sum
+from rlkl_lightning.algorithms.gates import global_sum
+from rlkl_lightning.masked import masked_mean
 from rlkl_lightning.models.sharding import is_fsdp
 from rlkl_lightning.trajectory import Trajectory
 
@@ -52,21 +56,27 @@ class OneThread:
         optimizer.step()
 
 
+#: ``reduce(x, mask)``: a micro-batch's ``[b, T]`` per-token loss terms to its scalar loss.
+Reduce = Callable[[Tensor, Tensor], Tensor]
+
+
 class Updatable(Protocol):
     """What the update reads and calls on a module.
 
     :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline` has all of it.
     """
 
-    hparams: Any  #: ppo_epochs, num_minibatches, grad_accum_steps, max_grad_norm
+    hparams: Any  #: ppo_epochs, num_minibatches, grad_accum_steps, max_grad_norm, ...
     threads: OneThread  #: or a speed-up with the same methods
     sharded_models: tuple[str, ...]
     device: torch.device
     trainer: Any
     _trainer: Any
 
-    def loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
-        """The algorithm's loss of a (micro-)minibatch and its detached statistics."""
+    def loss(
+        self, minibatch: Trajectory, reduce: Reduce = masked_mean
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The algorithm's loss of a (micro-)minibatch, per-token terms reduced by ``reduce``."""
 
     def gate(self, bad: bool, why: str) -> None:
         """Skip the batch (raise ``SkipBatch`` on every rank) if ``bad`` on any rank."""
@@ -84,12 +94,21 @@ class Updatable(Protocol):
 def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
     """``ppo_epochs`` x ``num_minibatches`` optimizer steps of ``module.loss`` over ``traj``.
 
-    Each minibatch's loss is the token-weighted mean of its micro-batches' losses; the
-    returned statistics are means over the optimizer steps, plus the learning rate.
+    Each minibatch's loss aggregates its per-token terms as ``loss_aggregation`` says
+    (:mod:`~rlkl_lightning.algorithms.aggregation`; by default the token-weighted mean of its
+    micro-batches' token means); the returned statistics are means over the optimizer steps,
+    plus the learning rate. The ``loss/*`` statistics are the minibatch's aggregated losses, the
+    others token means.
     """
     hp = module.hparams
+    aggregation = getattr(hp, "loss_aggregation", "token_mean")
     optimizer = module.optimizers()
     scheduler = module.lr_schedulers()
+    tokens_per_rank = 0.0
+    if aggregation == "batch_token_mean":  # DAPO's normaliser: the whole batch, every rank
+        world = module.trainer.world_size if module._trainer is not None else 1
+        local = traj.response_mask.sum().to(torch.float32)
+        tokens_per_rank = float(global_sum(module._trainer, local)) / world
     totals: dict[str, float] = {}
     updates = 0
     for _ in range(hp.ppo_epochs):
@@ -99,12 +118,25 @@ def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
             step_stats: dict[str, float] = {}
             for micro in minibatch.chunk(hp.grad_accum_steps):
                 part = traj.select(micro)
-                loss, stats = module.loss(part)
-                module.gate(not bool(torch.isfinite(loss)), "the loss is not finite")
                 weight = part.response_mask.sum() / mb_tokens
-                module.manual_backward(loss * weight)
+                if aggregation == "token_mean":
+                    loss, stats = module.loss(part)
+                    loss_weight = weight
+                else:
+                    w = token_weights(
+                        part.response_mask,
+                        aggregation,
+                        len(minibatch),
+                        hp.max_new_tokens,
+                        tokens_per_rank,
+                    )
+                    loss, stats = module.loss(part, partial(weighted_sum, weights=w))
+                    loss_weight = torch.ones_like(weight)  # the weights are in the loss
+                module.gate(not bool(torch.isfinite(loss)), "the loss is not finite")
+                module.manual_backward(loss * loss_weight)
                 for key, value in stats.items():
-                    step_stats[key] = step_stats.get(key, 0.0) + float(value) * float(weight)
+                    share = loss_weight if key.startswith("loss/") else weight
+                    step_stats[key] = step_stats.get(key, 0.0) + float(value) * float(share)
             grad_norm = clip_gradients(module, optimizer)
             scaler = getattr(module.trainer.precision_plugin, "scaler", None)
             if scaler is None:

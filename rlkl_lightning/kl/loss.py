@@ -37,6 +37,7 @@ exactly.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -69,6 +70,7 @@ def kl_loss(
     mask: Tensor,
     estimator: str,
     weight_clip: float | None,
+    reduce: Callable[[Tensor, Tensor], Tensor] = masked_mean,
 ) -> Tensor:
     """The KL term of the loss: ``masked_mean(w_t * k(l_t))``, differentiated through ``logprobs``.
 
@@ -85,6 +87,8 @@ def kl_loss(
         estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see the module docstring for the gradient
             each follows).
         weight_clip: Cap of the importance weights, ``>= 1``; None: no cap.
+        reduce: ``reduce(per_token, valid)`` to a scalar in place of the mean (the policy
+            loss's aggregation, so the two terms are aggregated alike).
 
     Returns:
         The scalar loss (nats per token, weighted).
@@ -110,4 +114,4 @@ def kl_loss(
     # Padding is zeroed before exp(): garbage there can neither overflow nor send nan gradients.
     new, old, ref = (torch.where(valid, x, zero) for x in (logprobs, old_logprobs, ref_logprobs))
     per_token = per_token_kl(new, ref.detach(), estimator)
-    return masked_mean(kl_loss_weights(new, old.detach(), weight_clip) * per_token, valid)
+    return reduce(kl_loss_weights(new, old.detach(), weight_clip) * per_token, valid)

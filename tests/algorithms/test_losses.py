@@ -235,3 +235,70 @@ def test_policy_loss_gradient_unchanged_by_the_overflow_guard_on_finite_ratios()
     assert loss.item() == want.item()
     assert torch.equal(grad, want_grad)
     assert (grad == 0).any() and (grad != 0).any()  # both kinds of token are present
+
+
+def test_clip_higher_clips_above_at_its_own_range():
+    """``cliprange_high``: a ratio of 1.25 with A > 0 is clipped at 1.2 but not at 1.28; below
+    1 the clip stays at ``1 - cliprange``. Per-token values and gradients written out."""
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    ratios = torch.tensor([[1.25, 1.25, 0.7, 0.7]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, -1.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1]])
+    for high, clipped_first in ((None, True), (0.28, False)):
+        logprobs = ratios.log().requires_grad_(True)
+        loss, stats = policy_loss(logprobs, old, adv, mask, 0.2, cliprange_high=high)
+        first = -1.2 if clipped_first else -1.25
+        # token 3: A < 0, ratio 0.7 < 0.8: clipped (-A * 0.8 = 0.8 > 0.7); token 4: A > 0, kept.
+        want = (2 * first + 0.8 - 0.7) / 4
+        torch.testing.assert_close(
+            loss, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12
+        )
+        loss.backward()
+        g_first = 0.0 if clipped_first else -1.25 / 4
+        want_grad = torch.tensor([[g_first, g_first, 0.0, -0.7 / 4]], dtype=torch.float64)
+        torch.testing.assert_close(logprobs.grad, want_grad, rtol=0, atol=1e-12)
+        assert float(stats.clipfrac) == (0.75 if clipped_first else 0.25)
+
+
+def test_sequence_ratio_is_the_geometric_mean_of_the_token_ratios():
+    """GSPO: every token of a response gets exp(mean_t log ratio); the gradient of each token's
+    log-prob is ``-A_b s_b / N`` (token mean over N tokens, each of the |y_b| terms of response
+    b carrying s_b / |y_b|); a second way: the same loss from per-response values."""
+    g = torch.Generator().manual_seed(3)
+    old = torch.randn(3, 4, generator=g, dtype=torch.float64) - 2
+    # Sequence log-ratios +0.05, +0.05, -0.03: the first (A > 0) is clipped at eps 0.01 below.
+    delta = torch.tensor([[0.1, 0.0, 0.02, 0.08], [0.07, 0.03, 9.0, 9.0], [-0.03, 9.0, 9.0, 9.0]])
+    logprobs = (old + delta.to(torch.float64)).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    adv_seq = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    adv = adv_seq[:, None] * mask
+    loss, _ = policy_loss(logprobs, old, adv, mask, 10.0, importance_ratio="sequence")
+    lengths = mask.sum(1).to(torch.float64)
+    s = torch.exp(((logprobs - old) * mask).sum(1) / lengths).detach()
+    n = float(mask.sum())
+    want = (lengths * -adv_seq * s).sum() / n
+    torch.testing.assert_close(loss.detach(), want, rtol=0, atol=1e-12)
+    loss.backward()
+    want_grad = (-adv_seq * s / n)[:, None] * mask
+    torch.testing.assert_close(logprobs.grad, want_grad, rtol=0, atol=1e-12)
+    # With the sequence ratio clipped at eps 0.01 only the unclipped responses move.
+    logprobs.grad = None
+    clipped, _ = policy_loss(logprobs, old, adv, mask, 0.01, importance_ratio="sequence")
+    clipped.backward()
+    lo, hi = 0.99, 1.01
+    active = ~(((s > hi) & (adv_seq > 0)) | ((s < lo) & (adv_seq < 0)))
+    torch.testing.assert_close(logprobs.grad, want_grad * active[:, None], rtol=0, atol=1e-12)
+    assert active.tolist() == [False, True, True]  # so the line above can fail
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "match"),
+    [
+        ("cliprange_high", 0.0, "cliprange_high must be > 0"),
+        ("importance_ratio", "tokens", "`importance_ratio` must be one of"),
+    ],
+)
+def test_policy_loss_rejects_bad_new_options(option, value, match):
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=match):
+        policy_loss(x, x, x, torch.ones(1, 2), 0.2, **{option: value})

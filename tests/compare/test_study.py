@@ -202,7 +202,7 @@ def test_verdict_follows_the_two_standard_error_rule():
 
 
 def test_quick_algorithm_study_runs_rloo_as_another_entry(tiny_lm_dir, tmp_path):
-    """configs/compare_algorithms.yaml, --quick, 1 seed x 2 batches: PPO and both RLOO runs."""
+    """configs/compare_algorithms.yaml, --quick, 1 seed x 2 batches: PPO, both RLOO runs, GRPO."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(["the film was", "this book is", "the food", "a story"] * 8))
     overrides = {
@@ -216,18 +216,19 @@ def test_quick_algorithm_study_runs_rloo_as_another_entry(tiny_lm_dir, tmp_path)
     out = tmp_path / "out"
     argv = ["--config", str(ROOT / "configs" / "compare_algorithms.yaml"), "--config", str(extra)]
     summary = main(argv + ["--quick", "--batches", "2", "--val_every", "2", "--out", str(out)])
-    groups = ("ppo", "rloo", "rloo_kl_loss")
+    groups = ("ppo", "rloo", "rloo_kl_loss", "grpo")
     for group in groups:
         assert METRIC_KEYS <= summary[group].keys()
-    # The runs count responses: PPO one per prompt, RLOO 4 (2 batches of 4 prompts).
-    for group, per_prompt in zip(groups, (1, 4, 4), strict=True):
+    # The runs count responses: PPO one per prompt, RLOO and GRPO 4 (2 batches of 4 prompts).
+    for group, per_prompt in zip(groups, (1, 4, 4, 4), strict=True):
         samples = events(out / "runs" / group / "seed0")["progress/samples"]
         assert [v for _, v in samples] == [4 * per_prompt, 8 * per_prompt]
     assert "loss/kl" in events(out / "runs" / "rloo_kl_loss" / "seed0")
-    assert [d["second"] for d in summary["differences"]] == ["rloo", "rloo_kl_loss"]
+    assert "objective/frac_reward_zero_std" in events(out / "runs" / "grpo" / "seed0")
+    assert [d["second"] for d in summary["differences"]] == ["rloo", "rloo_kl_loss", "grpo"]
     assert summary["verdict"] is None
     report = (out / "report.md").read_text()
-    assert report.startswith("# Study: ppo vs rloo vs rloo_kl_loss")
+    assert report.startswith("# Study: ppo vs rloo vs rloo_kl_loss vs grpo")
     assert "Difference `rloo` - `ppo`" in report
     assert "| settle batch | overshoot |" in report
     assert "KL tracking error, best first: `" in report  # more than two runs: ranked

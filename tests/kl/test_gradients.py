@@ -342,3 +342,111 @@ def test_gradients_through_a_tiny_gpt2():
     assert relative_error(k3, g_seq) > MISS
     k1 = expected(loss_of("k1"))
     assert float(k1.norm()) < 5e-6 * float(g_seq.norm())
+
+
+# ------------------------------------------------------------------ TRL's forms (issue 26)
+def bias_corrected_k3(old_logprobs: Tensor | None = None):
+    """TRL 1.16's ``use_bias_correction_kl``: ``T x mean_t(ratio_t * k3_t)`` with the ratio
+    ``pi/pi_old`` **not** detached (written here from TRL's description, not its code)."""
+
+    def loss(logprobs: Tensor, ref: Tensor, y: int) -> Tensor:
+        old = logprobs.detach() if old_logprobs is None else old_logprobs[y : y + 1]
+        ratio = (logprobs - old).exp()  # 1 on-policy, with the gradient of pi
+        return (ratio * per_token_kl(logprobs, ref, "k3")).sum()
+
+    return loss
+
+
+def in_the_sequence_reward(estimator: str):
+    """RLOO's return ``-sum_t kl_t`` (no baseline: the leave-one-out one does not move the
+    expectation) on every token of the response, through ``policy_loss`` at ratio 1."""
+
+    def loss(logprobs: Tensor, ref: Tensor, y: int) -> Tensor:
+        old = logprobs.detach()
+        mask = torch.ones_like(old)
+        kl = per_token_kl(old, ref, estimator)
+        advantages = -kl.sum(-1, keepdim=True) * mask
+        return T * policy_loss(logprobs, old, advantages, mask, cliprange=0.2)[0]
+
+    return loss
+
+
+def test_bias_corrected_k3_has_k2s_gradient_sample_by_sample(autoregressive):
+    """d(w k3)/d theta = w (k3 + 1 - ref/pi) grad log pi = w l grad log pi: k2's with w
+    detached, for every response, on-policy and off-policy alike."""
+    model, _ = autoregressive
+    old_theta = model.theta.detach() + 0.3 * torch.randn(
+        model.theta.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64
+    )
+    for old in (None, model.logprobs(old_theta)[0].detach()):
+        trl, ours = bias_corrected_k3(old), in_the_loss("k2", old)
+        logprobs, ref = model.logprobs()
+        for y in (0, 13, 26):
+            row = slice(y, y + 1)
+            got = model.grad(trl(logprobs[row], ref[row], y))
+            want = model.grad(ours(logprobs[row], ref[row], y))
+            assert relative_error(got, want) < 1e-12
+
+
+def test_bias_corrected_k3_follows_the_per_token_gradient_on_policy(autoregressive, prefix_free):
+    """On-policy: G_tok, as k2 in the loss; so G_seq only without prefixes."""
+    model, g = prefix_free
+    assert relative_error(expected_gradient(model, bias_corrected_k3()), g["seq"]) < MATCH
+    model, g = autoregressive
+    got = expected_gradient(model, bias_corrected_k3())
+    assert relative_error(got, g["tok"]) < MATCH
+    assert relative_error(got, g["seq"]) > MISS
+
+
+def off_policy(model, old_theta: Tensor):
+    """Samples from ``pi_old``: the expectation under them, and the per-token target with
+    the states drawn from ``pi_old`` and the current policy's KL at each of them."""
+    old_logprobs = model.logprobs(old_theta)[0].detach()
+    sample_weight = old_logprobs.sum(-1).exp()
+
+    def expected(loss) -> Tensor:
+        logprobs, ref = model.logprobs()
+        total = sum(
+            sample_weight[y] * loss(logprobs[y : y + 1], ref[y : y + 1], y)
+            for y in range(len(RESPONSES))
+        )
+        return model.grad(total)
+
+    logits, ref_logits = model.logits()
+    tok_old_states = model.grad((sample_weight * exact_kl(logits, ref_logits).sum(-1)).sum())
+    return old_logprobs, expected, tok_old_states
+
+
+def test_on_a_later_epoch_bias_corrected_k3_and_weighted_k2_follow_the_old_states_kl(
+    autoregressive, prefix_free
+):
+    """Off-policy, TRL's form and our k2 with uncapped detached weights both follow the
+    per-token KL gradient at the states ``pi_old`` visits: G_seq without prefixes, and
+    neither G_seq nor the current policy's G_tok with them. Our k3 with detached weights
+    follows the forward KL's (missing both)."""
+    for (model, g), prefixes in ((prefix_free, False), (autoregressive, True)):
+        old_theta = model.theta.detach() + 0.5 * torch.randn(
+            model.theta.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+        )
+        old_logprobs, expected, tok_old_states = off_policy(model, old_theta)
+        trl = expected(bias_corrected_k3(old_logprobs))
+        k2 = expected(in_the_loss("k2", old_logprobs))
+        k3 = expected(in_the_loss("k3", old_logprobs))
+        assert relative_error(trl, k2) < 1e-12
+        assert relative_error(trl, tok_old_states) < MATCH
+        assert relative_error(k3, g["seq"]) > MISS
+        if prefixes:
+            assert relative_error(trl, g["seq"]) > MISS
+            # Only the states' distribution differs from the current G_tok (measured 0.033).
+            assert relative_error(trl, g["tok"]) > 0.01
+        else:
+            assert relative_error(trl, g["seq"]) < MATCH
+
+
+def test_k1_summed_in_rloos_reward_follows_the_sequence_gradient_and_k3_does_not(autoregressive):
+    """TRL's RLOO (k1 summed per sequence in the reward) follows G_seq; swapping in k3 (its
+    value has the same expectation) changes the gradient."""
+    model, g = autoregressive
+    assert relative_error(expected_gradient(model, in_the_sequence_reward("k1")), g["seq"]) < MATCH
+    got = expected_gradient(model, in_the_sequence_reward("k3"))
+    assert relative_error(got, g["seq"]) > MISS

@@ -38,6 +38,7 @@ def test_the_configs_are_all_here():
     assert {"ppo_adaptive.yaml", "ppo_fixed.yaml", "sft.yaml", "compare.yaml"} <= names
     assert {"ppo_exponential.yaml", "ppo_pi.yaml", "compare_laws.yaml"} <= names
     assert {"rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml", "compare_algorithms.yaml"} <= names
+    assert "grpo_adaptive.yaml" in names
     assert NEEDS_HUB <= names
 
 
@@ -102,7 +103,7 @@ LAW_CLASSES = {
 @pytest.mark.parametrize(
     "name",
     ["ppo_adaptive.yaml", "ppo_fixed.yaml", "ppo_exponential.yaml", "ppo_pi.yaml"]
-    + ["rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml"],
+    + ["rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml", "grpo_adaptive.yaml"],
 )
 def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -138,6 +139,8 @@ def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeyp
         assert tag in tags
     assert {"val/perplexity", "val/perplexity_ref", "text:samples/text_summary"} <= tags
     assert ("loss/kl" in tags) == (config["model"]["init_args"].get("kl_placement") == "loss")
+    grpo = config["model"]["init_args"].get("advantage") == "grpo"
+    assert ("objective/frac_reward_zero_std" in tags) == grpo
 
 
 def test_sft_config_trains_and_exports_a_loadable_model(tiny_lm_dir, tmp_path, monkeypatch):
