@@ -33,6 +33,9 @@ VALUE_CLIPFRAC = "policy/value_clipfrac"
 GRAD_NORM = "policy/grad_norm"
 LR = "policy/lr"
 
+# The reference (a ReferenceRefresh callback turns it on).
+REFERENCE_REFRESHES = "reference/refreshes"  #: refreshes so far; the KL callbacks read it
+
 # Progress and validation.
 SAMPLES = "progress/samples"
 SKIPPED_BATCHES = "progress/skipped_batches"

@@ -44,12 +44,15 @@ from rlkl_lightning.algorithms.checks import (
 from rlkl_lightning.algorithms.gates import SkipBatch, any_rank, global_sum, trajectory_is_finite
 from rlkl_lightning.algorithms.losses import entropy_from_logits
 from rlkl_lightning.algorithms.metrics import batch_metrics, gold_scores, log_samples_table
+from rlkl_lightning.algorithms.reference_refresh import mix_into_reference
 from rlkl_lightning.algorithms.resume import (
     COUNTERS,
+    refreshed_weights,
     restore_rng_states,
     rng_states,
     trained_weights,
     with_frozen_weights,
+    with_refreshed_weights,
 )
 from rlkl_lightning.algorithms.rollout import sample_and_score
 from rlkl_lightning.algorithms.update import OneThread, run_update
@@ -168,6 +171,8 @@ class RLPipeline(LightningModule):
     samples_seen: int  #: prompts (responses, for RLOO) trained on, summed over ranks
     skipped_batches: int  #: batches whose update was skipped (:mod:`.gates`)
     skipped_in_a_row: int  #: skips since the last trained batch
+    reference_refreshes: int  #: refreshes of the reference (:meth:`refresh_reference`)
+    last_refresh_batch: int  #: ``batches_seen`` at the last refresh (0: none)
 
     def __init__(
         self,
@@ -210,6 +215,10 @@ class RLPipeline(LightningModule):
         check_pipeline_args(self.owner, args, SPEED_UP_RULES)
         for name in COUNTERS:
             setattr(self, name, 0)
+        #: The ``state_dict`` keys a refresh changed, saved in checkpoints beside the trained ones.
+        self.refreshed_keys: list[str] = []
+        #: Log ``reference/refreshes`` (a ``ReferenceRefresh`` callback turns it on).
+        self.log_reference_refreshes = False
         self.heldout = HeldoutPerplexity()
         self.threads: OneThread | ValueThread = OneThread()
         models = ("reward", "gold_reward")  # objects, not settings
@@ -293,6 +302,19 @@ class RLPipeline(LightningModule):
         for reward in (self.reward, self.gold_reward):
             if hasattr(reward, "to"):
                 reward.to(self.device)
+
+    def refresh_reference(self, alpha: float = 1.0) -> None:
+        """``reference <- alpha x policy + (1 - alpha) x reference``; ``alpha = 1``: a copy.
+
+        Counted in ``reference_refreshes``; the changed weights go into checkpoints, and the
+        reference's held-out perplexity is measured again at the next validation
+        (:mod:`.reference_refresh`).
+        """
+        changed = mix_into_reference(self.policy, self.reference, alpha)
+        self.refreshed_keys = sorted(set(self.refreshed_keys) | set(changed))
+        self.reference_refreshes += 1
+        self.last_refresh_batch = self.batches_seen
+        self.heldout.reference_perplexity = None
 
     # ------------------------------------------------------------------ the pipeline
     @override
@@ -456,6 +478,8 @@ class RLPipeline(LightningModule):
         metrics[keys.SAMPLES] = torch.tensor(float(self.samples_seen), dtype=torch.float32)
         skipped = torch.tensor(float(self.skipped_batches), dtype=torch.float32)
         metrics[keys.SKIPPED_BATCHES] = skipped
+        if self.log_reference_refreshes:
+            metrics[keys.REFERENCE_REFRESHES] = torch.tensor(float(self.reference_refreshes))
         metrics.update(stats)
         self.log_dict(
             {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()},
@@ -575,6 +599,10 @@ class RLPipeline(LightningModule):
         Beta is the KL controller callback's state (without one it is ``init_kl_coef``).
         """
         plain_hyperparameters(checkpoint)
+        if self.refreshed_keys:  # the reference differs from the one the config builds
+            checkpoint["rlkl_reference"] = refreshed_weights(
+                checkpoint["state_dict"], self.refreshed_keys
+            )
         checkpoint["state_dict"] = trained_weights(self, checkpoint["state_dict"])
         checkpoint["rlkl_counters"] = {
             **{name: getattr(self, name) for name in COUNTERS},
@@ -584,7 +612,10 @@ class RLPipeline(LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Check the weights fit, restore the counters, put the frozen weights back."""
+        """Check the weights fit, restore the counters, put the (refreshed) frozen weights back."""
+        refreshed = checkpoint.get("rlkl_reference") or {}
+        with_refreshed_weights(self, checkpoint["state_dict"], refreshed, self.owner)
+        self.refreshed_keys = sorted(refreshed)
         with_frozen_weights(self, checkpoint["state_dict"], self.owner)
         counters = checkpoint.get("rlkl_counters", {})
         for name in COUNTERS:

@@ -86,6 +86,11 @@ class KLControllerCallback(KLCallbackBase):
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch. Defaults to
             :func:`infer_batch_size` (leading size of the batch's first field).
         prog_bar: Also show beta in the progress bar.
+        hold_after_refresh: Batches after a refresh of the reference (read under
+            ``refresh_key``) during which the controller is not updated: beta and the law's
+            state stay as they were while the KL, reset to about zero, climbs back (0: the law
+            sees every KL). docs/controllers.md, "Across a reference refresh".
+        refresh_key: Key the module logs its running count of reference refreshes under.
 
     Example::
 
@@ -102,8 +107,19 @@ class KLControllerCallback(KLCallbackBase):
         log_key: str | None = keys.KL_COEF,
         batch_size_fn: Callable[[Any], int] | None = None,
         prog_bar: bool = False,
+        hold_after_refresh: int = 0,
+        refresh_key: str | None = keys.REFERENCE_REFRESHES,
     ) -> None:
         owner = type(self).__name__
+        if (
+            isinstance(hold_after_refresh, bool)
+            or not isinstance(hold_after_refresh, int)
+            or hold_after_refresh < 0
+        ):
+            raise ValueError(
+                f"{owner}: hold_after_refresh must be an int >= 0 (batches), got "
+                f"{hold_after_refresh!r}"
+            )
         missing = [
             name
             for name in ("value", "update", "state_dict", "load_state_dict")
@@ -114,13 +130,17 @@ class KLControllerCallback(KLCallbackBase):
                 f"{owner}: controller must implement the KLController protocol (value, update, "
                 f"state_dict, load_state_dict); {type(controller).__name__} lacks {missing}"
             )
-        super().__init__(unit=unit, monitor=monitor, batch_size_fn=batch_size_fn)
+        super().__init__(
+            unit=unit, monitor=monitor, batch_size_fn=batch_size_fn, refresh_key=refresh_key
+        )
         check_name(attribute, "attribute", owner)
         check_name(log_key, "log_key", owner, optional=True)
         self.controller = controller
         self.attribute = attribute
         self.log_key = log_key
         self.prog_bar = prog_bar
+        self.hold_after_refresh = hold_after_refresh
+        self.held = 0  # batches still to hold beta after the last refresh
 
     @property
     @override
@@ -168,7 +188,14 @@ class KLControllerCallback(KLCallbackBase):
     def on_kl(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, kl: float, n_samples: int
     ) -> None:
+        if self.held > 0:
+            self.held -= 1  # the KL against a freshly refreshed reference: beta holds
+            return
         self.controller.update(kl, n_samples)
+
+    @override
+    def on_refresh(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.held = self.hold_after_refresh
 
     @override
     def skip_effect(self) -> str:
@@ -184,9 +211,14 @@ class KLControllerCallback(KLCallbackBase):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"controller": self.controller.state_dict(), **super().state_dict()}
+        return {
+            "controller": self.controller.state_dict(),
+            "held": self.held,
+            **super().state_dict(),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.controller.load_state_dict(state_dict["controller"])
+        self.held = state_dict.get("held", 0)
         super().load_state_dict(state_dict)

@@ -70,6 +70,9 @@ class KLDriftMonitor(KLCallbackBase):
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch, used to
             weight the mean over ranks. Defaults to
             :func:`~rlkl_lightning.kl.reading.infer_batch_size`.
+        refresh_key: Key the module logs its running count of reference refreshes under. A
+            refresh empties the window and starts the warm-up again: after a hard reset the KL
+            starts again from zero, as it did at the start of the run, and is not "too low".
 
     Attributes:
         state: Current state (``-1``, ``0``, ``+1``).
@@ -93,6 +96,7 @@ class KLDriftMonitor(KLCallbackBase):
         verbose: bool = True,
         min_batches: int | None = None,
         batch_size_fn: Callable[[Any], int] | None = None,
+        refresh_key: str | None = keys.REFERENCE_REFRESHES,
     ) -> None:
         owner = type(self).__name__
         if not _is_real(target) or not 0 < target < math.inf:
@@ -103,7 +107,9 @@ class KLDriftMonitor(KLCallbackBase):
             raise ValueError(f"{owner}: high must be > 1 (math.inf disables it), got {high!r}")
         if not _is_real(low) or not 0 <= low < 1:
             raise ValueError(f"{owner}: low must lie in [0, 1) (0 disables it), got {low!r}")
-        super().__init__(unit=unit, monitor=monitor, batch_size_fn=batch_size_fn)
+        super().__init__(
+            unit=unit, monitor=monitor, batch_size_fn=batch_size_fn, refresh_key=refresh_key
+        )
         if min_batches is None:
             min_batches = 3 * window
         if isinstance(min_batches, bool) or not isinstance(min_batches, int) or min_batches < 1:
@@ -122,6 +128,7 @@ class KLDriftMonitor(KLCallbackBase):
         self.n_warnings_high = 0
         self.n_warnings_low = 0
         self.stopped_batch: int | None = None
+        self.usable_at_refresh = 0  # usable KLs before the last refresh: the warm-up restarts
 
     @property
     @override
@@ -176,13 +183,20 @@ class KLDriftMonitor(KLCallbackBase):
         return "it is left out of the window"
 
     @override
+    def on_refresh(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.values.clear()
+        self.state = IN_BAND
+        self.usable_at_refresh = self.n_batches - 1 - self.n_skipped  # before this batch's
+
+    @override
     def after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pl_module.log(keys.MONITOR_TARGET, self.target, on_step=True, on_epoch=False)
         if not self.values:
             return
         avg = self.avg_kl
         pl_module.log(keys.MONITOR_AVG_KL, avg, on_step=True, on_epoch=False)
-        if self.n_batches - self.n_skipped < self.min_batches:  # values that came in so far
+        usable = self.n_batches - self.n_skipped - self.usable_at_refresh  # since the last refresh
+        if usable < self.min_batches:
             return
         self._update_state(trainer, avg)
         pl_module.log(keys.MONITOR_STATE, float(self.state), on_step=True, on_epoch=False)
@@ -223,6 +237,7 @@ class KLDriftMonitor(KLCallbackBase):
             "n_warnings_high": self.n_warnings_high,
             "n_warnings_low": self.n_warnings_low,
             "stopped_batch": self.stopped_batch,
+            "usable_at_refresh": self.usable_at_refresh,
             **super().state_dict(),
         }
 
@@ -233,4 +248,5 @@ class KLDriftMonitor(KLCallbackBase):
         self.n_warnings_high = state_dict.get("n_warnings_high", 0)
         self.n_warnings_low = state_dict.get("n_warnings_low", 0)
         self.stopped_batch = state_dict.get("stopped_batch")
+        self.usable_at_refresh = state_dict.get("usable_at_refresh", 0)
         super().load_state_dict(state_dict)

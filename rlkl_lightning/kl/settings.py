@@ -46,6 +46,9 @@ class KLSettings:
         min_batches: drift monitor's warm-up: batches with a usable KL before it first judges
             the average (None: the monitor's default, ``3 * window``: the KL starts at 0 and
             rises, and that rise alone should not warn "too low").
+        hold_after_refresh: batches after a refresh of the reference during which beta holds
+            (a ``ReferenceRefresh`` callback; docs/controllers.md, "Across a reference
+            refresh").
     """
 
     controller: str = "adaptive"
@@ -62,6 +65,7 @@ class KLSettings:
     low: float = default_of(KLDriftMonitor, "low")
     strict: bool = default_of(KLDriftMonitor, "strict")
     min_batches: int | None = default_of(KLDriftMonitor, "min_batches")
+    hold_after_refresh: int = default_of(KLControllerCallback, "hold_after_refresh")
 
     def __post_init__(self) -> None:
         if self.controller not in KL_LAWS:
@@ -93,7 +97,11 @@ class KLSettings:
 
     def callbacks(self, init_kl_coef: float) -> list[Callback]:
         """The controller callback and the drift monitor for a module starting at this beta."""
-        controller = KLControllerCallback(self.kl_controller(init_kl_coef), unit=self.unit)
+        controller = KLControllerCallback(
+            self.kl_controller(init_kl_coef),
+            unit=self.unit,
+            hold_after_refresh=self.hold_after_refresh,
+        )
         monitor = KLDriftMonitor(
             self.target,
             window=self.window,
