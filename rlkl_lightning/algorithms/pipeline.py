@@ -41,9 +41,21 @@ from rlkl_lightning.algorithms.checks import (
     check_vocabulary,
     context_of,
 )
-from rlkl_lightning.algorithms.gates import SkipBatch, any_rank, global_sum, trajectory_is_finite
+from rlkl_lightning.algorithms.gates import (
+    SkipBatch,
+    any_rank,
+    global_max,
+    global_sum,
+    trajectory_is_finite,
+)
 from rlkl_lightning.algorithms.losses import entropy_from_logits
-from rlkl_lightning.algorithms.metrics import batch_metrics, gold_scores, log_samples_table
+from rlkl_lightning.algorithms.metrics import (
+    batch_metrics,
+    gold_scores,
+    log_samples_table,
+    token_kl_stats,
+    top_kl_tokens,
+)
 from rlkl_lightning.algorithms.reference_refresh import mix_into_reference
 from rlkl_lightning.algorithms.resume import (
     COUNTERS,
@@ -59,7 +71,7 @@ from rlkl_lightning.algorithms.update import OneThread, run_update
 from rlkl_lightning.algorithms.validation import HeldoutPerplexity, encode_texts
 from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.kl import estimators as klmod
-from rlkl_lightning.kl.loss import kl_loss
+from rlkl_lightning.kl.loss import kl_loss, within_trust_region
 from rlkl_lightning.masked import masked_sum
 from rlkl_lightning.models.forward import no_grad
 from rlkl_lightning.models.loading import (
@@ -156,6 +168,14 @@ class RLPipeline(LightningModule):
             adapters and the value head train (docs/bigger-models.md).
         gradient_checkpointing: recompute the policy's activations in the backward pass
             instead of storing them (less memory, about one more forward per update).
+        kl_token_threshold: log the per-token KL diagnostics (``kl_tokens/*``: the largest
+            per-token log-ratio and KL, upper quantiles, the largest per-sequence KL, and the
+            number of tokens with ``|log pi - log pi_ref|`` above this threshold) and name each
+            logged response's tokens of largest KL in the samples table; None: off.
+        kl_trust_region: leave tokens whose ``|log pi - log pi_ref|`` exceeds this out of the
+            KL penalty (in the reward: the rollout's log-ratio; in the loss: the current one);
+            ``objective/kl`` still measures every token. Biases the KL gradient (docs/kl.md,
+            "A per-token trust region"); None: off.
         cpu_matmul: ``onednn``: the float32 CPU products of the policy, reference and value
             models through oneDNN, faster where PyTorch's BLAS lacks AVX-512 kernels (AMD),
             equal to ``default``'s to float32 rounding (:mod:`rlkl_lightning.perf.onednn`).
@@ -208,6 +228,8 @@ class RLPipeline(LightningModule):
         max_skipped_in_a_row: int | None = 20,
         peft: dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
+        kl_token_threshold: float | None = None,
+        kl_trust_region: float | None = None,
         cpu_matmul: str = "default",
     ):
         super().__init__()
@@ -365,7 +387,9 @@ class RLPipeline(LightningModule):
             The trajectory with ``ref_logprobs``, ``scores`` and ``kl`` set; the decoded
             responses; and the per-sequence KL ``[B]`` of every estimator (``kl_k1``, ...),
             the policy's summed token entropy (``entropy_sum``, from the full logits that are
-            dropped after this phase) and, with a ``gold_reward``, its scores (``gold``).
+            dropped after this phase), with a ``gold_reward`` its scores (``gold``), and with
+            ``kl_token_threshold`` the ``kl_tokens/*`` diagnostics and the ``[B, R]`` per-token
+            KL (``token_kl``).
         """
         hp = self.hparams
         mask = traj.response_mask
@@ -385,6 +409,11 @@ class RLPipeline(LightningModule):
         per_token["exact"] = in_row_blocks(klmod.exact_kl, policy_scores.logits, ref_logits)
         kl = per_token[hp.kl_estimator]
         diagnostics = {f"kl_{k}": klmod.sequence_kl(v, mask) for k, v in per_token.items()}
+        if hp.kl_token_threshold is not None:  # collectives: every rank computes them
+            diagnostics.update(self._token_kl_stats(per_token["k1"], kl, mask))
+            diagnostics["token_kl"] = kl  # [B, R] for the samples table
+        if hp.kl_trust_region is not None:  # the penalty only; the measured KL is whole
+            kl = kl * within_trust_region(per_token["k1"], hp.kl_trust_region)
         self.gate(
             not bool(torch.isfinite(diagnostics[f"kl_{hp.kl_estimator}"]).all()),
             "the KL to the reference is not finite (on this or another rank)",
@@ -431,6 +460,7 @@ class RLPipeline(LightningModule):
             minibatch.response_mask,
             hp.kl_loss_estimator,
             hp.kl_loss_weight_clip,
+            hp.kl_trust_region,
         )
         stats[keys.LOSS_KL] = term.detach()
         return loss + self.kl_coef * term
@@ -480,6 +510,7 @@ class RLPipeline(LightningModule):
         metrics[keys.SKIPPED_BATCHES] = skipped
         if self.log_reference_refreshes:
             metrics[keys.REFERENCE_REFRESHES] = torch.tensor(float(self.reference_refreshes))
+        metrics.update({k: v for k, v in diagnostics.items() if k.startswith("kl_tokens/")})
         metrics.update(stats)
         self.log_dict(
             {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()},
@@ -489,9 +520,32 @@ class RLPipeline(LightningModule):
             sync_dist=self.trainer.world_size > 1,
         )
         if self.global_rank == 0:
-            log_samples_table(self, prompts, responses, traj.scores, diagnostics.get("gold"))
+            top_kl = None
+            if self.hparams.kl_token_threshold is not None:
+
+                def top_kl(rows: int) -> list[str]:
+                    return top_kl_tokens(
+                        self.tokenizer,
+                        traj.response_ids,
+                        diagnostics["token_kl"],
+                        traj.response_mask,
+                        rows,
+                    )
+
+            gold = diagnostics.get("gold")
+            log_samples_table(self, prompts, responses, traj.scores, gold, top_kl)
 
     # ------------------------------------------------------------------ pieces of the phases
+    def _token_kl_stats(self, log_ratio: Tensor, kl: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        return token_kl_stats(
+            log_ratio,
+            kl,
+            mask,
+            self.hparams.kl_token_threshold,
+            lambda values: global_sum(self._trainer, values),
+            lambda values: global_max(self._trainer, values),
+        )
+
     def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         if not getattr(self, "_warned_truncation", False):
             limit = self.hparams.max_prompt_tokens
