@@ -71,8 +71,10 @@ class KLDriftMonitor(KLCallbackBase):
             weight the mean over ranks. Defaults to
             :func:`~rlkl_lightning.kl.reading.infer_batch_size`.
         refresh_key: Key the module logs its running count of reference refreshes under. A
-            refresh empties the window and starts the warm-up again: after a hard reset the KL
-            starts again from zero, as it did at the start of the run, and is not "too low".
+            refresh empties the window and starts the warm-up again, and "too low" is not
+            judged until the average has reached the band once: after a hard reset the KL
+            climbs back from zero, which is the reset working, not a policy that stopped
+            learning. "Too high" is judged as usual after the warm-up.
 
     Attributes:
         state: Current state (``-1``, ``0``, ``+1``).
@@ -129,6 +131,7 @@ class KLDriftMonitor(KLCallbackBase):
         self.n_warnings_low = 0
         self.stopped_batch: int | None = None
         self.usable_at_refresh = 0  # usable KLs before the last refresh: the warm-up restarts
+        self.low_armed = True  # False from a refresh until the average reaches the band
 
     @property
     @override
@@ -186,6 +189,7 @@ class KLDriftMonitor(KLCallbackBase):
     def on_refresh(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.values.clear()
         self.state = IN_BAND
+        self.low_armed = self.low == 0
         self.usable_at_refresh = self.n_batches - 1 - self.n_skipped  # before this batch's
 
     @override
@@ -205,6 +209,9 @@ class KLDriftMonitor(KLCallbackBase):
 
     def _update_state(self, trainer: pl.Trainer, avg: float) -> None:
         new = self._classify(avg)
+        if not self.low_armed:  # climbing back after a refresh: "too low" is expected
+            self.low_armed = new != LOW
+            new = IN_BAND if new == LOW else new
         if new == self.state:
             return
         if new == IN_BAND:
@@ -238,6 +245,7 @@ class KLDriftMonitor(KLCallbackBase):
             "n_warnings_low": self.n_warnings_low,
             "stopped_batch": self.stopped_batch,
             "usable_at_refresh": self.usable_at_refresh,
+            "low_armed": self.low_armed,
             **super().state_dict(),
         }
 
@@ -249,4 +257,5 @@ class KLDriftMonitor(KLCallbackBase):
         self.n_warnings_low = state_dict.get("n_warnings_low", 0)
         self.stopped_batch = state_dict.get("stopped_batch")
         self.usable_at_refresh = state_dict.get("usable_at_refresh", 0)
+        self.low_armed = state_dict.get("low_armed", True)
         super().load_state_dict(state_dict)
