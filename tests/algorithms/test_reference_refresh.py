@@ -76,7 +76,7 @@ class Crash(Callback):
             raise SimulatedCrash(f"crash at batch {self.at}")
 
 
-def run(policy_dir, tmp_path, ckpt_dir, extra=(), ckpt_path=None, hold=0, **overrides):
+def run(policy_dir, tmp_path, ckpt_dir, extra=(), ckpt_path=None, hold=0, every=2, **overrides):
     seed_everything(0)
     model = module(policy_dir, **overrides)
     controller = KLControllerCallback(
@@ -85,7 +85,8 @@ def run(policy_dir, tmp_path, ckpt_dir, extra=(), ckpt_path=None, hold=0, **over
     monitor = KLDriftMonitor(target=0.35, window=2, min_batches=2, verbose=False)
     recorder = Recorder()
     every_batch = dict(save_last=True, save_top_k=-1, every_n_train_steps=STEPS_PER_BATCH)
-    callbacks = [controller, monitor, recorder, *extra, ReferenceRefresh(every=2)]
+    callbacks = [controller, monitor, recorder, *extra]
+    callbacks += [ReferenceRefresh(every=every)] if every else []
     if ckpt_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, **every_batch))
     prompts = tmp_path / "prompts.txt"
@@ -168,24 +169,34 @@ def test_bad_settings_name_the_option(tiny_lm_dir):
 
 
 # ---------------------------------------------------------------- runs that refresh and resume
+@pytest.mark.parametrize("every", [2, None], ids=["refreshed", "fixed"])
 @pytest.mark.parametrize("peft", [None, LORA], ids=["full", "lora"])
-def test_a_run_interrupted_after_a_refresh_resumes_bit_for_bit(tiny_lm_dir, tmp_path, peft):
-    full, full_ctl, full_mon, full_rec = run(tiny_lm_dir, tmp_path, tmp_path / "full", peft=peft)
-    assert [r["reference/refreshes"] for r in full_rec.rows] == [0, 0, 1, 1, 2, 2]
-    # Right after each hard reset the KL is about zero (rollout and reference passes differ
-    # only by float rounding), and it is not before.
-    for i in (2, 4):
-        assert abs(full_rec.rows[i]["objective/kl"]) < 1e-4
-        assert abs(full_rec.rows[i + 1]["objective/kl"]) > 1e-3
+def test_a_run_interrupted_after_a_refresh_resumes_bit_for_bit(tiny_lm_dir, tmp_path, peft, every):
+    """With and without refreshes, full and LoRA: the resumed run is the uninterrupted one."""
+    full, full_ctl, full_mon, full_rec = run(
+        tiny_lm_dir, tmp_path, tmp_path / "full", peft=peft, every=every
+    )
+    if every:
+        assert [r["reference/refreshes"] for r in full_rec.rows] == [0, 0, 1, 1, 2, 2]
+        # Right after each hard reset the KL is about zero (rollout and reference passes
+        # differ only by float rounding), and it is not before.
+        for i in (2, 4):
+            assert abs(full_rec.rows[i]["objective/kl"]) < 1e-4
+            assert abs(full_rec.rows[i + 1]["objective/kl"]) > 1e-3
+    else:
+        assert all("reference/refreshes" not in r for r in full_rec.rows)
 
     with pytest.raises(SimulatedCrash):  # the last checkpoint is after batch 3: one refresh
-        run(tiny_lm_dir, tmp_path, tmp_path / "cut", extra=[Crash(at=3)], peft=peft)
+        run(tiny_lm_dir, tmp_path, tmp_path / "cut", extra=[Crash(at=3)], peft=peft, every=every)
     last = tmp_path / "cut" / "last.ckpt"
     saved = torch.load(last, weights_only=True)
-    assert saved["rlkl_counters"]["reference_refreshes"] == 1
-    assert set(saved["rlkl_reference"]) == set(full.refreshed_keys)
+    assert saved["rlkl_counters"]["reference_refreshes"] == (1 if every else 0)
+    assert set(saved.get("rlkl_reference", {})) == set(full.refreshed_keys)
+    assert bool(full.refreshed_keys) == bool(every)  # nothing extra is saved without refreshes
 
-    resumed, ctl, mon, rec = run(tiny_lm_dir, tmp_path, tmp_path / "cut", ckpt_path=last, peft=peft)
+    resumed, ctl, mon, rec = run(
+        tiny_lm_dir, tmp_path, tmp_path / "cut", ckpt_path=last, peft=peft, every=every
+    )
     assert rec.rows == full_rec.rows[3:]  # every beta, KL and loss, bit for bit
     assert abs(rec.rows[0]["objective/kl"]) > 1e-3  # anchored: the KL did not fall to zero
     assert ctl.state_dict() == full_ctl.state_dict()
