@@ -248,3 +248,19 @@ def test_the_optimizer_state_is_cleared_with_reset_optimizer(tiny_lm_dir, tmp_pa
     fit_on_prompts(model, PROMPTS[:12], batch_size=4, callbacks=[look, refresh], max_epochs=1)
     assert look.sizes[0] == 0 and look.sizes[1] > 0
     assert look.sizes[2] == 0  # cleared after batch 2's refresh
+
+
+def test_the_export_of_a_refreshed_lora_checkpoint_is_the_policy(tiny_lm_dir, tmp_path):
+    """A refresh moved part of the adapters into base weights: the export must take them."""
+    from transformers import AutoModelForCausalLM
+
+    from rlkl_lightning.export import export_checkpoint, export_module
+
+    model, *_ = run(tiny_lm_dir, tmp_path, tmp_path / "ckpt", peft=LORA)
+    from_module = AutoModelForCausalLM.from_pretrained(export_module(model, tmp_path / "a"))
+    last = export_checkpoint(tmp_path / "ckpt" / "last.ckpt", tmp_path / "b")
+    from_checkpoint = AutoModelForCausalLM.from_pretrained(last)
+    ours, theirs = from_checkpoint.state_dict(), from_module.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
