@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from typing_extensions import override
 
@@ -87,6 +88,10 @@ class ReferenceRefresh(Callback):
         reset_optimizer: Also clear the optimizer's state (Adam's moments) at each refresh, as
             ProRL does with its hard resets.
 
+    Raises:
+        ValueError: At set-up, for a module that is not an ``RLPipeline`` or under
+            ``FSDPStrategy`` (a sharded reference is not refreshed: single device or DDP).
+
     Example::
 
         trainer = Trainer(callbacks=[KLControllerCallback(controller, hold_after_refresh=5),
@@ -130,6 +135,11 @@ class ReferenceRefresh(Callback):
             raise ValueError(
                 f"{type(self).__name__}: the module must be an RLPipeline (PPOModule, "
                 f"RLOOModule), got {type(pl_module).__name__}"
+            )
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise ValueError(
+                f"{type(self).__name__}: refreshing a sharded reference is not supported; "
+                "allowed strategies: single device and DDP"
             )
         pl_module.log_reference_refreshes = True
 
