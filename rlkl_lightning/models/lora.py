@@ -203,7 +203,8 @@ def mix_adapters_into_base(peft_model: PeftModel, alpha: float) -> list[str]:
     the reference ``alpha x policy + (1 - alpha) x reference`` in weight space, while the
     policy's weights stay ``W + s B A`` (to float rounding). ``alpha = 1`` merges the adapters
     and zeroes ``B``: the reference becomes the policy, and the adapters start again from
-    LoRA's own initial state (``B = 0``).
+    LoRA's own initial state (``B = 0``). A module in ``modules_to_save`` (a trained copy
+    beside the original, which the reference uses) mixes its original with the copy.
 
     Args:
         peft_model: The ``peft.PeftModel`` of :func:`attach_adapters`.
@@ -219,6 +220,7 @@ def mix_adapters_into_base(peft_model: PeftModel, alpha: float) -> list[str]:
     import torch
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
 
     model = peft_model.get_base_model()
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
@@ -248,4 +250,13 @@ def mix_adapters_into_base(peft_model: PeftModel, alpha: float) -> list[str]:
                 b = layer.lora_B[adapter].weight
                 b.zero_() if alpha == 1 else b.mul_(1 - alpha)
             changed.append(f"{name}.base_layer.weight")
+        for name, wrapper in model.named_modules():
+            if not isinstance(wrapper, ModulesToSaveWrapper):
+                continue
+            for adapter in wrapper.active_adapters:
+                copy = dict(wrapper.modules_to_save[adapter].named_parameters())
+                for pname, param in wrapper.original_module.named_parameters():
+                    source = copy[pname].detach().to(param.dtype)
+                    param.copy_(source) if alpha == 1 else param.lerp_(source, alpha)
+                    changed.append(f"{name}.original_module.{pname}")
     return changed

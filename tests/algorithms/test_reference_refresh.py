@@ -32,6 +32,7 @@ from rlkl_lightning.models.logprobs import score_tokens
 WORDS = "the film was good bad this book is very not a story food nice dull plot".split()
 PROMPTS = [" ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(2 + i % 3)) for i in range(12)]
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn", "c_fc"], "fan_in_fan_out": True}
+LORA_SAVE = {**LORA, "modules_to_save": ["ln_f"]}  # ln_f's copy trains; the reference's is
 STEPS_PER_BATCH = 2  # ppo_epochs 1 x num_minibatches 2
 
 
@@ -125,12 +126,13 @@ def test_a_mix_is_the_weighted_mean_and_a_hard_reset_a_copy(tiny_lm_dir):
         assert torch.equal(p, pol[name]), name
 
 
+@pytest.mark.parametrize("peft", [LORA, LORA_SAVE], ids=["lora", "modules_to_save"])
 @pytest.mark.parametrize("alpha", [1.0, 0.3])
-def test_a_lora_refresh_moves_the_reference_and_leaves_the_policy(tiny_lm_dir, alpha):
-    model = module(tiny_lm_dir, peft=LORA)
-    with torch.no_grad():  # adapters that do something (B starts at zero)
-        for name, p in model.policy.named_parameters():
-            if "lora_" in name:
+def test_a_lora_refresh_moves_the_reference_and_leaves_the_policy(tiny_lm_dir, alpha, peft):
+    model = module(tiny_lm_dir, peft=peft)
+    with torch.no_grad():  # trained weights that do something (B starts at zero)
+        for p in model.policy.parameters():
+            if p.requires_grad:
                 p.add_(torch.randn_like(p) * 0.2)
     seed_everything(5)
     traj, _ = model.rollout(PROMPTS[:4])
@@ -138,7 +140,9 @@ def test_a_lora_refresh_moves_the_reference_and_leaves_the_policy(tiny_lm_dir, a
     ref_before = score_tokens(model.reference, traj, 1.0).logprobs
     model.refresh_reference(alpha)
     keys = model.refreshed_keys
-    assert keys and all(k.startswith("policy.") and k.endswith("base_layer.weight") for k in keys)
+    assert keys and all(k.startswith("policy.") for k in keys)
+    assert sum(k.endswith("base_layer.weight") for k in keys) == 4  # c_attn, c_fc x 2 layers
+    assert len(keys) == 4 + 2 * ("modules_to_save" in peft)  # ln_f's weight and bias
     policy_after = score_tokens(model.policy, traj, 1.0).logprobs
     ref_after = score_tokens(model.reference, traj, 1.0).logprobs
     valid = traj.response_mask.bool()
