@@ -18,6 +18,7 @@ _LAZY = {
     "PPOModule": "rlkl_lightning.algorithms.ppo",
     "RLOOModule": "rlkl_lightning.algorithms.rloo",
     "RLPipeline": "rlkl_lightning.algorithms.pipeline",
+    "ReferenceRefresh": "rlkl_lightning.algorithms.reference_refresh",
     "Trajectory": "rlkl_lightning.trajectory",
 }
 

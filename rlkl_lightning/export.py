@@ -3,9 +3,10 @@
     python -m rlkl_lightning.export runs/ppo/version_0/checkpoints/last.ckpt exported/
 
 The checkpoint's hyperparameters name the policy and its ``peft`` config; the base weights
-are loaded from there (checkpoints leave the frozen ones out), the trained weights from the
-checkpoint, every one of them checked (:func:`~rlkl_lightning.models.lora.load_trainable`), and the
-adapters are merged (``merge_and_unload``). The result, and the tokenizer, load with
+are loaded from there (checkpoints leave the frozen ones out, except those a reference refresh
+changed, which are taken from the checkpoint), the trained weights from the checkpoint, every
+one of them checked (:func:`~rlkl_lightning.models.lora.load_trainable`), and the adapters are
+merged (``merge_and_unload``). The result, and the tokenizer, load with
 ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``, without ``peft``.
 """
 
@@ -67,7 +68,9 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     ckpt = torch.load(
         checkpoint, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(checkpoint)
     )
-    return export_policy(ckpt["hyper_parameters"], ckpt["state_dict"], directory)
+    # A refresh of a LoRA policy's reference moved part of the adapters into base weights.
+    state = {**ckpt["state_dict"], **(ckpt.get("rlkl_reference") or {})}
+    return export_policy(ckpt["hyper_parameters"], state, directory)
 
 
 def main(argv: list[str] | None = None) -> None:

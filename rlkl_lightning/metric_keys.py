@@ -35,6 +35,17 @@ VALUE_CLIPFRAC = "policy/value_clipfrac"
 GRAD_NORM = "policy/grad_norm"
 LR = "policy/lr"
 
+# The reference (a ReferenceRefresh callback turns it on).
+REFERENCE_REFRESHES = "reference/refreshes"  #: refreshes so far; the KL callbacks read it
+
+# Per-token KL diagnostics (the module's `kl_token_threshold` turns them on).
+TOKENS_MAX_LOG_RATIO = "kl_tokens/max_abs_log_ratio"  #: largest |log pi - log pi_ref| of a token
+TOKENS_MAX_KL = "kl_tokens/max_kl"  #: largest per-token KL (the `kl_estimator`'s)
+TOKENS_KL_Q99 = "kl_tokens/kl_q99"  #: 99th percentile of the per-token KL
+TOKENS_KL_Q999 = "kl_tokens/kl_q999"  #: 99.9th percentile of the per-token KL
+TOKENS_BEYOND = "kl_tokens/beyond_threshold"  #: tokens with |log-ratio| > kl_token_threshold
+TOKENS_MAX_SEQUENCE_KL = "kl_tokens/max_sequence_kl"  #: largest per-sequence KL of the batch
+
 # Progress and validation.
 SAMPLES = "progress/samples"
 SKIPPED_BATCHES = "progress/skipped_batches"

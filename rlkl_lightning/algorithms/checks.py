@@ -79,6 +79,8 @@ PIPELINE_RULES = [
     ("max_skipped_in_a_row", lambda x: x is None or _int_at_least(1)(x), "None or an integer >= 1"),
     ("score_clip", _none_or_positive, "None or a number > 0"),
     ("max_grad_norm", _none_or_positive, "None or a number > 0"),
+    ("kl_token_threshold", _none_or_positive, "None or a number > 0"),
+    ("kl_trust_region", _none_or_positive, "None or a number > 0"),
 ]
 
 #: The rules of :class:`~rlkl_lightning.algorithms.ppo.PPOModule`'s own arguments.

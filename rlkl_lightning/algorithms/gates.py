@@ -35,6 +35,13 @@ def global_sum(trainer: Trainer | None, values: Tensor) -> Tensor:
     return trainer.strategy.reduce(values, reduce_op="sum")
 
 
+def global_max(trainer: Trainer | None, values: Tensor) -> Tensor:
+    """``values`` maximised over all ranks (a collective under DDP: call it on every rank)."""
+    if trainer is None or trainer.world_size == 1:
+        return values
+    return trainer.strategy.reduce(values, reduce_op="max")
+
+
 def trajectory_is_finite(traj: Trajectory) -> bool:
     """Whether every log-prob, value, advantage and return of a response token is finite."""
     valid = traj.response_mask.bool()

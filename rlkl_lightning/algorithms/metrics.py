@@ -97,6 +97,64 @@ def _global_sample_means(
     return means
 
 
+def token_kl_stats(
+    log_ratio: Tensor,
+    token_kl: Tensor,
+    mask: Tensor,
+    threshold: float,
+    global_sum: Callable[[Tensor], Tensor],
+    global_max: Callable[[Tensor], Tensor],
+) -> dict[str, Tensor]:
+    """The ``kl_tokens/*`` diagnostics: a few extreme tokens that a batch mean hides.
+
+    A handful of tokens with a huge log-ratio can carry most of a batch's KL (torchforge #664);
+    these say how large the worst ones are and how many there are.
+
+    Args:
+        log_ratio: ``[B, R]`` per-token ``log pi - log pi_ref`` of the sampled tokens.
+        token_kl: ``[B, R]`` per-token KL of the ``kl_estimator``.
+        mask: ``[B, R]``, nonzero on response tokens.
+        threshold: A token counts in ``beyond_threshold`` when ``|log_ratio| > threshold``.
+        global_sum: Sums a tensor over all ranks (identity on one process).
+        global_max: Maximises a tensor over all ranks (identity on one process).
+
+    Returns:
+        The maxima and counts of the global batch; the quantiles are this rank's (under DDP the
+        logged value is their mean over ranks).
+    """
+    valid = mask.bool()
+    ratio, kl = log_ratio[valid].abs().float(), token_kl[valid].float()
+    if kl.numel() == 0:  # no response token on this rank
+        ratio = kl = torch.zeros(1, device=log_ratio.device)
+    seq_kl = (token_kl * mask).sum(-1).float()
+    top = global_max(torch.stack([ratio.max(), kl.max(), seq_kl.max()]))
+    quantiles = torch.quantile(kl, torch.tensor([0.99, 0.999], device=kl.device))
+    beyond = global_sum((ratio > threshold).sum().float())
+    return {
+        keys.TOKENS_MAX_LOG_RATIO: top[0],
+        keys.TOKENS_MAX_KL: top[1],
+        keys.TOKENS_MAX_SEQUENCE_KL: top[2],
+        keys.TOKENS_KL_Q99: quantiles[0],
+        keys.TOKENS_KL_Q999: quantiles[1],
+        keys.TOKENS_BEYOND: beyond,
+    }
+
+
+def top_kl_tokens(
+    tokenizer, response_ids: Tensor, token_kl: Tensor, mask: Tensor, rows: int, k: int = 3
+) -> list[str]:
+    """For each of the first ``rows`` responses, its ``k`` tokens of largest KL: ``'tok' 1.23``."""
+    out = []
+    for ids, kl, m in list(zip(response_ids, token_kl, mask.bool(), strict=True))[:rows]:
+        kl = kl.float().masked_fill(~m, -float("inf"))
+        n = min(k, int(m.sum()))
+        top = kl.topk(n).indices.tolist() if n else []
+        out.append(
+            ", ".join(f"{tokenizer.decode([int(ids[i])])!r} {float(kl[i]):.3g}" for i in top)
+        )
+    return out
+
+
 def gold_scores(
     gold_reward: Callable | None, prompts: list[str], responses: list[str], owner: str
 ) -> dict[str, Tensor]:
@@ -119,15 +177,28 @@ def gold_scores(
 
 
 def samples_table(
-    prompts: list[str], responses: list[str], scores: Tensor, rows: int, gold: Tensor | None = None
+    prompts: list[str],
+    responses: list[str],
+    scores: Tensor,
+    rows: int,
+    gold: Tensor | None = None,
+    top_kl: list[str] | None = None,
 ) -> str:
-    """A markdown table of the first ``rows`` (prompt, response, score[, gold score]) rows."""
+    """A markdown table of the first ``rows`` (prompt, response, score[, gold score]) rows.
+
+    With ``top_kl`` (:func:`top_kl_tokens`), a last column names each response's tokens of
+    largest KL.
+    """
     head = ["prompt", "response", "score"] + (["gold score"] if gold is not None else [])
+    head += ["largest per-token KL"] if top_kl is not None else []
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     golds = gold.tolist() if gold is not None else [None] * len(prompts)
-    for prompt, response, score, g in list(zip(prompts, responses, scores.tolist(), golds))[:rows]:
-        cells = [s.replace("|", "\\|").replace("\n", " ") for s in (prompt, response)]
-        cells += [f"{score:.3f}"] + ([] if g is None else [f"{g:.3f}"])
+    tops = top_kl if top_kl is not None else [None] * len(prompts)
+    rows_of = list(zip(prompts, responses, scores.tolist(), golds, tops))[:rows]
+    for prompt, response, score, g, t in rows_of:
+        texts = (prompt, response) if t is None else (prompt, response, t)
+        cells = [s.replace("|", "\\|").replace("\n", " ") for s in texts]
+        cells[2:2] = [f"{score:.3f}"] + ([] if g is None else [f"{g:.3f}"])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -138,6 +209,7 @@ def log_samples_table(
     responses: list[str],
     scores: Tensor,
     gold: Tensor | None = None,
+    top_kl: Callable[[int], list[str]] | None = None,
 ) -> None:
     """Write :func:`samples_table` to the module's TensorBoard every ``log_samples_every`` batches.
 
@@ -147,6 +219,7 @@ def log_samples_table(
         responses: Their decoded responses.
         scores: ``[B]`` their reward-model scores.
         gold: ``[B]`` their gold scores, if a gold reward is logged.
+        top_kl: ``rows -> `` :func:`top_kl_tokens` of the first rows, for the KL column.
     """
     every = module.hparams.log_samples_every
     if not every or (module.batches_seen - 1) % every:
@@ -154,5 +227,7 @@ def log_samples_table(
     experiment = getattr(module.logger, "experiment", None)
     if experiment is None or not hasattr(experiment, "add_text"):
         return
-    table = samples_table(prompts, responses, scores, module.hparams.num_logged_samples, gold)
+    rows = module.hparams.num_logged_samples
+    tops = top_kl(rows) if top_kl is not None else None
+    table = samples_table(prompts, responses, scores, rows, gold, tops)
     experiment.add_text("samples", table, global_step=module.batches_seen)

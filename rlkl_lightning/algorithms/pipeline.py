@@ -41,22 +41,37 @@ from rlkl_lightning.algorithms.checks import (
     check_vocabulary,
     context_of,
 )
-from rlkl_lightning.algorithms.gates import SkipBatch, any_rank, global_sum, trajectory_is_finite
+from rlkl_lightning.algorithms.gates import (
+    SkipBatch,
+    any_rank,
+    global_max,
+    global_sum,
+    trajectory_is_finite,
+)
 from rlkl_lightning.algorithms.losses import entropy_from_logits
-from rlkl_lightning.algorithms.metrics import batch_metrics, gold_scores, log_samples_table
+from rlkl_lightning.algorithms.metrics import (
+    batch_metrics,
+    gold_scores,
+    log_samples_table,
+    token_kl_stats,
+    top_kl_tokens,
+)
+from rlkl_lightning.algorithms.reference_refresh import mix_into_reference
 from rlkl_lightning.algorithms.resume import (
     COUNTERS,
+    refreshed_weights,
     restore_rng_states,
     rng_states,
     trained_weights,
     with_frozen_weights,
+    with_refreshed_weights,
 )
 from rlkl_lightning.algorithms.rollout import sample_and_score
 from rlkl_lightning.algorithms.update import OneThread, Reduce, run_update
 from rlkl_lightning.algorithms.validation import HeldoutPerplexity, encode_texts
 from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.kl import estimators as klmod
-from rlkl_lightning.kl.loss import kl_loss
+from rlkl_lightning.kl.loss import kl_loss, within_trust_region
 from rlkl_lightning.masked import masked_mean, masked_sum
 from rlkl_lightning.models.forward import no_grad
 from rlkl_lightning.models.loading import (
@@ -160,6 +175,14 @@ class RLPipeline(LightningModule):
             adapters and the value head train (docs/bigger-models.md).
         gradient_checkpointing: recompute the policy's activations in the backward pass
             instead of storing them (less memory, about one more forward per update).
+        kl_token_threshold: log the per-token KL diagnostics (``kl_tokens/*``: the largest
+            per-token log-ratio and KL, upper quantiles, the largest per-sequence KL, and the
+            number of tokens with ``|log pi - log pi_ref|`` above this threshold) and name each
+            logged response's tokens of largest KL in the samples table; None: off.
+        kl_trust_region: leave tokens whose ``|log pi - log pi_ref|`` exceeds this out of the
+            KL penalty (in the reward: the rollout's log-ratio; in the loss: the current one);
+            ``objective/kl`` still measures every token. Biases the KL gradient (docs/kl.md,
+            "A per-token trust region"); None: off.
         cpu_matmul: ``onednn``: the float32 CPU products of the policy, reference and value
             models through oneDNN, faster where PyTorch's BLAS lacks AVX-512 kernels (AMD),
             equal to ``default``'s to float32 rounding (:mod:`rlkl_lightning.perf.onednn`).
@@ -175,6 +198,8 @@ class RLPipeline(LightningModule):
     samples_seen: int  #: prompts (responses, for RLOO) trained on, summed over ranks
     skipped_batches: int  #: batches whose update was skipped (:mod:`.gates`)
     skipped_in_a_row: int  #: skips since the last trained batch
+    reference_refreshes: int  #: refreshes of the reference (:meth:`refresh_reference`)
+    last_refresh_batch: int  #: ``batches_seen`` at the last refresh (0: none)
 
     def __init__(
         self,
@@ -213,6 +238,8 @@ class RLPipeline(LightningModule):
         max_skipped_in_a_row: int | None = 20,
         peft: dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
+        kl_token_threshold: float | None = None,
+        kl_trust_region: float | None = None,
         cpu_matmul: str = "default",
     ):
         super().__init__()
@@ -220,6 +247,10 @@ class RLPipeline(LightningModule):
         check_pipeline_args(self.owner, args, SPEED_UP_RULES)
         for name in COUNTERS:
             setattr(self, name, 0)
+        #: The ``state_dict`` keys a refresh changed, saved in checkpoints beside the trained ones.
+        self.refreshed_keys: list[str] = []
+        #: Log ``reference/refreshes`` (a ``ReferenceRefresh`` callback turns it on).
+        self.log_reference_refreshes = False
         self.heldout = HeldoutPerplexity()
         self.threads: OneThread | ValueThread = OneThread()
         models = ("reward", "gold_reward")  # objects, not settings
@@ -304,6 +335,19 @@ class RLPipeline(LightningModule):
             if hasattr(reward, "to"):
                 reward.to(self.device)
 
+    def refresh_reference(self, alpha: float = 1.0) -> None:
+        """``reference <- alpha x policy + (1 - alpha) x reference``; ``alpha = 1``: a copy.
+
+        Counted in ``reference_refreshes``; the changed weights go into checkpoints, and the
+        reference's held-out perplexity is measured again at the next validation
+        (:mod:`.reference_refresh`).
+        """
+        changed = mix_into_reference(self.policy, self.reference, alpha)
+        self.refreshed_keys = sorted(set(self.refreshed_keys) | set(changed))
+        self.reference_refreshes += 1
+        self.last_refresh_batch = self.batches_seen
+        self.heldout.reference_perplexity = None
+
     # ------------------------------------------------------------------ the pipeline
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -353,7 +397,9 @@ class RLPipeline(LightningModule):
             The trajectory with ``ref_logprobs``, ``scores`` and ``kl`` set; the decoded
             responses; and the per-sequence KL ``[B]`` of every estimator (``kl_k1``, ...),
             the policy's summed token entropy (``entropy_sum``, from the full logits that are
-            dropped after this phase) and, with a ``gold_reward``, its scores (``gold``).
+            dropped after this phase), with a ``gold_reward`` its scores (``gold``), and with
+            ``kl_token_threshold`` the ``kl_tokens/*`` diagnostics and the ``[B, R]`` per-token
+            KL (``token_kl``).
         """
         hp = self.hparams
         mask = traj.response_mask
@@ -373,6 +419,11 @@ class RLPipeline(LightningModule):
         per_token["exact"] = in_row_blocks(klmod.exact_kl, policy_scores.logits, ref_logits)
         kl = per_token[hp.kl_estimator]
         diagnostics = {f"kl_{k}": klmod.sequence_kl(v, mask) for k, v in per_token.items()}
+        if hp.kl_token_threshold is not None:  # collectives: every rank computes them
+            diagnostics.update(self._token_kl_stats(per_token["k1"], kl, mask))
+            diagnostics["token_kl"] = kl  # [B, R] for the samples table
+        if hp.kl_trust_region is not None:  # the penalty only; the measured KL is whole
+            kl = kl * within_trust_region(per_token["k1"], hp.kl_trust_region)
         self.gate(
             not bool(torch.isfinite(diagnostics[f"kl_{hp.kl_estimator}"]).all()),
             "the KL to the reference is not finite (on this or another rank)",
@@ -432,6 +483,7 @@ class RLPipeline(LightningModule):
             hp.kl_loss_estimator,
             hp.kl_loss_weight_clip,
             reduce,
+            hp.kl_trust_region,
         )
         stats[keys.LOSS_KL] = term.detach()
         return loss + self.kl_coef * term
@@ -485,6 +537,9 @@ class RLPipeline(LightningModule):
         metrics[keys.SAMPLES] = torch.tensor(float(self.samples_seen), dtype=torch.float32)
         skipped = torch.tensor(float(self.skipped_batches), dtype=torch.float32)
         metrics[keys.SKIPPED_BATCHES] = skipped
+        if self.log_reference_refreshes:
+            metrics[keys.REFERENCE_REFRESHES] = torch.tensor(float(self.reference_refreshes))
+        metrics.update({k: v for k, v in diagnostics.items() if k.startswith("kl_tokens/")})
         metrics.update(stats)
         self.log_dict(
             {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()},
@@ -494,9 +549,32 @@ class RLPipeline(LightningModule):
             sync_dist=self.trainer.world_size > 1,
         )
         if self.global_rank == 0:
-            log_samples_table(self, prompts, responses, traj.scores, diagnostics.get("gold"))
+            top_kl = None
+            if self.hparams.kl_token_threshold is not None:
+
+                def top_kl(rows: int) -> list[str]:
+                    return top_kl_tokens(
+                        self.tokenizer,
+                        traj.response_ids,
+                        diagnostics["token_kl"],
+                        traj.response_mask,
+                        rows,
+                    )
+
+            gold = diagnostics.get("gold")
+            log_samples_table(self, prompts, responses, traj.scores, gold, top_kl)
 
     # ------------------------------------------------------------------ pieces of the phases
+    def _token_kl_stats(self, log_ratio: Tensor, kl: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        return token_kl_stats(
+            log_ratio,
+            kl,
+            mask,
+            self.hparams.kl_token_threshold,
+            lambda values: global_sum(self._trainer, values),
+            lambda values: global_max(self._trainer, values),
+        )
+
     def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         if not getattr(self, "_warned_truncation", False):
             limit = self.hparams.max_prompt_tokens
@@ -604,6 +682,10 @@ class RLPipeline(LightningModule):
         Beta is the KL controller callback's state (without one it is ``init_kl_coef``).
         """
         plain_hyperparameters(checkpoint)
+        if self.refreshed_keys:  # the reference differs from the one the config builds
+            checkpoint["rlkl_reference"] = refreshed_weights(
+                checkpoint["state_dict"], self.refreshed_keys
+            )
         checkpoint["state_dict"] = trained_weights(self, checkpoint["state_dict"])
         checkpoint["rlkl_counters"] = {
             **{name: getattr(self, name) for name in COUNTERS},
@@ -613,7 +695,10 @@ class RLPipeline(LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Check the weights fit, restore the counters, put the frozen weights back."""
+        """Check the weights fit, restore the counters, put the (refreshed) frozen weights back."""
+        refreshed = checkpoint.get("rlkl_reference") or {}
+        with_refreshed_weights(self, checkpoint["state_dict"], refreshed, self.owner)
+        self.refreshed_keys = sorted(refreshed)
         with_frozen_weights(self, checkpoint["state_dict"], self.owner)
         counters = checkpoint.get("rlkl_counters", {})
         for name in COUNTERS:

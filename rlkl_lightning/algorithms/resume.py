@@ -2,9 +2,10 @@
 
 Its counters (:data:`COUNTERS`), every rank's random stream (:func:`rng_states`,
 :func:`restore_rng_states`), and not its frozen weights, which are rebuilt from the config
-(:func:`trained_weights`, :func:`with_frozen_weights`). Beta is the controller callback's
-state. The checks of the checkpoint file itself are in :mod:`rlkl_lightning.checkpoints`, the
-data order in :mod:`rlkl_lightning.data.samplers`.
+(:func:`trained_weights`, :func:`with_frozen_weights`), except those a reference refresh
+changed (:func:`refreshed_weights`, :func:`with_refreshed_weights`). Beta is the controller
+callback's state. The checks of the checkpoint file itself are in
+:mod:`rlkl_lightning.checkpoints`, the data order in :mod:`rlkl_lightning.data.samplers`.
 """
 
 from __future__ import annotations
@@ -82,7 +83,14 @@ def restore_rng_states(
 
 #: The counters an RL module carries through checkpoints, each an int starting at 0
 #: (``trainer.global_step`` counts optimizer steps, several per batch).
-COUNTERS = ("batches_seen", "samples_seen", "skipped_batches", "skipped_in_a_row")
+COUNTERS = (
+    "batches_seen",
+    "samples_seen",
+    "skipped_batches",
+    "skipped_in_a_row",
+    "reference_refreshes",
+    "last_refresh_batch",
+)
 
 
 def unsaved_keys(module: nn.Module) -> set[str]:
@@ -120,3 +128,32 @@ def with_frozen_weights(module: nn.Module, state: dict[str, Any], owner: str) ->
     for key, value in current.items():
         if key.startswith("reference.") or key in unsaved:
             state.setdefault(key, value)
+
+
+def refreshed_weights(state: dict[str, Any], keys: list[str]) -> dict[str, Tensor]:
+    """The weights a reference refresh changed (``keys``), from a full ``state``: saved apart.
+
+    Only these differ from the reference the config rebuilds (a frozen copy: its every weight;
+    adapters off: the base weights of the adapted layers), so only these are saved.
+    """
+    return {key: state[key] for key in keys}
+
+
+def with_refreshed_weights(
+    module: nn.Module, state: dict[str, Any], refreshed: dict[str, Tensor], owner: str
+) -> None:
+    """Put a checkpoint's refreshed reference weights into its ``state`` (before loading it).
+
+    Raises:
+        ValueError: If a refreshed weight does not fit this model (another model's checkpoint).
+    """
+    current = module.state_dict()
+    wrong = sorted(
+        k for k, v in refreshed.items() if k not in current or current[k].shape != v.shape
+    )
+    if wrong:
+        raise ValueError(
+            f"{owner}: the checkpoint's refreshed reference weights do not fit this model "
+            f"({wrong[:5]}); resume with the `policy`, `reference` and `peft` it was trained with"
+        )
+    state.update(refreshed)

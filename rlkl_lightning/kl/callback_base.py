@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.kl.reading import (
     batch_size_of,
     check_name,
@@ -45,6 +46,10 @@ class KLCallbackBase(Callback, ABC):
     naming it (a stale value is reported as stale, not as a non-finite one).
     :meth:`after_batch` then runs, whatever the KL was. The counters are saved in checkpoints.
 
+    A module whose reference was refreshed (reset to, or mixed with, the policy) logs the running
+    count of refreshes under ``refresh_key``; when it grows, :meth:`on_refresh` runs before the
+    batch's KL is handed on (the first KL measured against the refreshed reference).
+
     A subclass implements :meth:`on_kl`, may override :meth:`after_batch` and
     :meth:`skip_effect`, builds its own ``state_key`` and adds its fields to
     :meth:`state_dict` and :meth:`load_state_dict` through ``super()``.
@@ -57,6 +62,9 @@ class KLCallbackBase(Callback, ABC):
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch. Defaults to
             :func:`~rlkl_lightning.kl.reading.infer_batch_size` (leading size of the batch's first
             field).
+        refresh_key: Key the module logs its running count of reference refreshes under
+            (``RLPipeline`` does with a ``ReferenceRefresh`` callback); None, or a key that is
+            never logged: refreshes are not watched.
 
     Attributes:
         target: Target KL in ``unit`` (``None``: no target, no unit check).
@@ -64,6 +72,7 @@ class KLCallbackBase(Callback, ABC):
         n_samples: Samples of the global batches with a freshly logged KL.
         n_skipped: Batches without a usable KL.
         unit_checked: Whether the target's unit was checked already.
+        n_refreshes: Reference refreshes seen (the last count read under ``refresh_key``).
     """
 
     target: float | None = None
@@ -73,11 +82,13 @@ class KLCallbackBase(Callback, ABC):
         unit: str = "sequence",
         monitor: str | None = None,
         batch_size_fn: Callable[[Any], int] | None = None,
+        refresh_key: str | None = keys.REFERENCE_REFRESHES,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
         default = default_monitor(unit, owner)
         check_name(monitor, "monitor", owner, optional=True)
+        check_name(refresh_key, "refresh_key", owner, optional=True)
         if batch_size_fn is not None and not callable(batch_size_fn):
             raise ValueError(f"{owner}: batch_size_fn must be callable, got {batch_size_fn!r}")
         self.unit = unit
@@ -87,6 +98,8 @@ class KLCallbackBase(Callback, ABC):
         self.n_samples = 0
         self.n_skipped = 0
         self.unit_checked = False
+        self.refresh_key = refresh_key
+        self.n_refreshes = 0
         self._last: Any = None
         self._stale = False
         self._warned_stale = False
@@ -104,6 +117,17 @@ class KLCallbackBase(Callback, ABC):
     def skip_effect(self) -> str:
         """What a skipped batch means for this callback, for the one-time warning."""
         return "it is ignored"
+
+    def on_refresh(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """React to a refresh of the reference (the batch KL may be near zero from here on)."""
+
+    def read_refreshes(self, trainer: pl.Trainer) -> bool:
+        """Whether the logged count of reference refreshes grew since the last batch."""
+        if self.refresh_key is None or self.refresh_key not in trainer.callback_metrics:
+            return False
+        count = int(float(trainer.callback_metrics[self.refresh_key]))
+        grew, self.n_refreshes = count > self.n_refreshes, max(count, self.n_refreshes)
+        return grew
 
     def read_kl(self, trainer: pl.Trainer, batch: Any) -> tuple[float, int]:
         """Return ``(kl, n_samples)`` of the global batch; ``n_samples == 0`` if none was fresh.
@@ -152,6 +176,8 @@ class KLCallbackBase(Callback, ABC):
         kl, n_samples = self.read_kl(trainer, batch)
         self.n_batches += 1
         self.n_samples += n_samples
+        if self.read_refreshes(trainer):
+            self.on_refresh(trainer, pl_module)
         if math.isfinite(kl) and n_samples > 0:
             self.on_kl(trainer, pl_module, kl, n_samples)
             if not self.unit_checked:
@@ -212,6 +238,7 @@ class KLCallbackBase(Callback, ABC):
             "n_samples": self.n_samples,
             "n_skipped": self.n_skipped,
             "unit_checked": self.unit_checked,
+            "n_refreshes": self.n_refreshes,
         }
 
     @override
@@ -220,3 +247,4 @@ class KLCallbackBase(Callback, ABC):
         self.n_samples = state_dict.get("n_samples", 0)
         self.n_skipped = state_dict.get("n_skipped", 0)
         self.unit_checked = state_dict.get("unit_checked", self.n_batches > 0)
+        self.n_refreshes = state_dict.get("n_refreshes", 0)

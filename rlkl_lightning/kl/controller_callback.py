@@ -91,6 +91,11 @@ class KLControllerCallback(KLCallbackBase):
             at once: a KL is never negative, and an estimate that far below 0 is a sign error
             or a wrong reference, not sampling noise. The update goes on; such batches are
             counted in ``n_negative``. ``math.inf`` disables the check.
+        hold_after_refresh: Batches after a refresh of the reference (read under
+            ``refresh_key``) during which the controller is not updated: beta and the law's
+            state stay as they were while the KL, reset to about zero, climbs back (0: the law
+            sees every KL). docs/controllers.md, "Across a reference refresh".
+        refresh_key: Key the module logs its running count of reference refreshes under.
 
     Example::
 
@@ -108,6 +113,8 @@ class KLControllerCallback(KLCallbackBase):
         batch_size_fn: Callable[[Any], int] | None = None,
         prog_bar: bool = False,
         negative_kl_tolerance: float = 0.1,
+        hold_after_refresh: int = 0,
+        refresh_key: str | None = keys.REFERENCE_REFRESHES,
     ) -> None:
         owner = type(self).__name__
         tolerance = negative_kl_tolerance
@@ -120,6 +127,15 @@ class KLControllerCallback(KLCallbackBase):
                 f"{owner}: negative_kl_tolerance must be a number >= 0 (math.inf disables the "
                 f"check), got {tolerance!r}"
             )
+        if (
+            isinstance(hold_after_refresh, bool)
+            or not isinstance(hold_after_refresh, int)
+            or hold_after_refresh < 0
+        ):
+            raise ValueError(
+                f"{owner}: hold_after_refresh must be an int >= 0 (batches), got "
+                f"{hold_after_refresh!r}"
+            )
         missing = [
             name
             for name in ("value", "update", "state_dict", "load_state_dict")
@@ -130,7 +146,9 @@ class KLControllerCallback(KLCallbackBase):
                 f"{owner}: controller must implement the KLController protocol (value, update, "
                 f"state_dict, load_state_dict); {type(controller).__name__} lacks {missing}"
             )
-        super().__init__(unit=unit, monitor=monitor, batch_size_fn=batch_size_fn)
+        super().__init__(
+            unit=unit, monitor=monitor, batch_size_fn=batch_size_fn, refresh_key=refresh_key
+        )
         check_name(attribute, "attribute", owner)
         check_name(log_key, "log_key", owner, optional=True)
         self.controller = controller
@@ -139,6 +157,8 @@ class KLControllerCallback(KLCallbackBase):
         self.prog_bar = prog_bar
         self.negative_kl_tolerance = float(tolerance)
         self.n_negative = 0
+        self.hold_after_refresh = hold_after_refresh
+        self.held = 0  # batches still to hold beta after the last refresh
 
     @property
     @override
@@ -198,7 +218,14 @@ class KLControllerCallback(KLCallbackBase):
                     "batches are counted in `n_negative` without a warning.",
                     category=RuntimeWarning,
                 )
+        if self.held > 0:
+            self.held -= 1  # the KL against a freshly refreshed reference: beta holds
+            return
         self.controller.update(kl, n_samples)
+
+    @override
+    def on_refresh(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.held = self.hold_after_refresh
 
     @override
     def skip_effect(self) -> str:
@@ -217,6 +244,7 @@ class KLControllerCallback(KLCallbackBase):
         return {
             "controller": self.controller.state_dict(),
             "n_negative": self.n_negative,
+            "held": self.held,
             **super().state_dict(),
         }
 
@@ -224,4 +252,5 @@ class KLControllerCallback(KLCallbackBase):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.controller.load_state_dict(state_dict["controller"])
         self.n_negative = state_dict.get("n_negative", 0)
+        self.held = state_dict.get("held", 0)
         super().load_state_dict(state_dict)

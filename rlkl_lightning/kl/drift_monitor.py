@@ -79,6 +79,11 @@ class KLDriftMonitor(KLCallbackBase):
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch, used to
             weight the mean over ranks. Defaults to
             :func:`~rlkl_lightning.kl.reading.infer_batch_size`.
+        refresh_key: Key the module logs its running count of reference refreshes under. A
+            refresh empties the window and starts the warm-up again, and "too low" is not
+            judged until the average has reached the band once: after a hard reset the KL
+            climbs back from zero, which is the reset working, not a policy that stopped
+            learning. "Too high" is judged as usual after the warm-up.
 
     Attributes:
         state: Current state (``-1``, ``0``, ``+1``).
@@ -103,6 +108,7 @@ class KLDriftMonitor(KLCallbackBase):
         min_batches: int | None = None,
         batch_size_fn: Callable[[Any], int] | None = None,
         hysteresis: float = 0.1,
+        refresh_key: str | None = keys.REFERENCE_REFRESHES,
     ) -> None:
         owner = type(self).__name__
         if not _is_real(target) or not 0 < target < math.inf:
@@ -121,7 +127,9 @@ class KLDriftMonitor(KLCallbackBase):
                 f"(1 + hysteresis) must stay below high x (1 - hysteresis) (low={low!r}, "
                 f"high={high!r})"
             )
-        super().__init__(unit=unit, monitor=monitor, batch_size_fn=batch_size_fn)
+        super().__init__(
+            unit=unit, monitor=monitor, batch_size_fn=batch_size_fn, refresh_key=refresh_key
+        )
         if min_batches is None:
             min_batches = window + min(2 * window, RISE_BATCHES)
         if isinstance(min_batches, bool) or not isinstance(min_batches, int) or min_batches < 1:
@@ -142,6 +150,8 @@ class KLDriftMonitor(KLCallbackBase):
         self.n_warnings_high = 0
         self.n_warnings_low = 0
         self.stopped_batch: int | None = None
+        self.usable_at_refresh = 0  # usable KLs before the last refresh: the warm-up restarts
+        self.low_armed = True  # False from a refresh until the average reaches the band
 
     @property
     @override
@@ -216,13 +226,21 @@ class KLDriftMonitor(KLCallbackBase):
         return "it is left out of the window"
 
     @override
+    def on_refresh(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.values.clear()
+        self.state = IN_BAND
+        self.low_armed = self.low == 0
+        self.usable_at_refresh = self.n_batches - 1 - self.n_skipped  # before this batch's
+
+    @override
     def after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pl_module.log(keys.MONITOR_TARGET, self.target, on_step=True, on_epoch=False)
         if not self.values:
             return
         avg = self.avg_kl
         pl_module.log(keys.MONITOR_AVG_KL, avg, on_step=True, on_epoch=False)
-        if self.n_batches - self.n_skipped < self.min_batches:  # values that came in so far
+        usable = self.n_batches - self.n_skipped - self.usable_at_refresh  # since the last refresh
+        if usable < self.min_batches:
             return
         self._update_state(trainer, avg)
         pl_module.log(keys.MONITOR_STATE, float(self.state), on_step=True, on_epoch=False)
@@ -231,6 +249,9 @@ class KLDriftMonitor(KLCallbackBase):
 
     def _update_state(self, trainer: pl.Trainer, avg: float) -> None:
         new = self._classify(avg)
+        if not self.low_armed:  # climbing back after a refresh: "too low" is expected
+            self.low_armed = new != LOW
+            new = IN_BAND if new == LOW else new
         if new == self.state:
             return
         if new == IN_BAND:
@@ -264,6 +285,8 @@ class KLDriftMonitor(KLCallbackBase):
             "n_warnings_low": self.n_warnings_low,
             "stopped_batch": self.stopped_batch,
             "target": self.target,
+            "usable_at_refresh": self.usable_at_refresh,
+            "low_armed": self.low_armed,
             **super().state_dict(),
         }
 
@@ -282,4 +305,6 @@ class KLDriftMonitor(KLCallbackBase):
         self.n_warnings_high = state_dict.get("n_warnings_high", 0)
         self.n_warnings_low = state_dict.get("n_warnings_low", 0)
         self.stopped_batch = state_dict.get("stopped_batch")
+        self.usable_at_refresh = state_dict.get("usable_at_refresh", 0)
+        self.low_armed = state_dict.get("low_armed", True)
         super().load_state_dict(state_dict)

@@ -71,6 +71,7 @@ def kl_loss(
     estimator: str,
     weight_clip: float | None,
     reduce: Callable[[Tensor, Tensor], Tensor] = masked_mean,
+    trust_region: float | None = None,
 ) -> Tensor:
     """The KL term of the loss: ``masked_mean(w_t * k(l_t))``, differentiated through ``logprobs``.
 
@@ -89,6 +90,9 @@ def kl_loss(
         weight_clip: Cap of the importance weights, ``>= 1``; None: no cap.
         reduce: ``reduce(per_token, valid)`` to a scalar in place of the mean (the policy
             loss's aggregation, so the two terms are aggregated alike).
+        trust_region: Tokens whose current ``|l_t|`` exceeds this add nothing to the term
+            (still counted in the mean); None: every token. This biases the gradient
+            (``tests/kl/test_gradients.py``; docs/kl.md, "A per-token trust region").
 
     Returns:
         The scalar loss (nats per token, weighted).
@@ -114,4 +118,15 @@ def kl_loss(
     # Padding is zeroed before exp(): garbage there can neither overflow nor send nan gradients.
     new, old, ref = (torch.where(valid, x, zero) for x in (logprobs, old_logprobs, ref_logprobs))
     per_token = per_token_kl(new, ref.detach(), estimator)
+    if trust_region is not None:
+        per_token = per_token * within_trust_region(new - ref, trust_region)
     return reduce(kl_loss_weights(new, old.detach(), weight_clip) * per_token, valid)
+
+
+def within_trust_region(log_ratio: Tensor, trust_region: float) -> Tensor:
+    """``[B, T]`` 1 where ``|log pi - log pi_ref| <= trust_region``, else 0 (detached).
+
+    The tokens outside are left out of the KL term, as TorchRL's ``kl_mask_threshold`` does: a
+    few extreme tokens can no longer dominate it, at the price of a biased gradient.
+    """
+    return (log_ratio.detach().abs() <= trust_region).to(log_ratio.dtype)

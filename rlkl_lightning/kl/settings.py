@@ -48,6 +48,9 @@ class KLSettings:
             starts at 0 and rises, and that rise alone should not warn "too low").
         hysteresis: the monitor's excursion ends only once the average is back inside the
             band by this fraction of the edge (0: at the edge).
+        hold_after_refresh: batches after a refresh of the reference during which beta holds
+            (a ``ReferenceRefresh`` callback; docs/controllers.md, "Across a reference
+            refresh").
     """
 
     controller: str = "adaptive"
@@ -65,6 +68,7 @@ class KLSettings:
     strict: bool = default_of(KLDriftMonitor, "strict")
     min_batches: int | None = default_of(KLDriftMonitor, "min_batches")
     hysteresis: float = default_of(KLDriftMonitor, "hysteresis")
+    hold_after_refresh: int = default_of(KLControllerCallback, "hold_after_refresh")
 
     def __post_init__(self) -> None:
         if self.controller not in KL_LAWS:
@@ -96,7 +100,11 @@ class KLSettings:
 
     def callbacks(self, init_kl_coef: float) -> list[Callback]:
         """The controller callback and the drift monitor for a module starting at this beta."""
-        controller = KLControllerCallback(self.kl_controller(init_kl_coef), unit=self.unit)
+        controller = KLControllerCallback(
+            self.kl_controller(init_kl_coef),
+            unit=self.unit,
+            hold_after_refresh=self.hold_after_refresh,
+        )
         monitor = KLDriftMonitor(
             self.target,
             window=self.window,

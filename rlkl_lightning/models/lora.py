@@ -193,3 +193,70 @@ def load_trainable(model: nn.Module, state: Mapping[str, Tensor], where: str) ->
             f"{missing[:5]}, unexpected: {unexpected[:5]}); a missing adapter weight would stay "
             "freshly initialised. Use the `policy` and `peft` settings it was trained with"
         )
+
+
+def mix_adapters_into_base(peft_model: PeftModel, alpha: float) -> list[str]:
+    """Move ``alpha`` of every LoRA update into the frozen weights; the policy stays the same.
+
+    The reference of a PEFT policy is its base weights ``W`` (:class:`AdaptersOff`) and the
+    policy is ``W + s B A``. Setting ``W <- W + alpha s B A`` and ``B <- (1 - alpha) B`` makes
+    the reference ``alpha x policy + (1 - alpha) x reference`` in weight space, while the
+    policy's weights stay ``W + s B A`` (to float rounding). ``alpha = 1`` merges the adapters
+    and zeroes ``B``: the reference becomes the policy, and the adapters start again from
+    LoRA's own initial state (``B = 0``). A module in ``modules_to_save`` (a trained copy
+    beside the original, which the reference uses) mixes its original with the copy.
+
+    Args:
+        peft_model: The ``peft.PeftModel`` of :func:`attach_adapters`.
+        alpha: The share of the policy in the new reference, in ``(0, 1]``.
+
+    Returns:
+        The names (in the base model) of the frozen weights that changed.
+
+    Raises:
+        ValueError: For adapters other than plain LoRA on linear layers (DoRA, a LoRA bias,
+            other PEFT methods): their update is not ``s B A``.
+    """
+    import torch
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    model = peft_model.get_base_model()
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+    adapted = [(n, m) for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+    if not layers or len(layers) != len(adapted):
+        raise ValueError(
+            "ReferenceRefresh: with `peft` the reference can be refreshed for LoRA adapters "
+            "only (peft_type LORA); this policy has other adapters"
+        )
+    changed = []
+    with torch.no_grad():
+        for name, layer in layers:
+            for adapter in layer.active_adapters:
+                if adapter not in layer.lora_A:
+                    raise ValueError(
+                        f"ReferenceRefresh: the LoRA layer {name!r} is not a linear layer; "
+                        "allowed: LoRA on linear layers (no embedding or convolution adapters)"
+                    )
+                if layer.use_dora.get(adapter) or layer.lora_bias.get(adapter):
+                    raise ValueError(
+                        "ReferenceRefresh: `peft.use_dora` and `peft.lora_bias` must be false "
+                        "to refresh the reference (their update is not s B A)"
+                    )
+                base = layer.get_base_layer().weight
+                delta = layer.get_delta_weight(adapter)
+                base.add_(delta.to(base.dtype), alpha=alpha)
+                b = layer.lora_B[adapter].weight
+                b.zero_() if alpha == 1 else b.mul_(1 - alpha)
+            changed.append(f"{name}.base_layer.weight")
+        for name, wrapper in model.named_modules():
+            if not isinstance(wrapper, ModulesToSaveWrapper):
+                continue
+            for adapter in wrapper.active_adapters:
+                copy = dict(wrapper.modules_to_save[adapter].named_parameters())
+                for pname, param in wrapper.original_module.named_parameters():
+                    source = copy[pname].detach().to(param.dtype)
+                    param.copy_(source) if alpha == 1 else param.lerp_(source, alpha)
+                    changed.append(f"{name}.original_module.{pname}")
+    return changed

@@ -17,7 +17,11 @@ BATCHES = 6  # 3 per epoch: prompts 12, batch 4 (per process)
 
 
 def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
-    """The run's YAML; ``stall_at`` / ``stall_write`` name where the kill helper stalls."""
+    """The run's YAML; ``stall_at`` / ``stall_write`` name where the kill helper stalls.
+
+    ``refresh_every``: a ``ReferenceRefresh`` (hard reset) every that many batches, and beta
+    held for one batch after each.
+    """
     run_dir = tmp_path / name
     run_dir.mkdir()
     prompts = run_dir / "prompts.txt"
@@ -79,6 +83,13 @@ def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
         # The drift monitor's warm-up (3 x window) outlasts the run: no drift warning.
         "kl": {"controller": "adaptive", "target": 0.35, "horizon": 40.0, "window": 4},
     }
+    if options.get("refresh_every"):
+        refresh = {
+            "class_path": "rlkl_lightning.ReferenceRefresh",
+            "init_args": {"every": options["refresh_every"]},
+        }
+        config["trainer"]["callbacks"].insert(0, refresh)
+        config["kl"]["hold_after_refresh"] = 1
     path = run_dir / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -89,6 +89,7 @@ def test_a_minimal_subclass_gets_counting_skips_and_state_for_free():
             "n_samples": 14,
             "n_skipped": 3,
             "unit_checked": True,
+            "n_refreshes": 0,  # the module logs no reference/refreshes
         }
     )
     old = Recorder()

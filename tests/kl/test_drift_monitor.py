@@ -359,3 +359,35 @@ def test_tensorboard_gets_a_chart_of_the_kl_with_its_band(tmp_path):
         "kl_monitor/avg_kl",
         "kl_monitor/target",
     ]
+
+
+class RefreshingKLModule(KLModule):
+    """Also logs a running count of reference refreshes: +1 at each batch of ``refreshed_at``."""
+
+    def __init__(self, kls, refreshed_at):
+        super().__init__(kls)
+        self.refreshed_at = refreshed_at
+
+    def training_step(self, batch, batch_idx):
+        count = sum(i <= self.index for i in self.refreshed_at)
+        self.log("reference/refreshes", float(count))
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_refresh_restarts_the_window_and_low_waits_for_the_band():
+    """After a reset the KL climbs back from 0: no "too low" until it has been in band once.
+
+    The same KLs without the refresh count warn "too low" at batch 7; with it, the monitor only
+    warns once the average has reached the band and fallen out again (batch 14), and "too high"
+    is judged as usual after the warm-up.
+    """
+    kls = [1.0] * 6 + [0.0, 0.1, 0.2, 0.3, 0.6, 1.0, 1.0, 0.1, 0.1, 0.1] + [5.0] * 4
+    rec = WarnRecorder()
+    fit(KLModule(kls), [monitor(), rec])
+    assert rec.at[0] == (7, "low")  # without the refresh count: the climb back warns
+    mon, rec = monitor(), WarnRecorder()
+    module = RefreshingKLModule(kls, refreshed_at=[6])
+    fit(module, [mon, rec])
+    assert mon.n_refreshes == 1 and mon.usable_at_refresh == 6
+    # Warm-up from batch 6: judged from batch 8 on; in band at 11; out at 14; high at 17.
+    assert rec.at == [(14, "low"), (17, "high")]

@@ -58,7 +58,7 @@ from torch import Tensor
 from rlkl_lightning.algorithms.advantages import gae, shape_rewards
 from rlkl_lightning.algorithms.losses import policy_loss
 from rlkl_lightning.kl.estimators import exact_kl, per_token_kl
-from rlkl_lightning.kl.loss import kl_loss
+from rlkl_lightning.kl.loss import kl_loss, within_trust_region
 
 V, T = 3, 3
 RESPONSES = torch.tensor(list(itertools.product(range(V), repeat=T)))  # [27, 3]
@@ -450,3 +450,68 @@ def test_k1_summed_in_rloos_reward_follows_the_sequence_gradient_and_k3_does_not
     assert relative_error(expected_gradient(model, in_the_sequence_reward("k1")), g["seq"]) < MATCH
     got = expected_gradient(model, in_the_sequence_reward("k3"))
     assert relative_error(got, g["seq"]) > MISS
+
+
+# ------------------------------------------------------------------ a per-token trust region
+def in_the_reward_within(model, trust_region: float):
+    """k1 in the reward with the tokens beyond ``trust_region`` left out, as the pipeline does."""
+
+    def loss(logprobs: Tensor, ref: Tensor, y: int) -> Tensor:
+        old = logprobs.detach()
+        mask = torch.ones_like(old)
+        kl = per_token_kl(old, ref, "k1") * within_trust_region(old - ref, trust_region)
+        rewards = shape_rewards(torch.zeros(1, dtype=kl.dtype), kl, 1.0, mask)
+        advantages, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma=1.0, lam=1.0)
+        pg, _ = policy_loss(logprobs, old, advantages, mask, cliprange=0.2)
+        return T * pg
+
+    return loss
+
+
+def in_the_loss_within(estimator: str, trust_region: float):
+    def loss(logprobs: Tensor, ref: Tensor, y: int) -> Tensor:
+        mask = torch.ones_like(logprobs)
+        return T * kl_loss(logprobs, logprobs.detach(), ref, mask, estimator, None, trust_region)
+
+    return loss
+
+
+def _median_abs_log_ratio(model) -> float:
+    logprobs, ref = model.logprobs()
+    return float((logprobs - ref).detach().abs().median())
+
+
+def test_a_trust_region_wider_than_every_token_changes_nothing(autoregressive):
+    model, g = autoregressive
+    logprobs, ref = model.logprobs()
+    wide = float((logprobs - ref).detach().abs().max()) + 1e-9
+    got = expected_gradient(model, in_the_reward_within(model, wide))
+    assert relative_error(got, g["seq"]) < MATCH
+    got = expected_gradient(model, in_the_loss_within("k2", wide))
+    assert relative_error(got, g["tok"]) < MATCH
+
+
+def test_a_trust_region_biases_the_kl_gradient(autoregressive, prefix_free):
+    """Leaving the extreme tokens out is the score-function gradient of a truncated KL.
+
+    In the reward, the gradient is ``E[R_c(y) grad log pi(y)]`` with
+    ``R_c(y) = sum_t l_t 1[|l_t| <= c]`` (computed here a second way: through ``pi(y)`` with
+    the whole return, not the reward-to-go), and it misses ``G_seq``: the truncation drops the
+    tokens that pull hardest towards the reference. In the loss, k2's gradient becomes
+    ``E[sum_t 1[|l_t| <= c] l_t grad log pi(y_t|s_t)]`` and misses ``G_tok``.
+    """
+    for model, g in (autoregressive, prefix_free):
+        c = _median_abs_log_ratio(model)  # about half the tokens are left out
+        logprobs, ref = model.logprobs()
+        ratio = logprobs - ref
+        truncated = (ratio * within_trust_region(ratio, c)).sum(-1).detach()
+        weight = logprobs.sum(-1).exp()
+        second_way = model.grad((weight * truncated).sum())
+        got = expected_gradient(model, in_the_reward_within(model, c))
+        assert relative_error(got, second_way) < MATCH
+        assert relative_error(got, g["seq"]) > MISS
+        in_loss = expected_gradient(model, in_the_loss_within("k2", c))
+        kept = (ratio * within_trust_region(ratio, c)).detach()
+        second_way = model.grad((weight.detach() * (kept * logprobs).sum(-1)).sum())
+        assert relative_error(in_loss, second_way) < MATCH
+        assert relative_error(in_loss, g["tok"]) > MISS

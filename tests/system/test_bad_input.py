@@ -170,6 +170,8 @@ def test_unknown_estimator_names_the_allowed_ones(tiny_lm_dir):
         ("kl_placement", "both", r"one of \('reward', 'loss'\)"),
         ("kl_loss_estimator", "exact", r"one of \('k1', 'k2', 'k3'\)"),
         ("kl_loss_weight_clip", 0.5, "None or a finite number >= 1"),
+        ("kl_token_threshold", 0.0, "None or a number > 0"),
+        ("kl_trust_region", math.inf, "None or a number > 0"),
     ],
 )
 def test_ppo_options_name_the_option_and_allowed_values(tiny_lm_dir, option, bad, allowed):

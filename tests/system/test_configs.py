@@ -39,6 +39,7 @@ def test_the_configs_are_all_here():
     assert {"ppo_exponential.yaml", "ppo_pi.yaml", "compare_laws.yaml"} <= names
     assert {"rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml", "compare_algorithms.yaml"} <= names
     assert "grpo_adaptive.yaml" in names
+    assert "ppo_reference_reset.yaml" in names
     assert NEEDS_HUB <= names
 
 
@@ -103,7 +104,8 @@ LAW_CLASSES = {
 @pytest.mark.parametrize(
     "name",
     ["ppo_adaptive.yaml", "ppo_fixed.yaml", "ppo_exponential.yaml", "ppo_pi.yaml"]
-    + ["rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml", "grpo_adaptive.yaml"],
+    + ["rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml", "grpo_adaptive.yaml"]
+    + ["ppo_reference_reset.yaml"],
 )
 def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -141,6 +143,10 @@ def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeyp
     assert ("loss/kl" in tags) == (config["model"]["init_args"].get("kl_placement") == "loss")
     grpo = config["model"]["init_args"].get("advantage") == "grpo"
     assert ("objective/frac_reward_zero_std" in tags) == grpo
+    refreshes = "reference/refreshes" in tags  # logged with a ReferenceRefresh callback
+    assert refreshes == (name == "ppo_reference_reset.yaml")
+    diagnostics = "kl_tokens/max_kl" in tags  # logged with kl_token_threshold
+    assert diagnostics == ("kl_token_threshold" in config["model"]["init_args"])
 
 
 def test_sft_config_trains_and_exports_a_loadable_model(tiny_lm_dir, tmp_path, monkeypatch):

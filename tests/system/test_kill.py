@@ -16,6 +16,8 @@ uninterrupted run's, bit for bit, and so must the final weights and optimizer st
   checkpoint is after batch 4 and batch 5 was trained and logged after it). Each resume
   continues in the same ``version_0`` directory, and TensorBoard drops what a killed run logged
   after the checkpoint that was resumed;
+* one process with a hard reset of the reference after batch 3, killed when batch 6 starts
+  (its last checkpoint, after batch 4, holds the reset reference), resumed: the same numbers;
 * under DDP with 2 processes (gloo): the whole process group killed when batch 4 starts,
   resumed, and compared with an uninterrupted 2-process run.
 """
@@ -171,3 +173,23 @@ def test_a_ddp_run_killed_after_a_checkpoint_resumes_with_the_readme_command(tin
     assert_same_run(cut, full)
     assert len(last_checkpoint(cut)["rlkl_rng"]["cpu"]) == 2  # both ranks' random streams
     assert (cut.parent / "log.txt").read_text().count("Restored all states") == 1
+
+
+def test_a_run_killed_after_a_reference_reset_resumes_with_the_reset_reference(
+    tiny_lm_dir, tmp_path
+):
+    full = write_config(tmp_path, tiny_lm_dir, "full", refresh_every=3)
+    cut = write_config(tmp_path, tiny_lm_dir, "cut", refresh_every=3, stall_at=6)
+    full_proc = start(full)
+    kill_at_marker(start(cut), cut, "killed_before_batch")
+    saved = check_checkpoint(
+        cut.parent / "runs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    )
+    assert saved["rlkl_counters"]["reference_refreshes"] == 1  # after batch 3, before batch 4
+    assert saved["rlkl_reference"]
+    finish(start(cut, False, "--ckpt_path", "last"), cut)
+    finish(full_proc, full)
+    assert_same_run(cut, full)
+    kl = scalars(full)["objective/kl"]
+    assert abs(kl[3]) < 1e-4 < abs(kl[2])  # batch 4, the first against the reset reference
+    assert scalars(full)["reference/refreshes"] == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
