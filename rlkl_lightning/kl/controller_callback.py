@@ -37,6 +37,9 @@ from rlkl_lightning.kl.reading import (
     read_monitored,
 )
 
+#: The default ``negative_kl_tolerance`` of each unit, beyond a k1 batch mean's noise.
+NEGATIVE_KL_TOLERANCE = {"sequence": 1.0, "token": 0.05}
+
 __all__ = [
     "MONITOR_BY_UNIT",
     "UNIT_NAMES",
@@ -90,7 +93,9 @@ class KLControllerCallback(KLCallbackBase):
         negative_kl_tolerance: A batch KL below ``-negative_kl_tolerance`` (in ``unit``) warns
             at once: a KL is never negative, and an estimate that far below 0 is a sign error
             or a wrong reference, not sampling noise. The update goes on; such batches are
-            counted in ``n_negative``. ``math.inf`` disables the check.
+            counted in ``n_negative``. None: 1 nat per sequence, 0.05 nats per token (a k1
+            batch mean of a few samples dips a few tenths of a nat per sequence below 0 by
+            noise); ``math.inf`` disables the check.
         hold_after_refresh: Batches after a refresh of the reference (read under
             ``refresh_key``) during which the controller is not updated: beta and the law's
             state stay as they were while the KL, reset to about zero, climbs back (0: the law
@@ -112,12 +117,14 @@ class KLControllerCallback(KLCallbackBase):
         log_key: str | None = keys.KL_COEF,
         batch_size_fn: Callable[[Any], int] | None = None,
         prog_bar: bool = False,
-        negative_kl_tolerance: float = 0.1,
+        negative_kl_tolerance: float | None = None,
         hold_after_refresh: int = 0,
         refresh_key: str | None = keys.REFERENCE_REFRESHES,
     ) -> None:
         owner = type(self).__name__
         tolerance = negative_kl_tolerance
+        if tolerance is None:
+            tolerance = NEGATIVE_KL_TOLERANCE.get(unit, 1.0)
         if (
             isinstance(tolerance, bool)
             or not isinstance(tolerance, (int, float))

@@ -137,8 +137,8 @@ def test_nonfinite_kl_skips_the_update_and_warns_once():
 
 def test_a_kl_below_the_negative_tolerance_is_flagged_at_once():
     """A sign error (-5 nats) warns in the batch it first appears, however early; noise-sized
-    negatives (-0.05) do not; the update itself is unchanged (the law's beta sequence)."""
-    kls = [0.5, -0.05, -5.0, 1.0, -4.0, 2.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
+    negatives (-0.05, -0.5) do not; the update itself is unchanged (the law's beta sequence)."""
+    kls = [0.5, -0.05, -5.0, -0.5, -4.0, 2.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
     callback = KLControllerCallback(adaptive())
     module = KLModule(kls)
     with warnings.catch_warnings(record=True) as record:
@@ -147,7 +147,7 @@ def test_a_kl_below_the_negative_tolerance_is_flagged_at_once():
     ours = [str(w.message) for w in record if "negative_kl_tolerance" in str(w.message)]
     assert len(ours) == 1
     assert ours[0].startswith("KLControllerCallback: 'objective/kl' is -5 (nats per sequence) ")
-    assert "in batch 3, below -negative_kl_tolerance=-0.1" in ours[0]
+    assert "in batch 3, below -negative_kl_tolerance=-1" in ours[0]
     assert callback.n_negative == 2
     expected = expected_betas(kls, batch_sizes())
     assert callback.value == pytest.approx(expected[-1], rel=1e-12, abs=0)
@@ -164,6 +164,8 @@ def test_a_kl_below_the_negative_tolerance_is_flagged_at_once():
         fit(KLModule(kls), [quiet])
     assert not [w for w in record if "negative_kl_tolerance" in str(w.message)]
     assert quiet.n_negative == 0
+    token = KLControllerCallback(adaptive(), unit="token")
+    assert (callback.negative_kl_tolerance, token.negative_kl_tolerance) == (1.0, 0.05)
     for bad in (math.nan, -0.1, "0.1"):
         with pytest.raises(ValueError, match=r"negative_kl_tolerance must be a number >= 0"):
             KLControllerCallback(adaptive(), negative_kl_tolerance=bad)

@@ -411,6 +411,7 @@ FEEDS = {
     "strict": [(KLDriftMonitor, "strict")],
     "min_batches": [(KLDriftMonitor, "min_batches")],
     "hysteresis": [(KLDriftMonitor, "hysteresis")],
+    "hold_after_refresh": [(KLControllerCallback, "hold_after_refresh")],
 }
 
 

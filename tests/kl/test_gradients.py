@@ -471,7 +471,9 @@ def in_the_reward_within(model, trust_region: float):
 def in_the_loss_within(estimator: str, trust_region: float):
     def loss(logprobs: Tensor, ref: Tensor, y: int) -> Tensor:
         mask = torch.ones_like(logprobs)
-        return T * kl_loss(logprobs, logprobs.detach(), ref, mask, estimator, None, trust_region)
+        return T * kl_loss(
+            logprobs, logprobs.detach(), ref, mask, estimator, None, trust_region=trust_region
+        )
 
     return loss
 

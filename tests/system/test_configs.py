@@ -219,6 +219,7 @@ def test_study_config_parses_and_names_existing_run_configs(monkeypatch):
         "ppo": "configs/ppo_adaptive.yaml",
         "rloo": "configs/rloo_adaptive.yaml",
         "rloo_kl_loss": "configs/rloo_adaptive_kl_loss.yaml",
+        "grpo": "configs/grpo_adaptive.yaml",
     }
 
 
