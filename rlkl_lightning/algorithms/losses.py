@@ -106,10 +106,12 @@ def policy_loss(
     with torch.no_grad():
         raw = torch.exp(log_ratio)
         clip_active = -adv * torch.clamp(raw, 1.0 - cliprange, 1.0 + high) > -adv * raw
+        # A zero advantage contributes 0 whatever the ratio: no gradient, and no 0 x inf.
+        clip_active |= adv == 0
     # Where the clipped term is active the gradient is 0; cut the graph there, or an overflowed
     # ratio (log-ratio > ~88.7 in float32) turns that 0 into 0 * inf = nan in exp's backward.
     ratio = torch.exp(torch.where(clip_active, log_ratio.detach(), log_ratio))
-    unclipped = -adv * ratio
+    unclipped = torch.where(adv == 0, torch.zeros_like(ratio), -adv * ratio)
     clipped = -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
     loss = reduce(torch.maximum(unclipped, clipped), valid)
 

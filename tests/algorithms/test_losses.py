@@ -302,3 +302,17 @@ def test_policy_loss_rejects_bad_new_options(option, value, match):
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=match):
         policy_loss(x, x, x, torch.ones(1, 2), 0.2, **{option: value})
+
+
+def test_a_zero_advantage_with_an_overflowing_ratio_adds_nothing_and_no_nan():
+    """-0 x inf is nan: a token with A = 0 and a log-ratio of 1000 adds 0 to the loss and its
+    gradient, whether the clipped term would be active or not; the others are as without it."""
+    old = torch.full((1, 3), -3.0, dtype=torch.float64)
+    adv = torch.tensor([[0.0, 1.0, -0.5]], dtype=torch.float64)
+    log_ratio = torch.tensor([[1000.0, 0.1, 0.05]], dtype=torch.float64)
+    logprobs = (old + log_ratio).requires_grad_(True)
+    loss, _ = policy_loss(logprobs, old, adv, torch.ones_like(adv), 0.2)
+    loss.backward()
+    r1, r2 = math.exp(0.1), math.exp(0.05)
+    assert loss.item() == pytest.approx((-1.0 * r1 + 0.5 * r2) / 3, rel=1e-12)
+    assert logprobs.grad[0].tolist() == pytest.approx([0.0, -r1 / 3, 0.5 * r2 / 3], rel=1e-12)
