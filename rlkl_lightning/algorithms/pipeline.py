@@ -26,6 +26,7 @@ every model once it is loaded, and the update's threads (:meth:`RLPipeline.updat
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -531,7 +532,7 @@ class RLPipeline(LightningModule):
             self.hparams.kl_estimator,
             self.kl_coef,
             clock,
-            lambda values: global_sum(self._trainer, values),
+            partial(global_sum, self._trainer),
             distributed,
         )
         metrics[keys.SAMPLES] = torch.tensor(float(self.samples_seen), dtype=torch.float32)
@@ -546,7 +547,7 @@ class RLPipeline(LightningModule):
             on_step=True,
             on_epoch=False,
             batch_size=n,
-            sync_dist=self.trainer.world_size > 1,
+            sync_dist=distributed,
         )
         if self.global_rank == 0:
             top_kl = None
@@ -571,8 +572,8 @@ class RLPipeline(LightningModule):
             kl,
             mask,
             self.hparams.kl_token_threshold,
-            lambda values: global_sum(self._trainer, values),
-            lambda values: global_max(self._trainer, values),
+            partial(global_sum, self._trainer),
+            partial(global_max, self._trainer),
         )
 
     def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
