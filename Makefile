@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup study test lint docs
+.PHONY: setup study test lint docs trl-env
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,3 +32,14 @@ test: $(STAMP) lint
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site
+
+# TRL 1.16.0 (GRPOTrainer) for benchmarks/grpo_throughput.py --vs-trl: an environment of its
+# own, since the `bench` extra's TRL 1.12.0 (PPOTrainer) cannot share one with it.
+TRL_VENV := .venv-trl
+$(TRL_VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(TRL_VENV)/bin/python || $(PY) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(TRL_VENV)/bin/python -m pip install --quiet -c constraints.txt -e . trl==1.16.0
+	touch $@
+
+trl-env: $(TRL_VENV)/.installed

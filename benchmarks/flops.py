@@ -124,6 +124,29 @@ def phases(s: Shape, side: str) -> dict[str, float]:
     return {"rollout": rollout(s), "score": score, "update": 3.0 * s.epochs * policy_train}
 
 
+def grpo_phases(s: Shape, side: str, device: str = "cpu") -> dict[str, float]:
+    """FLOPs per phase of one GRPO iteration (``s.batch`` sampled sequences) of ``side``.
+
+    ours_grpo: the sampling loop (log-probs from its logits: no policy scoring pass); scoring
+    runs the reference (logits at R+1 positions) and the reward model; each epoch trains on all
+    B sequences, the LM head at the R response positions.
+    trl_grpo: an extra no-grad policy pass for the old log-probs (it takes them only so when
+    an iteration has several optimizer steps per generation, as here), the reference and the
+    reward model; TRL's fused log-prob head projects all T-1 positions off CUDA and the R
+    completion positions on CUDA, in every pass.
+    """
+    b, t, r = s.batch, s.seq, s.response
+    reward = forward(s, b, t, t, 1)
+    if side == "trl_grpo":
+        positions = r if device.startswith("cuda") else t - 1
+        policy = forward(s, b, t, positions, s.vocab)
+        score = 2 * policy + reward
+    else:
+        policy = forward(s, b, t, r, s.vocab)
+        score = forward(s, b, t, r + 1, s.vocab) + reward
+    return {"rollout": rollout(s), "score": score, "update": 3.0 * s.epochs * policy}
+
+
 def matmul_peak(
     threads: int,
     sizes: tuple[int, ...] | None = None,

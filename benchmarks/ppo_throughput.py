@@ -39,10 +39,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -52,155 +48,30 @@ sys.path.insert(0, str(HERE))
 
 import flops  # noqa: E402
 from bench_world import PRESETS, build, preset  # noqa: E402
+from harness import (  # noqa: E402
+    BF16_FLAGS,
+    PHASES,  # noqa: F401 (read by the smoke test)
+    Worker,
+    alternate,
+    cpu_flags,
+    load_average,
+    machine,
+    phase_line,
+    summarize,
+)
 
 LABELS = {
     "ours": "rlkl_lightning (value head on the policy trunk)",
     "ours_separate_value": "rlkl_lightning (separate value model)",
     "trl": "TRL 1.12.0 PPOTrainer (separate value model)",
 }
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-PHASES = ("rollout", "score", "update")
-
-
-class Worker:
-    """A worker process running one side, driven one iteration at a time."""
-
-    def __init__(self, side: str, world: Path, iterations: int, log_dir: Path, settings: dict):
-        read_fd, write_fd = os.pipe()
-        self.side = side
-        self.log = log_dir / f"{side}.log"
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(settings["threads"]),
-            "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1",
-        }
-        if settings["omp_wait_policy"] != "default":
-            env["OMP_WAIT_POLICY"] = settings["omp_wait_policy"].upper()
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(HERE / "workers.py"), side, str(world), str(write_fd)]
-                + [str(iterations), json.dumps(settings)],
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                pass_fds=(write_fd,),
-                text=True,
-                env=env,
-            )
-        os.close(write_fd)
-        self.results = os.fdopen(read_fd)
-
-    def receive(self) -> dict:
-        """The worker's next JSON line; raises with the end of its log if it died."""
-        line = self.results.readline()
-        if not line:
-            tail = self.log.read_text()[-3000:]
-            raise RuntimeError(f"worker {self.side} died; end of {self.log}:\n{tail}")
-        return json.loads(line)
-
-    def step(self) -> dict:
-        """Run one iteration and return its report."""
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-        return self.receive()
-
-    def close(self) -> None:
-        """Let the worker finish."""
-        try:
-            self.proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        self.proc.wait(timeout=300)
-
-
-def summarize(side: str, runs: list[dict], shape: flops.Shape, peak_gflops: float) -> dict:
-    """Median, min and max seconds per iteration, throughput, FLOPs and MFU per phase."""
-    phase_flops = flops.phases(shape, side)
-    seconds = [r["seconds"] for r in runs]
-    median = statistics.median(seconds)
-    gflop = sum(phase_flops.values()) / 1e9
-    phases = {p: statistics.median(r[p] for r in runs) for p in PHASES}
-    mfu = {p: phase_flops[p] / 1e9 / phases[p] / peak_gflops for p in PHASES}
-    summary = {
-        "median_s_per_iter": median,
-        "min_s_per_iter": min(seconds),
-        "max_s_per_iter": max(seconds),
-        "iters_per_s": 1.0 / median,
-        "tokens_per_s": shape.batch * shape.response / median,
-        "gflop_per_iter": gflop,
-        "gflop_per_phase": {p: f / 1e9 for p, f in phase_flops.items()},
-        "phase_median_s": phases,
-        "peak_fraction": gflop / median / peak_gflops,
-        "phase_mfu": mfu,
-        "update_peak_fraction": mfu["update"],
-        "max_rss_mib": max(r["max_rss_mib"] for r in runs),
-        "optimizer_steps_per_iter": sorted({r["optimizer_steps"] for r in runs}),
-        "optimizer": runs[0].get("optimizer"),
-        "timed_iters": len(runs),
-        "seconds": seconds,
-    }
-    if "max_gpu_mib" in runs[0]:
-        summary["max_gpu_mib"] = max(r["max_gpu_mib"] for r in runs)
-    return summary
-
-
-def load_average() -> list[float]:
-    """The 1, 5 and 15 minute load averages (other processes slow every side down)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where it cannot be read)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def device_name(device: str) -> str:
-    """The CPU model and its core count, or the GPU's name."""
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name(0)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def report(side: str, s: dict, cpu_matmul: str = "default", thread: bool = False) -> None:
     """Print one side's summary."""
     label = LABELS[side] + (f", cpu_matmul={cpu_matmul}" if side.startswith("ours") else "")
     label += ", value_model_thread" if thread and side == "ours_separate_value" else ""
-    ph, gf, mfu = s["phase_median_s"], s["gflop_per_phase"], s["phase_mfu"]
-    memory = f"max RSS {s['max_rss_mib']:.0f} MiB"
-    if "max_gpu_mib" in s:
-        memory += f", peak GPU memory {s['max_gpu_mib']:.0f} MiB (max_memory_allocated)"
-    print(
-        f"{label}\n"
-        f"  {s['median_s_per_iter']:.3f} s/iter median (min {s['min_s_per_iter']:.3f}, "
-        f"max {s['max_s_per_iter']:.3f}, {s['timed_iters']} iterations), "
-        f"{s['tokens_per_s']:.0f} generated tokens/s\n"
-        f"  phases (medians): rollout {ph['rollout']:.3f} s, scoring {ph['score']:.3f} s, "
-        f"update {ph['update']:.3f} s\n"
-        f"  {s['gflop_per_iter']:.1f} GFLOP/iter (rollout {gf['rollout']:.1f}, scoring "
-        f"{gf['score']:.1f}, update {gf['update']:.1f}); MFU {100 * s['peak_fraction']:.0f}% "
-        f"overall, rollout {100 * mfu['rollout']:.0f}%, scoring {100 * mfu['score']:.0f}%, "
-        f"update {100 * mfu['update']:.0f}%\n"
-        f"  {memory}; optimizer steps per iteration "
-        f"{s['optimizer_steps_per_iter']}, {s['optimizer']}"
-    )
+    print(f"{label}\n{phase_line(s)}")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -315,36 +186,19 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.bfloat16 if args.precision == "bf16-mixed" else torch.float32
     peak_kw = {"device": args.device, "dtype": dtype}
     peak = flops.matmul_peak(args.threads, **peak_kw)  # workers are idle: only we compute
-    runs: dict[str, list[dict]] = {side: [] for side in sides}
-    for i in range(total):
-        times = {}
-        for side in sides if i % 2 == 0 else sides[::-1]:
-            result = workers[side].step()
-            times[side] = result["seconds"]
-            if i >= args.warmup:
-                runs[side].append(result)
-        kind = "warm-up" if i < args.warmup else "timed"
-        print(
-            f"iteration {i + 1}/{total} ({kind}): "
-            + ", ".join(f"{side} {times[side]:.2f} s" for side in sides),
-            flush=True,
-        )
+    runs = alternate(workers, args.warmup, args.iters)
     for w in workers.values():
         w.close()
     peak = max(peak, flops.matmul_peak(args.threads, **peak_kw))
 
-    results: dict = {side: summarize(side, runs[side], shape, peak) for side in sides}
-    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-    results["machine"] = {
-        "device": device_name(args.device),
-        "cpu_bf16_flags": flags,
-        "threads": args.threads,
-        "omp_wait_policy": args.omp_wait_policy,
-        f"{precision}_matmul_peak_gflops": peak,
-        "load_average_before": load_before,
-        "load_average_after": load_average(),
-        "torch": torch.__version__,
+    tokens = shape.batch * shape.response
+    results: dict = {
+        side: summarize(runs[side], flops.phases(shape, side), tokens, peak) for side in sides
     }
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    results["machine"] = machine(
+        args.device, args.threads, args.omp_wait_policy, precision, peak, load_before
+    )
     results["config"] = {
         "preset": chosen.name,
         "device": args.device,

@@ -88,13 +88,19 @@ class PhaseProfiler:
 
 def main(argv: list[str] | None = None) -> None:
     import torch
-    from workers import ours
+    from workers import ours, ours_grpo
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--algorithm",
+        choices=("ppo", "grpo"),
+        default="ppo",
+        help="ppo_throughput.py's side, or grpo_throughput.py's (RLOOModule, advantage grpo)",
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpt2-4x256")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
-    parser.add_argument("--cpu-matmul", choices=("default", "onednn"), default="default")
+    parser.add_argument("--cpu-matmul", choices=("default", "onednn"))
     parser.add_argument("--separate-value", action="store_true")
     parser.add_argument(
         "--value-model-thread", action="store_true", help="with --separate-value: in a thread"
@@ -114,16 +120,22 @@ def main(argv: list[str] | None = None) -> None:
         "threads": args.threads,
         "cpu_matmul": args.cpu_matmul,
         "value_model_thread": args.value_model_thread,
+        "generations": 4,
     }
     chosen = preset(args.preset, args.tiny)
     world = build(args.world or Path(tempfile.mkdtemp(prefix="rlkl-profile-")), chosen)
     total = args.warmup + args.iters + args.profiled
-    trainer, module, data = ours(world, settings, args.separate_value, total)
+    if args.algorithm == "grpo":
+        trainer, module, data = ours_grpo(world, settings, total)
+    else:
+        settings["cpu_matmul"] = args.cpu_matmul or "default"
+        trainer, module, data = ours(world, settings, args.separate_value, total)
     profiler = PhaseProfiler(module, args.warmup, args.iters, args.rows)
     torch.set_num_threads(args.threads)
     trainer.fit(module, data)
     print(
-        f"\npreset {chosen.name}, {args.precision}, cpu_matmul {args.cpu_matmul}, "
+        f"\n{args.algorithm}, preset {chosen.name}, {args.precision}, cpu_matmul "
+        f"{args.cpu_matmul or 'library default'}, "
         f"{'separate value model' if args.separate_value else 'value head on the trunk'}"
         f"{' in a second thread' if args.separate_value and args.value_model_thread else ''}, "
         f"{args.threads} threads"

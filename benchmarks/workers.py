@@ -7,9 +7,10 @@ result pipe. So the parent can alternate the libraries iteration by iteration wh
 of them runs. Phase boundaries wait for the device (``torch.cuda.synchronize`` on a GPU), so
 each phase's time is the time of its own work.
 
-Run by ``ppo_throughput.py``: ``python workers.py SIDE WORLD_DIR RESULT_FD ITERATIONS SETTINGS``
-(``SETTINGS``: JSON with ``preset``, ``tiny``, ``device``, ``precision``, ``threads``,
-``cpu_matmul``).
+Run by ``ppo_throughput.py`` (sides ``ours``, ``ours_separate_value``, ``trl``: PPO) and
+``grpo_throughput.py`` (sides ``ours_grpo``, ``trl_grpo``): ``python workers.py SIDE WORLD_DIR
+RESULT_FD ITERATIONS SETTINGS`` (``SETTINGS``: JSON with ``preset``, ``tiny``, ``device``,
+``precision``, ``threads``, ``cpu_matmul``; GRPO adds ``generations``).
 """
 
 from __future__ import annotations
@@ -318,6 +319,228 @@ def run_trl(world: Path, pacer: Pacer, iterations: int, settings: dict) -> None:
     trainer.train()
 
 
+def grpo_prompts(p, iterations: int, generations: int) -> list[str]:
+    """The prompts of ``iterations`` GRPO batches: ``p.batch // generations`` prompts each.
+
+    Every prompt ends with a space: TRL scores ``prompt + completion`` and our side scores
+    ``prompt + " " + response``, so both reward models see the same word tokens.
+    """
+    from bench_world import prompts
+
+    return [x + " " for x in prompts(p, p.batch // generations * iterations)]
+
+
+def ours_grpo(world: Path, settings: dict, iterations: int, callbacks=()):
+    """Our GRPO side: ``(trainer, module, data)``, RLOOModule as TRL's GRPOTrainer's work."""
+    from bench_world import preset
+    from lightning.pytorch import Trainer, seed_everything
+    from torch.utils.data import DataLoader
+
+    from rlkl_lightning import RLOOModule
+    from rlkl_lightning.rewards import SequenceClassifierReward
+
+    p = preset(settings["preset"], settings["tiny"], settings.get("batch"))
+    k = settings["generations"]
+    seed_everything(SEED, verbose=False)
+    options = {} if settings["cpu_matmul"] is None else {"cpu_matmul": settings["cpu_matmul"]}
+    module = RLOOModule(
+        policy=str(world / "policy"),
+        tokenizer=str(world / "tokenizer"),
+        reward=SequenceClassifierReward(
+            str(world / "reward"),
+            label=0,
+            tokenizer=str(world / "tokenizer"),
+            text="prompt+response",
+            batch_size=p.batch,
+            **options,
+        ),
+        responses_per_prompt=k,
+        advantage="grpo",
+        scale_rewards="group",
+        loss_aggregation="batch_token_mean",  # TRL's bnpo: tokens of the local minibatch
+        init_kl_coef=KL_COEF,
+        kl_placement="loss",
+        kl_loss_estimator="k3",
+        cliprange=0.2,
+        max_prompt_tokens=p.prompt + 1,
+        max_new_tokens=p.response,
+        temperature=TEMPERATURE,
+        stop_at_eos=False,
+        ppo_epochs=p.epochs,
+        num_minibatches=p.minibatches,
+        lr=LR,
+        log_samples_every=0,
+        **options,
+    )
+    # p.batch // k prompts per batch; RLOOModule repeats each k times in a row.
+    data = DataLoader(
+        grpo_prompts(p, iterations, k),
+        batch_size=p.batch // k,
+        collate_fn=lambda xs: {"prompt": xs},
+    )
+    trainer = Trainer(
+        accelerator="gpu" if settings["device"] == "cuda" else "cpu",
+        devices=1,
+        precision=settings["precision"],
+        max_epochs=1,
+        logger=False,
+        callbacks=list(callbacks),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    return trainer, module, data
+
+
+def run_ours_grpo(world: Path, pacer: Pacer, iterations: int, settings: dict) -> None:
+    """RLOOModule with GRPO's advantage and the KL (k3) in the loss, as TRL's GRPOTrainer."""
+    import torch
+    from lightning.pytorch import Callback
+
+    marks: dict[str, float] = {}
+
+    class Pace(Callback):
+        def on_train_start(self, trainer, pl_module):
+            pacer.info = describe_optimizer(trainer.optimizers[0])
+            pacer.wait()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            pacer.done(
+                rollout=marks["rollout_end"] - pacer.start,
+                score=marks["update_start"] - marks["rollout_end"],
+                update=marks["update_end"] - marks["update_start"],
+                sampled_tokens=marks["tokens"],
+            )
+            marks.clear()
+            if batch_idx + 1 < iterations:
+                pacer.wait()
+
+    trainer, module, data = ours_grpo(world, settings, iterations, [Pace()])
+    rollout = pacer.timed(marks, None, "rollout_end", module.rollout)
+
+    def counted_rollout(prompts):
+        traj, scores = rollout(prompts)
+        marks["tokens"] = int(traj.response_mask.sum())
+        return traj, scores
+
+    module.rollout = counted_rollout
+    module.update = pacer.timed(marks, "update_start", "update_end", module.update)
+    torch.set_num_threads(settings["threads"])
+    pacer.send(ready=True)
+    trainer.fit(module, data)
+
+
+def run_trl_grpo(world: Path, pacer: Pacer, iterations: int, settings: dict) -> None:
+    """TRL's GRPOTrainer.train() with transformers' ``generate`` (no vLLM), the same work."""
+    import tempfile
+
+    import torch
+    from bench_world import preset
+    from datasets import Dataset
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        TrainerCallback,
+        set_seed,
+    )
+    from trl import GRPOConfig, GRPOTrainer
+
+    p = preset(settings["preset"], settings["tiny"], settings.get("batch"))
+    k = settings["generations"]
+    steps = p.epochs * p.minibatches  # optimizer steps per generation
+    set_seed(SEED)
+    tokenizer = AutoTokenizer.from_pretrained(world / "tokenizer")
+    dataset = Dataset.from_dict({"prompt": grpo_prompts(p, iterations, k)})
+    bf16 = settings["precision"] == "bf16-mixed"
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-grpo-bench-"),
+        per_device_train_batch_size=p.batch // p.minibatches,  # completions per optimizer step
+        gradient_accumulation_steps=1,
+        steps_per_generation=p.minibatches,  # so one generation = p.batch completions
+        num_generations=k,
+        num_iterations=p.epochs,
+        max_completion_length=p.response,
+        # exactly p.response tokens, like stop_at_eos=False on our side: EOS is never sampled
+        generation_kwargs={"min_new_tokens": p.response},
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        top_k=0,
+        beta=KL_COEF,
+        use_bias_correction_kl=False,
+        loss_type="bnpo",
+        scale_rewards="group",
+        epsilon=0.2,
+        learning_rate=LR,
+        max_steps=steps * iterations,
+        bf16=bf16,
+        fp16=False,
+        gradient_checkpointing=False,
+        use_cpu=settings["device"] == "cpu",
+        use_vllm=False,
+        seed=SEED,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=steps,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+    )
+    policy = AutoModelForCausalLM.from_pretrained(world / "policy")
+    reward = AutoModelForSequenceClassification.from_pretrained(world / "reward")
+    marks: dict[str, float] = {}
+
+    class Pace(TrainerCallback):
+        def __init__(self):
+            self.steps = 0
+
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            pacer.info = describe_optimizer(optimizer)
+            pacer.wait()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps += 1
+            if self.steps % steps:
+                return
+            pacer.sync()
+            end = time.perf_counter()
+            pacer.done(
+                rollout=marks["rollout_end"] - pacer.start,
+                score=marks["update_start"] - marks["rollout_end"],
+                update=end - marks["update_start"],
+                sampled_tokens=marks["tokens"],
+            )
+            marks.clear()
+            if self.steps < steps * iterations:
+                pacer.wait()
+
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        reward_processing_classes=tokenizer,
+        callbacks=[Pace()],
+    )
+    generate = pacer.timed(marks, None, "rollout_end", trainer._generate)
+    score = pacer.timed(marks, None, "update_start", trainer._generate_and_score_completions)
+
+    def counted_score(inputs):
+        out = score(inputs)
+        marks["tokens"] = int(out["completion_mask"].sum())
+        return out
+
+    trainer._generate = generate
+    trainer._generate_and_score_completions = counted_score
+    torch.set_num_threads(settings["threads"])
+    pacer.send(ready=True)
+    trainer.train()
+
+
 def main() -> None:
     side, world, fd, iterations = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     settings = json.loads(sys.argv[5])
@@ -328,6 +551,10 @@ def main() -> None:
     pacer = Pacer(fd, settings["device"])
     if side == "trl":
         run_trl(world, pacer, iterations, settings)
+    elif side == "trl_grpo":
+        run_trl_grpo(world, pacer, iterations, settings)
+    elif side == "ours_grpo":
+        run_ours_grpo(world, pacer, iterations, settings)
     else:
         separate = side == "ours_separate_value"
         run_ours(world, pacer, iterations, settings, separate_value=separate)

@@ -116,3 +116,46 @@ def test_profile_phases_runs_tiny(monkeypatch, capsys, tmp_path):
     for phase in ("rollout", "score", "update"):
         assert f"\n{phase}: operators by self time" in printed
     assert "calls  aten::" in printed
+
+
+def test_grpo_throughput_runs_tiny_on_cpu(monkeypatch, capsys, tmp_path):
+    """Our GRPO side in a worker process, tiny; the steps and tokens it counts are the preset's."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import grpo_throughput
+
+    args = ["--tiny", "--threads", "1", "--iters", "1", "--warmup", "0", "--batch", "8"]
+    args += ["--world", str(tmp_path / "world"), "--trl-python", str(tmp_path / "none")]
+    results = grpo_throughput.main(args + ["--vs-trl"])
+    printed = capsys.readouterr().out
+    assert "TRL cannot be imported" in printed  # no such interpreter: ours only
+    r = results["ours_grpo"]
+    assert r["optimizer_steps_per_iter"] == [4]  # 2 epochs x 2 minibatches
+    assert r["sampled_tokens_per_iter"] == [8 * 8]  # 2 prompts x 4 completions x 8 tokens
+    assert results["config"]["prompts"] == 2 and results["config"]["generations"] == 4
+    assert set(results) == {"ours_grpo", "machine", "config"}
+
+
+def test_grpo_flops_charge_trl_its_extra_policy_pass(throughput):
+    """TRL's scoring adds a no-grad policy pass (old log-probs) and scores every position."""
+    flops = throughput.flops
+    shape = flops.Shape.of(throughput.preset("gpt2-4x256"))
+    ours, trl = flops.grpo_phases(shape, "ours_grpo"), flops.grpo_phases(shape, "trl_grpo")
+    b, t, r, v = shape.batch, shape.seq, shape.response, shape.vocab
+    policy_cpu = flops.forward(shape, b, t, t - 1, v)
+    assert trl["score"] - ours["score"] == pytest.approx(
+        2 * policy_cpu - flops.forward(shape, b, t, r + 1, v)
+    )
+    assert trl["update"] == pytest.approx(3 * shape.epochs * policy_cpu)
+    on_cuda = flops.grpo_phases(shape, "trl_grpo", "cuda")
+    assert on_cuda["update"] == pytest.approx(ours["update"])  # the R completion positions
+    assert trl["rollout"] == ours["rollout"] == on_cuda["rollout"]
+
+
+def test_grpo_batch_must_split_into_groups_and_minibatches(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import grpo_throughput
+
+    with pytest.raises(SystemExit) as exit_info:
+        grpo_throughput.main(["--tiny", "--batch", "6"])
+    assert exit_info.value.code == 2
+    assert "must be a multiple of --generations (4)" in capsys.readouterr().err

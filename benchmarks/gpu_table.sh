@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU table of docs/benchmarks.md in one command: GRPO against TRL's GRPOTrainer at the
+# 124M and 0.5B shapes in bf16, and the FSDP tests on CUDA. Each part has its own time limit,
+# so one failure does not cost the others; logs and JSON go to OUT (default: gpu_table/).
+#
+#   bash benchmarks/gpu_table.sh [OUT] [TRL_PYTHON]
+#
+# TRL_PYTHON: an interpreter that imports TRL 1.16.0 and rlkl_lightning (default: python3).
+set -u
+OUT=${1:-gpu_table}
+TRL_PYTHON=$(command -v "${2:-python3}")
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -m pip list 2>/dev/null | grep -iE "^(pyarrow|datasets|fsspec|peft|accelerate) " | tee -a "$OUT/gpu.txt"
+python3 -c "import torch, transformers, lightning, trl; print('torch', torch.__version__, \
+'transformers', transformers.__version__, 'lightning', lightning.__version__, 'trl', \
+trl.__version__)" | tee -a "$OUT/gpu.txt"
+run() {  # NAME LIMIT ARGS...: one benchmark, its log and JSON in OUT
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 benchmarks/grpo_throughput.py --device cuda --vs-trl \
+    --trl-python "$TRL_PYTHON" --threads 4 --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $?"
+  grep -E "^(machine|rlkl|TRL|  |speedup)" "$OUT/$name.log" | grep -v Writing || tail -20 "$OUT/$name.log"
+}
+run tiny 90 --tiny --iters 1 --warmup 1
+run grpo_124m 200 --preset gpt2-124m --precision bf16-mixed --iters 5 --warmup 2
+run grpo_qwen_0.5b 200 --preset qwen2-0.5b --precision bf16-mixed --iters 5 --warmup 2
+timeout 110 python3 -m pytest -q -p no:cacheprovider tests/system/test_fsdp.py -k cuda \
+  >"$OUT/fsdp.log" 2>&1
+echo "== fsdp cuda tests: exit $?"
+tail -5 "$OUT/fsdp.log"
