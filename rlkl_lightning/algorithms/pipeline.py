@@ -406,7 +406,9 @@ class RLPipeline(LightningModule):
         mask = traj.response_mask
         with no_grad(self.reference):
             ref = score_tokens(self.reference, traj, hp.temperature)
-        ref_logits, ref_logprobs = ref.logits.clone(), ref.logprobs.clone()
+        # The logits only feed the no-grad exact KL below: an inference tensor is fine there,
+        # and a copy of [B, R, V] is not (it is a large share of this phase's peak memory).
+        ref_logits, ref_logprobs = ref.logits, ref.logprobs.clone()
         ids, valid = traj.response_ids.cpu(), mask.bool().cpu()  # one copy off a GPU, not B
         responses = [
             self.tokenizer.decode(row[m], skip_special_tokens=True)

@@ -276,12 +276,14 @@ def _decode(
     next_position = positions[:, -1:] + 1
     finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     tokens: list[Tensor] = []
-    logits_steps: list[Tensor] = []
+    all_logits: Tensor | None = None  # [B, R, V], written step by step (no list to stack)
     hidden_steps: list[Tensor] = []
     states: list[Tensor] = []  # the generator's state after each step
     for step in range(max_new_tokens):
         logits = out.logits[:, -1].float() / temperature
-        logits_steps.append(logits)
+        if all_logits is None:
+            all_logits = logits.new_empty(batch, max_new_tokens, logits.shape[-1])
+        all_logits[:, step] = logits
         hidden_steps.append(out.hidden_states[-1][:, -1])
         token = draw(torch.softmax(filter_logits(logits, top_k, top_p), dim=-1))
         tokens.append(token)
@@ -302,6 +304,9 @@ def _decode(
         length = int((response_ids == eos).int().argmax(dim=1).max()) + 1
         if length < len(tokens):
             response_ids = response_ids[:, :length]
-            logits_steps, hidden_steps = logits_steps[:length], hidden_steps[:length]
+            hidden_steps = hidden_steps[:length]
             generator.set_state(states[length - 1])
-    return response_ids, torch.stack(logits_steps, dim=1), torch.stack(hidden_steps, dim=1)
+    length = response_ids.shape[1]
+    if length < max_new_tokens:
+        all_logits = all_logits[:, :length].contiguous()
+    return response_ids, all_logits, torch.stack(hidden_steps, dim=1)

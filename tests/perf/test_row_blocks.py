@@ -43,3 +43,26 @@ def test_inputs_that_need_gradients_take_one_pass():
     assert seen == [logits.shape]
     out.sum().backward()
     assert torch.isfinite(logits.grad[..., 7:]).all()
+
+
+def test_off_the_cpu_blocks_are_device_sized():
+    """A GPU's pass is split too, in blocks of DEVICE_BLOCK elements (meta tensors: no memory)."""
+    from rlkl_lightning.perf import row_blocks
+
+    seen = []
+
+    def fn(x, y):
+        seen.append(x.numel())
+        return (x + y).sum(-1)
+
+    vocab = 50_000
+    rows = 3 * row_blocks.DEVICE_BLOCK // vocab
+    x = torch.empty(2, rows // 2, vocab, device="meta")
+    out = row_blocks.in_row_blocks(fn, x, x)
+    assert out.shape == (2, rows // 2) and out.device.type == "meta"
+    assert len(seen) > 1 and max(seen) <= row_blocks.DEVICE_BLOCK
+    assert sum(seen) == x.numel()
+    seen.clear()
+    small = torch.empty(2, 4, vocab, device="meta")  # over the CPU's block, under the device's
+    row_blocks.in_row_blocks(fn, small, small)
+    assert seen == [small.numel()]
