@@ -67,10 +67,12 @@ LABELS = {
 }
 
 
-def report(side: str, s: dict, cpu_matmul: str = "default", thread: bool = False) -> None:
-    """Print one side's summary."""
-    label = LABELS[side] + (f", cpu_matmul={cpu_matmul}" if side.startswith("ours") else "")
-    label += ", value_model_thread" if thread and side == "ours_separate_value" else ""
+def report(side: str, s: dict, cpu_matmul: str | None = None, thread: bool | None = None) -> None:
+    """Print one side's summary (``None``: the option at the library's default)."""
+    matmul = cpu_matmul or "library default (auto)"
+    label = LABELS[side] + (f", cpu_matmul={matmul}" if side.startswith("ours") else "")
+    if side == "ours_separate_value":
+        label += f", value_model_thread={'library default' if thread is None else thread}"
     print(f"{label}\n{phase_line(s)}")
 
 
@@ -102,16 +104,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every worker")
     parser.add_argument(
         "--cpu-matmul",
-        choices=("default", "onednn"),
-        default="default",
-        help="our side's cpu_matmul option (policy, reference, value and reward models): "
-        "onednn takes oneDNN's float32 kernels, twice as fast as MKL's on AMD CPUs",
+        choices=("auto", "default", "onednn"),
+        help="our side's cpu_matmul option (policy, reference, value and reward models); "
+        "unset: the library's default, auto (oneDNN's float32 kernels on AMD, where they are "
+        "twice as fast as MKL's)",
     )
     parser.add_argument(
         "--value-model-thread",
-        action="store_true",
+        action="store_const",
+        const=True,
         help="our separate-value side runs its value model in a second thread beside the "
-        "policy (PPOModule's value_model_thread option)",
+        "policy (PPOModule's value_model_thread option; unset: the library's default, which "
+        "turns it on with 2+ threads on a CPU)",
+    )
+    parser.add_argument(
+        "--no-value-model-thread",
+        dest="value_model_thread",
+        action="store_const",
+        const=False,
+        help="our separate-value side without the second thread",
     )
     parser.add_argument(
         "--no-separate-value",
@@ -203,8 +214,10 @@ def main(argv: list[str] | None = None) -> dict:
         "preset": chosen.name,
         "device": args.device,
         "precision": args.precision,
-        "cpu_matmul": args.cpu_matmul,
-        "value_model_thread": args.value_model_thread,
+        "cpu_matmul": args.cpu_matmul or "library default",
+        "value_model_thread": (
+            "library default" if args.value_model_thread is None else args.value_model_thread
+        ),
         "prompts": chosen.batch,
         "prompt_tokens": chosen.prompt,
         "generated_tokens": chosen.response,
@@ -222,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"\nmachine: {results['machine']['device']}, {args.threads} threads, OMP_WAIT_POLICY "
         f"{args.omp_wait_policy}; preset {chosen.name}, {args.precision}, our cpu_matmul "
-        f"{args.cpu_matmul}; measured {precision} "
+        f"{args.cpu_matmul or 'library default'}; measured {precision} "
         f"matmul peak {peak:.1f} GFLOP/s; load average before {load_before}, after "
         f"{results['machine']['load_average_after']}"
     )

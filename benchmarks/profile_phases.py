@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpt2-4x256")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
-    parser.add_argument("--cpu-matmul", choices=("default", "onednn"))
+    parser.add_argument("--cpu-matmul", choices=("auto", "default", "onednn"))
     parser.add_argument("--separate-value", action="store_true")
     parser.add_argument(
         "--value-model-thread", action="store_true", help="with --separate-value: in a thread"
@@ -128,7 +128,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.algorithm == "grpo":
         trainer, module, data = ours_grpo(world, settings, total)
     else:
-        settings["cpu_matmul"] = args.cpu_matmul or "default"
         trainer, module, data = ours(world, settings, args.separate_value, total)
     profiler = PhaseProfiler(module, args.warmup, args.iters, args.rows)
     torch.set_num_threads(args.threads)

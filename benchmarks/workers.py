@@ -138,11 +138,13 @@ def ours(world: Path, settings: dict, separate_value: bool, iterations: int, cal
 
     p = preset(settings["preset"], settings["tiny"], settings.get("batch"))
     seed_everything(SEED, verbose=False)
+    # None: the library's default for the option (what a user gets without setting it)
+    matmul = {} if settings["cpu_matmul"] is None else {"cpu_matmul": settings["cpu_matmul"]}
     module = PPOModule(
         policy=str(world / "policy"),
         tokenizer=str(world / "tokenizer"),
         value_model=str(world / "policy") if separate_value else None,
-        value_model_thread=separate_value and settings.get("value_model_thread", False),
+        value_model_thread=settings.get("value_model_thread") if separate_value else None,
         reward=SpacedPairReward(
             SequenceClassifierReward(
                 str(world / "reward"),
@@ -150,7 +152,7 @@ def ours(world: Path, settings: dict, separate_value: bool, iterations: int, cal
                 tokenizer=str(world / "tokenizer"),
                 text="prompt+response",
                 batch_size=p.batch,
-                cpu_matmul=settings["cpu_matmul"],
+                **matmul,
             )
         ),
         init_kl_coef=KL_COEF,
@@ -163,7 +165,7 @@ def ours(world: Path, settings: dict, separate_value: bool, iterations: int, cal
         num_minibatches=p.minibatches,
         lr=LR,
         log_samples_every=0,
-        cpu_matmul=settings["cpu_matmul"],
+        **matmul,
     )
     data = DataLoader(
         prompts(p, p.batch * iterations), batch_size=p.batch, collate_fn=lambda xs: {"prompt": xs}

@@ -184,8 +184,8 @@ class SequenceClassifierReward:
             concatenated (the response continues the prompt).
         trust_remote_code: Run code shipped with the classifier or its tokenizer; off, such a
             model is refused with an error. Set it only for models you trust.
-        cpu_matmul: ``default`` or ``onednn``: the classifier's float32 CPU matrix products
-            through oneDNN, as the pipeline's option of that name
+        cpu_matmul: ``auto`` (default), ``default`` or ``onednn``: the classifier's float32
+            CPU matrix products through oneDNN, as the pipeline's option of that name
             (:mod:`rlkl_lightning.perf.onednn`).
     """
 
@@ -199,12 +199,12 @@ class SequenceClassifierReward:
         max_length: int = 512,
         text: Literal["response", "prompt+response"] = "response",
         trust_remote_code: bool = False,
-        cpu_matmul: str = "default",
+        cpu_matmul: str = "auto",
     ) -> None:
-        from rlkl_lightning.perf.onednn import CPU_MATMULS, available, use_onednn
+        from rlkl_lightning.perf.onednn import CPU_MATMULS, available, resolve, use_onednn
 
         if cpu_matmul not in CPU_MATMULS or (cpu_matmul == "onednn" and not available()):
-            allowed = CPU_MATMULS if available() else ("default",)
+            allowed = CPU_MATMULS if available() else ("auto", "default")
             raise ValueError(f"cpu_matmul must be one of {allowed}, got {cpu_matmul!r}")
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
@@ -248,7 +248,7 @@ class SequenceClassifierReward:
                 f"`model` {self.name!r}: {type(err).__name__}: {err}"
             ) from err
         fuse_tanh_gelu(self.model)  # same activation in one kernel (models.fuse_tanh_gelu)
-        if cpu_matmul == "onednn":
+        if resolve(cpu_matmul) == "onednn":
             use_onednn(self.model)
         self.model.eval()
         self.model.requires_grad_(False)

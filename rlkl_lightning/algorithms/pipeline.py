@@ -86,7 +86,7 @@ from rlkl_lightning.models.logprobs import TokenScores, score_tokens
 from rlkl_lightning.models.lora import AdaptersOff
 from rlkl_lightning.models.sharding import shard_models
 from rlkl_lightning.perf.gelu import fuse_tanh_gelu
-from rlkl_lightning.perf.onednn import CPU_MATMULS, available, use_onednn
+from rlkl_lightning.perf.onednn import CPU_MATMULS, available, resolve, use_onednn
 from rlkl_lightning.perf.row_blocks import in_row_blocks
 from rlkl_lightning.perf.value_thread import ValueThread
 from rlkl_lightning.rewards import (
@@ -103,7 +103,7 @@ SPEED_UP_RULES = [
     (
         "cpu_matmul",
         lambda x: x != "onednn" or available(),
-        "'default' (this PyTorch has no oneDNN float32 linear kernel)",
+        "'auto' or 'default' (this PyTorch has no oneDNN float32 linear kernel)",
     ),
 ]
 
@@ -186,7 +186,8 @@ class RLPipeline(LightningModule):
             "A per-token trust region"); None: off.
         cpu_matmul: ``onednn``: the float32 CPU products of the policy, reference and value
             models through oneDNN, faster where PyTorch's BLAS lacks AVX-512 kernels (AMD),
-            equal to ``default``'s to float32 rounding (:mod:`rlkl_lightning.perf.onednn`).
+            equal to ``default``'s to float32 rounding (:mod:`rlkl_lightning.perf.onednn`);
+            ``auto`` (default): ``onednn`` on an AMD processor, ``default`` elsewhere.
     """
 
     #: The name messages give the module (its options are named in them too).
@@ -241,7 +242,7 @@ class RLPipeline(LightningModule):
         gradient_checkpointing: bool = False,
         kl_token_threshold: float | None = None,
         kl_trust_region: float | None = None,
-        cpu_matmul: str = "default",
+        cpu_matmul: str = "auto",
     ):
         super().__init__()
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
@@ -280,10 +281,11 @@ class RLPipeline(LightningModule):
         """Apply the speed-ups to a model of this module, once, right after it is loaded.
 
         The one place they are applied: GPT-2's tanh GELU in one fused kernel (always; equal to
-        float rounding), and with ``cpu_matmul="onednn"`` the float32 CPU products by oneDNN.
+        float rounding), and where ``cpu_matmul`` resolves to ``onednn`` the float32 CPU
+        products by oneDNN.
         """
         fuse_tanh_gelu(model)
-        if self.hparams.cpu_matmul == "onednn":
+        if resolve(self.hparams.cpu_matmul) == "onednn":
             use_onednn(model)
 
     def update_threads(self) -> OneThread | ValueThread:

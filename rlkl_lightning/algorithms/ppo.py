@@ -55,7 +55,8 @@ class PPOModule(RLPipeline):
         value_model_thread: run the separate value model's passes in a second thread, beside
             the policy's, each with half of torch's threads (``value_thread.py``; one process
             only). Faster on a CPU; the numbers are those of the plain path with that many
-            threads per network.
+            threads per network. None (default): on where it helps, i.e. with a separate
+            ``value_model``, one process on a CPU and at least 2 torch threads.
         **kwargs: the arguments of :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline`.
     """
 
@@ -71,7 +72,7 @@ class PPOModule(RLPipeline):
         gamma: float = 1.0,
         lam: float = 0.95,
         whiten_rewards: bool = False,
-        value_model_thread: bool = False,
+        value_model_thread: bool | None = None,
         **kwargs: Any,
     ):
         own = {k: v for k, v in locals().items() if k not in ("self", "__class__", "kwargs")}
@@ -107,10 +108,19 @@ class PPOModule(RLPipeline):
         """The shared set-up; ``value_model_thread`` needs one process."""
         super().on_fit_start()
         strategy = self.trainer.strategy
-        if self.hparams.value_model_thread and not isinstance(strategy, SingleDeviceStrategy):
+        one_process = isinstance(strategy, SingleDeviceStrategy)
+        if self.hparams.value_model_thread and not one_process:
             raise ValueError(
                 f"{self.owner}: `value_model_thread`=True needs one process with a single-device "
                 f"strategy, got {type(strategy).__name__}; set value_model_thread=False"
+            )
+        self._value_thread = self.hparams.value_model_thread
+        if self._value_thread is None:  # on where it helps
+            self._value_thread = (
+                self.value_trunk is not None
+                and one_process
+                and self.device.type == "cpu"
+                and torch.get_num_threads() >= 2
             )
 
     @override
@@ -126,7 +136,8 @@ class PPOModule(RLPipeline):
     @override
     def helper_thread_parameters(self) -> list[Tensor] | None:
         """With ``value_model_thread``, the value model's part of the update runs beside."""
-        if not self.hparams.value_model_thread:
+        thread = getattr(self, "_value_thread", self.hparams.value_model_thread)
+        if not thread:
             return None
         return [*self.value_trunk.parameters(), *self.value_head.parameters()]
 

@@ -10,6 +10,12 @@ Everything stays float32, but oneDNN adds the products in another order than MKL
 differ from the default at float32 rounding (the tests bound the difference).
 Whatever is not a float32 CPU product outside autocast (a GPU, ``bf16-mixed``, bf16 weights)
 takes PyTorch's own path, as without the option.
+
+``cpu_matmul="auto"`` (the default) picks oneDNN where MKL is known to skip its AVX-512 kernels
+(an AMD processor with AVX-512: MKL dispatches them on Intel's alone) and PyTorch's own path
+elsewhere:
+:func:`resolve`. The choice depends on the processor only, never on a timing, so a run is
+reproducible on its machine.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from transformers.pytorch_utils import Conv1D
 
-CPU_MATMULS = ("default", "onednn")
+CPU_MATMULS = ("auto", "default", "onednn")
 
 
 def available() -> bool:
@@ -30,6 +36,41 @@ def available() -> bool:
         )
     except (AttributeError, RuntimeError):
         return False
+
+
+def _cpuinfo(field: str) -> str:
+    """The first value of ``field`` in ``/proc/cpuinfo`` (``""`` where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_vendor() -> str:
+    """The processor's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...; ``""`` if unknown)."""
+    return _cpuinfo("vendor_id")
+
+
+def has_avx512() -> bool:
+    """Whether the processor has AVX-512 (``avx512f``), the width of oneDNN's fast kernels."""
+    return "avx512f" in _cpuinfo("flags").split()
+
+
+def resolve(choice: str) -> str:
+    """The products ``cpu_matmul=choice`` takes here: ``"default"`` or ``"onednn"``.
+
+    ``auto``: oneDNN on an AMD processor with AVX-512, where PyTorch's MKL takes its AVX2
+    kernels (about half of oneDNN's float32 rate there, docs/benchmarks.md), if this PyTorch
+    has the kernel; PyTorch's own products elsewhere.
+    """
+    if choice == "auto":
+        amd = cpu_vendor() == "AuthenticAMD" and has_avx512()
+        return "onednn" if amd and available() else "default"
+    return choice
 
 
 def _product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -102,8 +102,8 @@ def test_ppo_module_and_reward_option(tiny_lm_dir, tmp_path):
         assert isinstance(model.lm_head, OneDNNLinear)
         assert plain_lm_head_weight(model) is model.lm_head.weight  # the fused head's path
     assert module.hparams.cpu_matmul == "onednn"
-    assert isinstance(PPOModule(**kw).policy.lm_head, torch.nn.Linear)
-    assert not isinstance(PPOModule(**kw).policy.lm_head, OneDNNLinear)
+    plain_head = PPOModule(cpu_matmul="default", **kw).policy.lm_head
+    assert isinstance(plain_head, torch.nn.Linear) and not isinstance(plain_head, OneDNNLinear)
     with pytest.raises(ValueError, match="`cpu_matmul` must be one of"):
         PPOModule(cpu_matmul="mkl", **kw)
 
@@ -118,6 +118,47 @@ def test_ppo_module_and_reward_option(tiny_lm_dir, tmp_path):
     torch.testing.assert_close(fast(*pairs), plain(*pairs), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="cpu_matmul must be one of"):
         SequenceClassifierReward(str(tmp_path), label=1, cpu_matmul="fast")
+
+
+@pytest.mark.parametrize(
+    "vendor, avx512, wanted",
+    [
+        ("AuthenticAMD", True, "onednn"),
+        ("AuthenticAMD", False, "default"),  # AVX2 alone (Zen 3): no faster kernels to take
+        ("GenuineIntel", True, "default"),
+        ("", False, "default"),
+    ],
+)
+def test_auto_takes_onednn_on_amd_processors_alone(
+    monkeypatch, tiny_lm_dir, vendor, avx512, wanted
+):
+    """The default, auto: oneDNN where MKL skips its AVX-512 kernels (AMD), else PyTorch's."""
+    from rlkl_lightning.perf import onednn
+
+    monkeypatch.setattr(onednn, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(onednn, "has_avx512", lambda: avx512)
+    assert onednn.resolve("auto") == wanted
+    assert onednn.resolve("default") == "default" and onednn.resolve("onednn") == "onednn"
+    reward = FunctionReward(lambda p, r: 0.0)
+    module = PPOModule(policy=str(tiny_lm_dir), reward=reward, max_prompt_tokens=16)
+    assert module.hparams.cpu_matmul == "auto"
+    assert isinstance(module.policy.lm_head, OneDNNLinear) == (wanted == "onednn")
+    monkeypatch.setattr(onednn, "available", lambda: False)  # a PyTorch without the kernel
+    assert onednn.resolve("auto") == "default"
+
+
+def test_the_vendor_and_flags_are_read_from_cpuinfo():
+    from rlkl_lightning.perf.onednn import cpu_vendor, has_avx512
+
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    lines = text.splitlines()
+    vendor = next((x for x in lines if x.startswith("vendor_id")), None)
+    flags = next((x for x in lines if x.startswith("flags")), "flags :")
+    assert cpu_vendor() == ("" if vendor is None else vendor.split(":", 1)[1].strip())
+    assert has_avx512() == ("avx512f" in flags.split(":", 1)[-1].split())
 
 
 def test_a_training_batch_logs_what_the_default_logs(tiny_lm_dir):

@@ -224,6 +224,20 @@ def test_helper_errors_reach_the_caller_and_threads_are_restored():
         assert dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("torch_threads, helper", [(2, True), (1, False)])
+def test_the_default_runs_the_thread_where_it_helps(tiny_lm_dir, torch_threads, helper):
+    """value_model_thread=None: on with a separate value model on a CPU with 2+ threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    try:
+        module, batches, threads, _ = _train(tiny_lm_dir, None, batches=1)
+    finally:
+        torch.set_num_threads(before)
+    assert module.hparams.value_model_thread is None and len(batches) == 1
+    main = threading.current_thread().name
+    assert threads and any(t != main for t in threads) == helper
+
+
 def test_bad_settings_are_refused(tiny_lm_dir):
     kw = dict(
         policy=str(tiny_lm_dir), reward=FunctionReward(lambda p, r: 0.0), max_prompt_tokens=16
