@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 #: "At the optimum": final ``KL(pi‖pi*)`` below this fraction of the start's ``KL(ref‖pi*)``.
 AT_OPTIMUM = 0.1
+#: Adam steps of each placement's exact-gradient end point (converged by 1,500 on this world).
+END_STEPS = 1500
 _CALLBACK = "rlkl_lightning.world.exact.ExactMetrics"
 _NOT_WORLD = ("every", "beta_attribute")  # ExactMetrics' own arguments
 
@@ -67,13 +69,14 @@ def run_settings(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def final_values(log_dir: Path) -> dict[str, float]:
-    """The last exact evaluation of a run, and its last beta."""
+    """The last exact evaluation of a run, its last beta and entropy, its KL to ``pi*`` half-way."""
     scalars = read_scalars(log_dir)
     names = {
         "kl_to_ref": keys.EXACT_KL_TO_REF,
         "reward": keys.EXACT_REWARD,
         "kl_to_optimum": keys.EXACT_KL_TO_OPTIMUM,
         "kl_coef": keys.KL_COEF,
+        "entropy": keys.ENTROPY,
     }
     out = {}
     for name, tag in names.items():
@@ -81,6 +84,11 @@ def final_values(log_dir: Path) -> dict[str, float]:
         if not series:
             raise ValueError(f"compare: {log_dir} has no `{tag}`; was ExactMetrics on?")
         out[name] = float(series[max(series)])
+    # Still moving? The distance at the evaluation nearest to half-way through the run.
+    series = scalars[keys.EXACT_KL_TO_OPTIMUM]
+    out["kl_to_optimum_halfway"] = float(
+        series[min(series, key=lambda s: abs(s - max(series) / 2))]
+    )
     return out
 
 
@@ -93,13 +101,17 @@ def _stats(values: list[float]) -> dict[str, Any]:
     }
 
 
-def summarise(runs: list[Run]) -> dict[str, Any]:
-    """Every group's settings and final exact numbers over seeds, with the world's yardsticks."""
+def summarise(runs: list[Run], end_steps: int = END_STEPS) -> dict[str, Any]:
+    """Every group's settings and final exact numbers over seeds, with the world's yardsticks.
+
+    ``end_steps``: Adam steps of each placement's exact-gradient end point.
+    """
     from rlkl_lightning.kl import optimum as opt
-    from rlkl_lightning.world.exact import ExactWorld, ExactWorldConfig
+    from rlkl_lightning.world.exact import ExactWorld, ExactWorldConfig, placement_end_point
 
     worlds: dict[str, ExactWorld] = {}
     groups: dict[str, dict[str, Any]] = {}
+    end_points: dict[tuple[str, str, float], dict[str, float]] = {}
     for run in runs:
         settings = run_settings(yaml.safe_load(run.config.read_text()))
         key = json.dumps(settings["world"], sort_keys=True)
@@ -111,7 +123,8 @@ def summarise(runs: list[Run]) -> dict[str, Any]:
     for g in groups.values():
         world = worlds[json.dumps(g.pop("world"), sort_keys=True)]
         finals = g.pop("finals")
-        for name in ("kl_to_ref", "reward", "kl_to_optimum", "kl_coef"):
+        names = ("kl_to_ref", "reward", "kl_to_optimum", "kl_to_optimum_halfway", "kl_coef")
+        for name in (*names, "entropy"):
             g[name] = _stats([f[name] for f in finals])
         frontier = [world.frontier_reward(f["kl_to_ref"]) for f in finals]
         g["frontier_reward"] = _stats(frontier)
@@ -122,6 +135,11 @@ def summarise(runs: list[Run]) -> dict[str, Any]:
             g["optimum"] = {"kl": best.kl, "reward": best.reward, "start_kl_to_optimum": start}
             g["fraction_left"] = g["kl_to_optimum"]["mean"] / start
             g["at_optimum"] = g["fraction_left"] < AT_OPTIMUM
+            point = (g["placement"], g["estimator"], g["init_kl_coef"])
+            if point not in end_points:
+                logprobs = placement_end_point(world, point[2], point[0], point[1], end_steps)
+                end_points[point] = world.policy_metrics(logprobs, point[2])
+            g["end_point"] = end_points[point]
         else:
             beta = world.beta_for_kl(float(g["target"]))
             best = world.optimum(beta)
@@ -139,9 +157,11 @@ def summarise(runs: list[Run]) -> dict[str, Any]:
     return {"groups": groups, "reference": reference, "_world": world}
 
 
-def write_exact_report(runs: list[Run], study: StudyConfig, out: Path, elapsed: float) -> dict:
+def write_exact_report(
+    runs: list[Run], study: StudyConfig, out: Path, elapsed: float, end_steps: int = END_STEPS
+) -> dict:
     """Read every run; write ``report.md``, ``summary.json`` and ``frontier.png``."""
-    summary = summarise(runs)
+    summary = summarise(runs, end_steps)
     world = summary.pop("_world")
     summary.update(
         {
@@ -149,6 +169,7 @@ def write_exact_report(runs: list[Run], study: StudyConfig, out: Path, elapsed: 
             "batches": study.batches,
             "elapsed_s": round(elapsed, 1),
             "at_optimum_fraction": AT_OPTIMUM,
+            "end_steps": end_steps,
         }
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -192,16 +213,20 @@ def _markdown(summary: dict[str, Any], study: StudyConfig, n_runs: int) -> str:
             "## Fixed beta: where each KL placement and estimator ends",
             "",
             "| run | algorithm | KL placement | estimator | beta | KL(pi‖pi*) | of the start "
-            "| KL(pi‖ref) | E[R] | frontier E[R] at that KL | gap | at the optimum |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| half-way | exact-gradient end point | KL(pi‖ref) | E[R] | frontier E[R] at that KL "
+            "| gap | entropy per token | at the optimum |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, g in fixed.items():
             lines.append(
                 f"| `{name}` | {g['algorithm']} | {g['placement']} | {g['estimator']} | "
                 f"{g['init_kl_coef']:g} | {_cell(g['kl_to_optimum'], '.3f')} | "
-                f"{g['fraction_left']:.0%} | {_cell(g['kl_to_ref'], '.3f')} | "
+                f"{g['fraction_left']:.0%} | {_cell(g['kl_to_optimum_halfway'], '.3f')} | "
+                f"{g['end_point']['kl_to_optimum']:.3f} (KL {g['end_point']['kl_to_ref']:.2f}, "
+                f"E[R] {g['end_point']['reward']:.3f}) | {_cell(g['kl_to_ref'], '.3f')} | "
                 f"{_cell(g['reward'], '.3f')} | {_cell(g['frontier_reward'], '.3f')} | "
-                f"{_cell(g['reward_gap'], '.3f')} | {'yes' if g['at_optimum'] else 'no'} |"
+                f"{_cell(g['reward_gap'], '.3f')} | {_cell(g['entropy'], '.3f')} | "
+                f"{'yes' if g['at_optimum'] else 'no'} |"
             )
         betas = sorted({g["init_kl_coef"] for g in fixed.values()})
         for beta in betas:
@@ -246,7 +271,24 @@ def _markdown(summary: dict[str, Any], study: StudyConfig, n_runs: int) -> str:
                 f"{_cell(g['reward_gap'], '.3f')} |"
             )
         lines.append("")
-    lines += ["Per seed: `summary.json`.", ""]
+    lines += [
+        " ".join(
+            [
+                "KL(pi‖pi*): to the optimum at the run's beta (a law's: at its final beta);",
+                "of the start: its mean as a fraction of KL(ref‖pi*); half-way: KL(pi‖pi*) at",
+                "the evaluation nearest to half the run (is it still moving?); exact-gradient",
+                "end point: where the placement's exact expected gradient takes a tabular",
+                f"policy from the reference ({summary['end_steps']} Adam steps, no sampling,",
+                "no whitening; `placement_end_point`): its KL(·‖pi*), KL to the reference and",
+                "E[R]; entropy: the policy's, per response token, on the last batch (near 0:",
+                "collapsed onto one response, where a sampled gradient vanishes); frontier",
+                "E[R]: the largest expected reward of any policy at the final KL (the top",
+                "reward beyond the largest reachable KL); gap: frontier minus E[R]. Per seed:",
+                "`summary.json`.",
+            ]
+        ),
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ from typing_extensions import override
 from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.data.prompts import collate_dicts
 from rlkl_lightning.kl import optimum as opt
+from rlkl_lightning.kl.estimators import per_token_kl
 from rlkl_lightning.world.cache import default_cache_dir
 
 #: The words of the vocabulary, in id order; the first ``vocab_size`` are used.
@@ -250,6 +251,24 @@ class ExactWorld:
         reference = AutoModelForCausalLM.from_pretrained(self.model_dir, weights_only=True)
         self.ref_logprobs = sequence_logprobs(reference, self.prompt_ids, self.responses)
 
+    def reference_table(self) -> Tensor:
+        """``[P, V]`` float64: the reference's next-token log-probabilities after each prefix.
+
+        Every prefix shorter than ``L``, numbered as :func:`prefix_rows` does.
+        """
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(self.model_dir, weights_only=True)
+        n, length = self.responses.shape
+        ids = torch.cat([self.prompt_ids.expand(n, 1), self.responses], dim=1)
+        with torch.no_grad():
+            logits = reference(input_ids=ids).logits[:, :length].double()
+        logp = torch.log_softmax(logits, -1)  # [N, L, V]
+        rows = prefix_rows(self.responses, self.config.vocab_size)
+        table = torch.empty(int(rows.max()) + 1, self.config.vocab_size, dtype=torch.float64)
+        table[rows.flatten()] = logp.flatten(0, 1)  # every row of a prefix holds the same values
+        return table
+
     def texts(self) -> list[str]:
         """Every response as the pipeline decodes it (words joined by spaces), in order."""
         words = self.config.words
@@ -262,6 +281,10 @@ class ExactWorld:
     def beta_for_kl(self, target: float) -> float:
         """The beta whose optimum's KL to the reference is ``target`` nats per sequence."""
         return opt.beta_for_kl(self.ref_logprobs, self.rewards, target)
+
+    def frontier(self, betas: list[float]) -> list[tuple[float, float]]:
+        """The exact (KL, expected reward) of the optimum at each beta."""
+        return opt.frontier(self.ref_logprobs, self.rewards, betas)
 
     def frontier_reward(self, kl: float) -> float:
         """The largest expected reward of any policy whose KL to the reference is ``kl``.
@@ -292,6 +315,76 @@ class ExactWorld:
     def logprobs(self, model: torch.nn.Module, temperature: float = 1.0) -> Tensor:
         """``[N]`` a model's log-probability of every response."""
         return sequence_logprobs(model, self.prompt_ids, self.responses, temperature)
+
+
+def prefix_rows(responses: Tensor, vocab_size: int) -> Tensor:
+    """``[N, L]`` the index of the prefix before each token, among all prefixes of length < L.
+
+    Prefixes are numbered by length, then lexicographically: the empty one is 0, ``(y_0,)`` is
+    ``1 + y_0``, and so on; there are ``(V^L - 1) / (V - 1)`` of them.
+    """
+    n, length = responses.shape
+    rows = torch.zeros(n, length, dtype=torch.long)
+    offset, code = 0, torch.zeros(n, dtype=torch.long)
+    for t in range(length):
+        rows[:, t] = offset + code
+        offset += vocab_size**t
+        code = code * vocab_size + responses[:, t]
+    return rows
+
+
+def placement_end_point(
+    world: ExactWorld,
+    beta: float,
+    placement: str,
+    estimator: str,
+    steps: int = 3000,
+    lr: float = 0.05,
+) -> Tensor:
+    """Where a KL placement's expected gradient leads: ``[N]`` sequence log-probabilities.
+
+    A tabular policy (one row of logits per prefix: any distribution over the responses)
+    starts at the reference and follows, by Adam, the exact expected gradient that the
+    placement gives on-policy (sums over every response, no sampling, no whitening):
+
+    - ``reward``: ``E[grad log pi(y) (R(y) - beta sum_t k(l_t))]`` with the penalty held fixed,
+      as a reward is;
+    - ``loss``: ``E[grad log pi(y) R(y)] - beta E[sum_t grad k(l_t)]`` with the samples' weights
+      held fixed (``k1``'s second term is 0: pure reward ascent, with no end point).
+
+    Only ``k1`` in the reward ends at ``pi*`` (docs/kl.md, "Where the KL goes"); the others'
+    end points are the yardsticks of where training with them can end at best.
+    """
+    if placement not in ("reward", "loss"):
+        raise ValueError(
+            f"placement_end_point: `placement` must be reward or loss, got {placement!r}"
+        )
+    if estimator not in ("k1", "k2", "k3"):
+        raise ValueError(
+            f"placement_end_point: `estimator` must be one of ('k1', 'k2', 'k3'), got {estimator!r}"
+        )
+    v = world.config.vocab_size
+    ys = world.responses
+    rows = prefix_rows(ys, v)
+    ref_table = world.reference_table()
+    ref_tokens = ref_table[rows, ys]  # [N, L]
+    logits = ref_table.clone().requires_grad_()
+    optimizer = torch.optim.Adam([logits], lr=lr)
+    for _ in range(steps):
+        tokens = torch.log_softmax(logits, -1)[rows, ys]
+        logp = tokens.sum(-1)
+        weights = logp.exp().detach()
+        if placement == "reward":
+            penalty = per_token_kl(tokens.detach(), ref_tokens, estimator).sum(-1)
+            objective = (weights * logp * (world.rewards - beta * penalty)).sum()
+        else:
+            penalty = per_token_kl(tokens, ref_tokens, estimator).sum(-1)
+            objective = (weights * (logp * world.rewards - beta * penalty)).sum()
+        optimizer.zero_grad()
+        (-objective).backward()
+        optimizer.step()
+    with torch.no_grad():
+        return torch.log_softmax(logits, -1)[rows, ys].sum(-1)
 
 
 class TableReward:

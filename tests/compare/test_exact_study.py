@@ -91,23 +91,23 @@ def test_the_report_reads_the_final_numbers_and_judges_them_exactly(tmp_path, mo
     world = ExactWorld()
     start = opt.kl(world.ref_logprobs, world.optimum(0.5).logprobs)
     finals = {
-        "ppo_reward_k1": (1.5, 2.0, 0.5 * AT_OPTIMUM * start, 0.5),
-        "rloo_loss_k2": (3.0, 2.5, 2.0 * AT_OPTIMUM * start, 0.5),
-        "ppo_pi": (2.9, 2.6, 0.3, 0.25),
+        "ppo_reward_k1": (1.5, 2.0, 0.5 * AT_OPTIMUM * start, 0.5, 0.7),
+        "rloo_loss_k2": (3.0, 2.5, 2.0 * AT_OPTIMUM * start, 0.5, 0.01),
+        "ppo_pi": (2.9, 2.6, 0.3, 0.25, 0.5),
     }
+    names = (keys.EXACT_KL_TO_REF, keys.EXACT_REWARD, keys.EXACT_KL_TO_OPTIMUM, keys.KL_COEF)
     for run in runs:
-        kl, reward, to_optimum, beta = finals[run.group]
-        names = (keys.EXACT_KL_TO_REF, keys.EXACT_REWARD, keys.EXACT_KL_TO_OPTIMUM, keys.KL_COEF)
-        write_events(run.log_dir, dict(zip(names, (kl, reward, to_optimum, beta), strict=True)))
+        write_events(run.log_dir, dict(zip((*names, keys.ENTROPY), finals[run.group], strict=True)))
     study, _ = parse_args(["--config", CONFIG, "--quick"])
-    summary = write_exact_report(runs, study, tmp_path, elapsed=1.0)
+    summary = write_exact_report(runs, study, tmp_path, elapsed=1.0, end_steps=2)
     groups = summary["groups"]
     assert groups["ppo_reward_k1"]["at_optimum"] and not groups["rloo_loss_k2"]["at_optimum"]
-    for name, (kl, reward, _, _) in finals.items():
+    for name, (kl, reward, *_) in finals.items():
         g = groups[name]
         assert g["kl_to_ref"]["per_seed"] == pytest.approx([kl])
         assert g["frontier_reward"]["mean"] == pytest.approx(world.frontier_reward(kl), rel=1e-6)
         assert g["reward_gap"]["mean"] == pytest.approx(world.frontier_reward(kl) - reward, 1e-5)
+    assert groups["rloo_loss_k2"]["entropy"]["mean"] == pytest.approx(0.01)
     pi = groups["ppo_pi"]
     assert pi["target_optimum"]["beta"] == pytest.approx(world.beta_for_kl(3.0))
     assert pi["beta_ratio"] == pytest.approx(0.25 / world.beta_for_kl(3.0), rel=1e-6)

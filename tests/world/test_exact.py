@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,11 @@ from rlkl_lightning.world.exact import (
     all_responses,
     build_exact_world,
     make_tokenizer,
+    placement_end_point,
+    prefix_rows,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +122,7 @@ def test_no_policy_lies_above_the_frontier_and_the_reference_is_measured_exactly
     assert at_ref["kl_to_optimum"] == pytest.approx(opt.kl(ref, best.logprobs))
     assert world.policy_metrics(best.logprobs, 0.5)["kl_to_optimum"] == pytest.approx(0, abs=1e-9)
     assert world.frontier_reward(best.kl) == pytest.approx(best.reward, abs=1e-6)
+    assert world.frontier([0.5]) == [pytest.approx((best.kl, best.reward))]
     gen = torch.Generator().manual_seed(1)
     for _ in range(20):  # random tilts of the reference, sharp and flat
         q = torch.log_softmax(ref + 3 * torch.randn(len(ref), generator=gen), dim=0)
@@ -125,41 +131,58 @@ def test_no_policy_lies_above_the_frontier_and_the_reference_is_measured_exactly
         assert m["reward"] <= world.frontier_reward(m["kl_to_ref"]) + 1e-6
 
 
-def test_exact_metrics_log_a_runs_policy_exactly(world, tmp_path, monkeypatch):
-    """Two PPO batches on the world: the callback's numbers are those of the final policy."""
-    from helpers.trainers import cpu_trainer
-    from lightning.pytorch.loggers import CSVLogger
+def test_the_reference_table_per_prefix_rebuilds_every_sequences_log_prob(world):
+    rows = prefix_rows(world.responses, 6)
+    assert int(rows.max()) + 1 == (6**4 - 1) // (6 - 1)  # every prefix shorter than 4 tokens
+    assert rows[:, 0].eq(0).all() and rows[:, 1].eq(1 + world.responses[:, 0]).all()
+    table = world.reference_table()
+    torch.testing.assert_close(table.exp().sum(-1), torch.ones(len(table), dtype=table.dtype))
+    rebuilt = table[rows, world.responses].sum(-1)  # a second computation of log ref(y)
+    torch.testing.assert_close(rebuilt, world.ref_logprobs, atol=1e-9, rtol=0)
 
-    from rlkl_lightning import PPOModule
+
+def test_only_k1_in_the_reward_has_its_exact_end_point_at_the_optimum(world):
+    beta = 0.5
+    k1 = world.policy_metrics(placement_end_point(world, beta, "reward", "k1", steps=400), beta)
+    assert k1["kl_to_optimum"] < 1e-3  # from 1.93 at the reference
+    k2_loss = world.policy_metrics(placement_end_point(world, beta, "loss", "k2", 400), beta)
+    assert k2_loss["kl_to_optimum"] > 0.02  # its tokens depend on their prefix: G_future missed
+    k1_loss = world.policy_metrics(placement_end_point(world, beta, "loss", "k1", 400), beta)
+    assert k1_loss["reward"] > world.optimum(beta).reward  # no KL gradient: reward ascent
+    with pytest.raises(ValueError, match="`estimator` must be one of"):
+        placement_end_point(world, beta, "loss", "exact")
+
+
+@pytest.mark.parametrize("name", ["exact_ppo.yaml", "exact_rloo.yaml"])
+def test_the_configs_train_and_exact_metrics_log_the_final_policy_exactly(
+    name, world, tmp_path, monkeypatch
+):
+    """Two batches of each config: the callback's numbers are those of the final policy."""
     from rlkl_lightning import metric_keys as keys
+    from rlkl_lightning.cli import main
 
     monkeypatch.setenv("RLKL_CACHE", str(world.model_dir.parent))
-    torch.manual_seed(0)
-    module = PPOModule(
-        policy="exact",
-        reward=TableReward(),
-        init_kl_coef=0.5,
-        max_prompt_tokens=1,
-        max_new_tokens=4,
-        stop_at_eos=False,
-        lr=1e-2,
-        ppo_epochs=2,
-        num_minibatches=2,
-        log_samples_every=0,
+    monkeypatch.chdir(tmp_path)
+    cli = main(
+        ["fit", "--config", str(ROOT / "configs" / name), "--trainer.max_steps=32"]
+        + ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
     )
-    callback = ExactMetrics(every=1)
-    trainer = cpu_trainer(
-        [callback], max_steps=8, logger=CSVLogger(tmp_path), max_epochs=-1
-    )  # 2 batches of 4 optimizer steps
-    trainer.fit(module, ExactDataModule(batch_size=16, batches_per_epoch=5))
-    assert [step for step, _ in callback.history] == [0, 1]
-    final = world.policy_metrics(world.logprobs(module.policy), 0.5)
-    last = callback.history[-1][1]
-    assert last[keys.EXACT_KL_TO_REF] == pytest.approx(final["kl_to_ref"], rel=1e-9)
-    assert last[keys.EXACT_KL_TO_OPTIMUM] == pytest.approx(final["kl_to_optimum"], rel=1e-9)
-    assert last[keys.EXACT_KL_TO_REF] > 1e-4  # the policy moved
-    logged = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
-    assert keys.EXACT_KL_TO_OPTIMUM in logged.splitlines()[0]
+    module = cli.model
+    assert module.batches_seen == 2 and isinstance(module.reward, TableReward)
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, ExactMetrics)]
+    assert [step for step, _ in callback.history] == [1]  # every 10 batches, and at the end
+    final = world.policy_metrics(world.logprobs(module.policy), module.kl_coef)
+    logged = callback.history[-1][1]
+    for key, name in ((keys.EXACT_KL_TO_REF, "kl_to_ref"), (keys.EXACT_REWARD, "reward")):
+        assert logged[key] == pytest.approx(final[name], rel=1e-9)
+    assert logged[keys.EXACT_KL_TO_OPTIMUM] == pytest.approx(final["kl_to_optimum"], rel=1e-9)
+    assert 1e-5 < logged[keys.EXACT_KL_TO_REF] < 1  # the policy moved, a little
+    (version,) = (tmp_path / "runs").glob("*/version_*")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(version))
+    events.Reload()
+    assert keys.EXACT_KL_TO_OPTIMUM in events.Tags()["scalars"]
 
 
 def test_bad_callback_and_data_settings_name_the_option():
