@@ -299,24 +299,26 @@ def plot_frontier(groups: dict[str, dict[str, Any]], world: Any, out: Path) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    betas = np.geomspace(0.05, 20, 80)
+    betas = np.geomspace(0.002, 20, 120)
     points = [world.optimum(float(b)) for b in betas]
-    fig, ax = plt.subplots(figsize=(7.5, 5), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(8.5, 5.5), constrained_layout=True)
     kls, rewards = [p.kl for p in points], [p.reward for p in points]
     ax.plot(kls, rewards, "-", color="black", label="frontier")
+    colors = plt.get_cmap("tab20")
     for i, (name, g) in enumerate(groups.items()):
-        marker = "o" if g["law"] == "fixed" else "*"
+        law = g["law"] != "fixed"
         ax.scatter(
             g["kl_to_ref"]["per_seed"],
             g["reward"]["per_seed"],
-            marker=marker,
-            s=30 if marker == "o" else 90,
-            color=f"C{i % 10}",
+            marker="*" if law else ("o" if g["placement"] == "reward" else "s"),
+            s=90 if law else 30,
+            color=colors(i % 20),
             label=name,
         )
     xmax = max(max(g["kl_to_ref"]["per_seed"]) for g in groups.values())
     ax.set_xlim(0, max(xmax * 1.1, 1.0) if math.isfinite(xmax) else 10)
-    ax.set(xlabel="KL(pi‖ref), nats per sequence", ylabel="E[R]", title="final policies")
+    title = "final policies: KL in the reward (o), in the loss (s), a KL target (*)"
+    ax.set(xlabel="KL(pi‖ref), nats per sequence", ylabel="E[R]", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.savefig(out / "frontier.png", dpi=110)

@@ -37,7 +37,6 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
-from rlkl_lightning.data.prompts import collate_dicts
 from rlkl_lightning.kl import optimum as opt
 from rlkl_lightning.kl.estimators import per_token_kl
 from rlkl_lightning.world.cache import default_cache_dir
@@ -340,6 +339,7 @@ def placement_end_point(
     estimator: str,
     steps: int = 3000,
     lr: float = 0.05,
+    whiten: bool = False,
 ) -> Tensor:
     """Where a KL placement's expected gradient leads: ``[N]`` sequence log-probabilities.
 
@@ -351,6 +351,10 @@ def placement_end_point(
       as a reward is;
     - ``loss``: ``E[grad log pi(y) R(y)] - beta E[sum_t grad k(l_t)]`` with the samples' weights
       held fixed (``k1``'s second term is 0: pure reward ascent, with no end point).
+
+    With ``whiten``, the first term's advantages (returns minus their mean) are divided by their
+    standard deviation under ``pi``, as PPO whitens its advantages: the same end point with the
+    KL in the reward (a scale), another one with the KL in the loss, whose term is not scaled.
 
     Only ``k1`` in the reward ends at ``pi*`` (docs/kl.md, "Where the KL goes"); the others'
     end points are the yardsticks of where training with them can end at best.
@@ -374,12 +378,16 @@ def placement_end_point(
         tokens = torch.log_softmax(logits, -1)[rows, ys]
         logp = tokens.sum(-1)
         weights = logp.exp().detach()
-        if placement == "reward":
-            penalty = per_token_kl(tokens.detach(), ref_tokens, estimator).sum(-1)
-            objective = (weights * logp * (world.rewards - beta * penalty)).sum()
-        else:
-            penalty = per_token_kl(tokens, ref_tokens, estimator).sum(-1)
-            objective = (weights * (logp * world.rewards - beta * penalty)).sum()
+        penalty = per_token_kl(tokens, ref_tokens, estimator).sum(-1)
+        returns = world.rewards
+        if placement == "reward":  # held fixed, as a reward is
+            returns = returns - beta * penalty.detach()
+        advantages = returns - (weights * returns).sum()
+        if whiten:  # PPO's whitening: the advantages divided by their standard deviation
+            advantages = advantages / (weights * advantages**2).sum().sqrt().clamp_min(1e-12)
+        objective = (weights * logp * advantages).sum()
+        if placement == "loss":
+            objective = objective - beta * (weights * penalty).sum()
         optimizer.zero_grad()
         (-objective).backward()
         optimizer.step()
@@ -421,6 +429,10 @@ class TableReward:
         return f"TableReward({asdict(self.config)})"
 
 
+def _prompt_batch(prompts: list[str]) -> dict[str, list[str]]:
+    return {"prompt": list(prompts)}
+
+
 class ExactDataModule(LightningDataModule):
     """Batches of the world's one prompt: ``{"prompt": [prompt] * batch_size}``.
 
@@ -446,8 +458,8 @@ class ExactDataModule(LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         """The prompt ``batch_size * batches_per_epoch`` times, in batches."""
-        rows = [{"prompt": self.prompt}] * (self.batch_size * self.batches_per_epoch)
-        return DataLoader(rows, batch_size=self.batch_size, collate_fn=collate_dicts)
+        prompts = [self.prompt] * (self.batch_size * self.batches_per_epoch)
+        return DataLoader(prompts, batch_size=self.batch_size, collate_fn=_prompt_batch)
 
 
 class ExactMetrics(Callback):

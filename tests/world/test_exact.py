@@ -147,6 +147,8 @@ def test_only_k1_in_the_reward_has_its_exact_end_point_at_the_optimum(world):
     assert k1["kl_to_optimum"] < 1e-3  # from 1.93 at the reference
     k2_loss = world.policy_metrics(placement_end_point(world, beta, "loss", "k2", 400), beta)
     assert k2_loss["kl_to_optimum"] > 0.02  # its tokens depend on their prefix: G_future missed
+    whitened = placement_end_point(world, beta, "reward", "k1", 400, whiten=True)
+    assert world.policy_metrics(whitened, beta)["kl_to_optimum"] < 1e-3  # a scale: the same
     k1_loss = world.policy_metrics(placement_end_point(world, beta, "loss", "k1", 400), beta)
     assert k1_loss["reward"] > world.optimum(beta).reward  # no KL gradient: reward ascent
     with pytest.raises(ValueError, match="`estimator` must be one of"):
