@@ -41,8 +41,9 @@ class StudyConfig:
             exact world's distances to the optimum and to the frontier,
             :mod:`rlkl_lightning.compare.exact`).
         quick_settings: Settings used instead with ``--quick`` (a short check of the whole
-            pipeline): any of ``seeds``, ``batches``, ``val_every``, ``sweep_kl_coefs``,
-            ``sweep_seeds``, ``workers``, and ``overrides`` (merged after the ones above).
+            pipeline): any of ``runs`` (a shorter list), ``seeds``, ``batches``,
+            ``val_every``, ``sweep_kl_coefs``, ``sweep_seeds``, ``workers``, and ``overrides``
+            (merged after the ones above).
     """
 
     runs: dict[str, str | dict[str, Any]] = field(
@@ -81,6 +82,7 @@ class StudyConfig:
         if self.sweep_kl_coefs and "fixed" not in self.runs:
             raise ValueError("compare: `sweep_kl_coefs` needs a `fixed` entry in `runs`")
         unknown = set(self.quick_settings) - {
+            "runs",
             "seeds",
             "batches",
             "val_every",

@@ -17,18 +17,28 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "compare_exact.yaml")
 
 
-def planned(tmp_path, monkeypatch, **settings):
+def planned(tmp_path, monkeypatch, quick=False):
     monkeypatch.chdir(ROOT)  # the study's config paths are relative to the repository
-    study, quick = parse_args(["--config", CONFIG, "--quick", "--out", str(tmp_path / "out")])
-    assert quick
-    if settings:
-        study = StudyConfig(**{**study.__dict__, **settings})
+    argv = ["--config", CONFIG, "--out", str(tmp_path / "out")] + (["--quick"] if quick else [])
+    study, is_quick = parse_args(argv)
+    assert is_quick == quick
     return study, plan_runs(study, tmp_path / "out")
 
 
-def test_the_quick_study_plans_every_placement_estimator_and_law(tmp_path, monkeypatch):
-    study, runs = planned(tmp_path, monkeypatch)
+def test_the_quick_study_is_three_of_the_runs_for_two_batches(tmp_path, monkeypatch):
+    full, _ = planned(tmp_path, monkeypatch)
+    study, runs = planned(tmp_path, monkeypatch, quick=True)
     assert study.report == "exact" and study.seeds == 1 and study.batches == 2
+    assert study.runs == {
+        k: full.runs[k] for k in ("ppo_reward_k1", "rloo_loss_k2", "ppo_adaptive")
+    }
+    assert [r.name for r in runs] == [f"{k}-seed0" for k in study.runs]
+
+
+def test_the_study_plans_every_placement_estimator_and_law(tmp_path, monkeypatch):
+    study, runs = planned(tmp_path, monkeypatch)
+    assert study.report == "exact" and study.seeds == 3 and study.batches == 200
+    runs = [r for r in runs if r.seed == 0]
     seen = {}
     for run in runs:
         config = yaml.safe_load(run.config.read_text())
@@ -87,7 +97,9 @@ def test_the_report_reads_the_final_numbers_and_judges_them_exactly(tmp_path, mo
 
     monkeypatch.setenv("RLKL_CACHE", str(tmp_path / "cache"))
     _, runs = planned(tmp_path, monkeypatch)
-    runs = [r for r in runs if r.group in ("ppo_reward_k1", "rloo_loss_k2", "ppo_pi")]
+    runs = [
+        r for r in runs if r.seed == 0 and r.group in ("ppo_reward_k1", "rloo_loss_k2", "ppo_pi")
+    ]
     world = ExactWorld()
     start = opt.kl(world.ref_logprobs, world.optimum(0.5).logprobs)
     finals = {
@@ -98,7 +110,7 @@ def test_the_report_reads_the_final_numbers_and_judges_them_exactly(tmp_path, mo
     names = (keys.EXACT_KL_TO_REF, keys.EXACT_REWARD, keys.EXACT_KL_TO_OPTIMUM, keys.KL_COEF)
     for run in runs:
         write_events(run.log_dir, dict(zip((*names, keys.ENTROPY), finals[run.group], strict=True)))
-    study, _ = parse_args(["--config", CONFIG, "--quick"])
+    study, _ = parse_args(["--config", CONFIG])
     summary = write_exact_report(runs, study, tmp_path, elapsed=1.0, end_steps=2)
     groups = summary["groups"]
     assert groups["ppo_reward_k1"]["at_optimum"] and not groups["rloo_loss_k2"]["at_optimum"]
