@@ -60,6 +60,11 @@ MONITOR_TARGET = "kl_monitor/target"
 MONITOR_WARNINGS = "kl_monitor/warnings"
 MONITOR_STATE = "kl_monitor/state"
 
+# The exact world (rlkl_lightning.world.exact.ExactMetrics): sums over every response.
+EXACT_KL_TO_REF = "exact/kl_to_ref"  #: KL(pi‖ref), nats per sequence
+EXACT_REWARD = "exact/reward"  #: E_pi[R]
+EXACT_KL_TO_OPTIMUM = "exact/kl_to_optimum"  #: KL(pi‖pi*) to the optimum at the current beta
+
 # Timings (left out of the same-metrics comparison: they differ run to run).
 TOKENS_PER_S = "perf/tokens_per_s"
 ROLLOUT_S = "perf/rollout_s"

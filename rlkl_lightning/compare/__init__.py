@@ -6,7 +6,8 @@ every configured ``train.py`` config once per seed, each as its own process and 
 (:mod:`.events`) and writes ``curves.png``, ``report.md`` and ``summary.json`` into the output
 directory (:mod:`.report`). ``configs/compare.yaml`` puts fixed and adaptive KL control side by
 side, ``configs/compare_laws.yaml`` all four control laws, ``configs/compare_algorithms.yaml``
-PPO and RLOO.
+PPO and RLOO; ``configs/compare_exact.yaml`` (``report: exact``) every KL placement on the
+exact world, judged against the exact optimum (:mod:`.exact`).
 """
 
 from rlkl_lightning.compare.config import StudyConfig

@@ -13,9 +13,11 @@ class StudyConfig:
 
     Args:
         runs: Run name (a controller, an algorithm) -> the ``train.py`` config of its run
-            (paths relative to the working directory). The report compares ``adaptive`` with
-            ``fixed`` when both exist, and every other run with the first; the default pair is
-            fair: the fixed beta is the adaptive controller's initial one.
+            (paths relative to the working directory), or ``{config: PATH, overrides: {...}}``
+            to merge settings into that config for this run only (after the study's
+            ``overrides``). The report compares ``adaptive`` with ``fixed`` when both exist, and
+            every other run with the first; the default pair is fair: the fixed beta is the
+            adaptive controller's initial one.
         seeds: Seeds per controller: ``0 .. seeds-1``, the same for every controller (the seed
             of ``seed_everything`` and of the prompt order).
         batches: PPO batches per run (each run's ``trainer.max_steps`` is set to
@@ -35,12 +37,16 @@ class StudyConfig:
         world: A world directory made by ``python -m rlkl_lightning.world --texts FILES``:
             every run trains its model on that world's prompts and held-out text (its
             ``study.yaml``, merged after ``overrides``); ``None``: the runs' own settings.
+        report: ``default`` (curves, KL tracking, the comparison of runs) or ``exact`` (the
+            exact world's distances to the optimum and to the frontier,
+            :mod:`rlkl_lightning.compare.exact`).
         quick_settings: Settings used instead with ``--quick`` (a short check of the whole
-            pipeline): any of ``seeds``, ``batches``, ``val_every``, ``sweep_kl_coefs``,
-            ``sweep_seeds``, ``workers``, and ``overrides`` (merged after the ones above).
+            pipeline): any of ``runs`` (a shorter list), ``seeds``, ``batches``,
+            ``val_every``, ``sweep_kl_coefs``, ``sweep_seeds``, ``workers``, and ``overrides``
+            (merged after the ones above).
     """
 
-    runs: dict[str, str] = field(
+    runs: dict[str, str | dict[str, Any]] = field(
         default_factory=lambda: {
             "fixed": "configs/ppo_fixed.yaml",
             "adaptive": "configs/ppo_adaptive.yaml",
@@ -56,6 +62,7 @@ class StudyConfig:
     out: str = "study"
     overrides: dict[str, Any] = field(default_factory=dict)
     world: str | None = None
+    report: str = "default"
     quick_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,12 +72,17 @@ class StudyConfig:
                 raise ValueError(f"compare: `{name}` must be an integer >= 1, got {value!r}")
         if not self.runs:
             raise ValueError("compare: `runs` must name at least one controller and its config")
+        for name, entry in self.runs.items():
+            run_entry(name, entry)  # raises on a malformed entry
+        if self.report not in REPORTS:
+            raise ValueError(f"compare: `report` must be one of {REPORTS}, got {self.report!r}")
         for beta in self.sweep_kl_coefs:
             if not beta > 0:
                 raise ValueError(f"compare: `sweep_kl_coefs` must be > 0, got {beta!r}")
         if self.sweep_kl_coefs and "fixed" not in self.runs:
             raise ValueError("compare: `sweep_kl_coefs` needs a `fixed` entry in `runs`")
         unknown = set(self.quick_settings) - {
+            "runs",
             "seeds",
             "batches",
             "val_every",
@@ -88,6 +100,30 @@ class StudyConfig:
         settings = {k: v for k, v in quick.items() if k != "overrides"}
         overrides = merge(self.overrides, quick.get("overrides", {}))
         return replace(self, **settings, overrides=overrides, quick_settings={})
+
+
+REPORTS = ("default", "exact")
+
+
+def run_entry(name: str, entry: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A ``runs`` entry as ``(config path, overrides)``.
+
+    Raises:
+        ValueError: If the entry is neither a path nor ``{config: PATH, overrides: {...}}``.
+    """
+    if isinstance(entry, str):
+        return entry, {}
+    if (
+        isinstance(entry, dict)
+        and isinstance(entry.get("config"), str)
+        and set(entry) <= {"config", "overrides"}
+        and isinstance(entry.get("overrides", {}), dict)
+    ):
+        return entry["config"], entry.get("overrides", {})
+    raise ValueError(
+        f"compare: `runs.{name}` must be a config path or {{config: PATH, overrides: {{...}}}}, "
+        f"got {entry!r}"
+    )
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import yaml
 from lightning.pytorch import Callback
 from typing_extensions import override
 
-from rlkl_lightning.compare.config import merge
+from rlkl_lightning.compare.config import merge, run_entry
 from rlkl_lightning.defaults import default_of
 
 if TYPE_CHECKING:
@@ -125,10 +125,12 @@ def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
 
     world = study_overrides(study.world) if study.world else None
     bases = {}
-    for group, path in study.runs.items():
+    for group, entry in study.runs.items():
+        path, own = run_entry(group, entry)
         if not Path(path).is_file():
             raise ValueError(f"compare: `runs.{group}` config not found: {path!r}")
-        bases[group] = merge(yaml.safe_load(Path(path).read_text()) or {}, study.overrides)
+        base = yaml.safe_load(Path(path).read_text()) or {}
+        bases[group] = merge(merge(base, study.overrides), own)
         if world is not None:  # a custom world: its model, prompts and held-out text
             bases[group] = merge(without_replaced_options(bases[group]), world)
     plan: list[tuple[str, int, dict[str, Any]]] = []

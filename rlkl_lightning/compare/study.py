@@ -43,6 +43,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(study.out)
     start = time.perf_counter()
     runs = plan_runs(study, out)
+    if study.report == "exact":
+        from rlkl_lightning.compare.exact import write_exact_report
+        from rlkl_lightning.world.exact import exact_model_dir
+
+        exact_model_dir()  # once, before the runs race for it (a second)
+        run_all(runs, study)
+        summary = write_exact_report(runs, study, out, elapsed=time.perf_counter() - start)
+        print(f"study written to {out}/: frontier.png, report.md, summary.json")
+        return summary
     run_all(runs, study)
     summary = write_report(runs, study, out, elapsed=time.perf_counter() - start)
     print(f"study written to {out}/: curves.png, report.md, summary.json")

@@ -22,14 +22,17 @@ from torch import Tensor, nn
 
 
 def resolve_model_path(name_or_path: str, option: str = "policy") -> str:
-    """Map ``"default"`` to the default world's SFT model (built on first use); else pass through.
+    """Map ``"default"`` and ``"exact"`` to their worlds' models (built on first use).
+
+    ``"default"`` is the default world's SFT model, ``"exact"`` the exact world's reference
+    (:mod:`rlkl_lightning.world.exact`); anything else passes through.
 
     Anything that is not an existing directory and does not look like a path (``.``, ``/``,
     ``~``) is taken as a Hugging Face hub name: one that is not cached while the hub cannot be
     reached fails here, in seconds, instead of after the hub client's retries.
 
     Args:
-        name_or_path: ``"default"``, a local directory or a hub name.
+        name_or_path: ``"default"``, ``"exact"``, a local directory or a hub name.
         option: Name of the option that gave ``name_or_path``, for error messages.
 
     Raises:
@@ -40,6 +43,10 @@ def resolve_model_path(name_or_path: str, option: str = "policy") -> str:
         from rlkl_lightning.world import default_model_dir
 
         return str(default_model_dir())
+    if name_or_path == "exact":
+        from rlkl_lightning.world.exact import exact_model_dir
+
+        return str(exact_model_dir())
     expanded = os.path.expanduser(name_or_path)
     if os.path.isdir(expanded):
         return expanded

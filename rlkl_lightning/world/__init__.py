@@ -5,7 +5,8 @@ on a laptop CPU): a seeded corpus of English reviews with 1-5 star ratings
 (:mod:`.corpus`, :mod:`.lexicon`, :mod:`.patterns`), a byte-level BPE tokenizer
 (:mod:`.tokenizer`) and a small GPT-2 trained on the reviews (:mod:`.sft`).
 Prompts are review openings from the held-out split; the held-out reviews measure
-perplexity; VADER scores the sentiment of responses.
+perplexity; VADER scores the sentiment of responses. The exact world (:mod:`.exact`) is a
+response space small enough to list, where a trained policy's distance to the optimum is exact.
 """
 
 from importlib import import_module
@@ -16,6 +17,7 @@ from rlkl_lightning.world.cache import CACHE_ENV, Corpus, build_corpus, default_
 from rlkl_lightning.world.config import WorldConfig
 
 _LAZY = {
+    "ExactWorld": "rlkl_lightning.world.exact",
     "Review": "rlkl_lightning.world.corpus",
     "ReviewGenerator": "rlkl_lightning.world.corpus",
     "generate_reviews": "rlkl_lightning.world.corpus",
