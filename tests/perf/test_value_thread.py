@@ -23,6 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from rlkl_lightning import PPOModule
 from rlkl_lightning.models import logprobs
 from rlkl_lightning.models.forward import HeadProducts
+from rlkl_lightning.perf.onednn import available as onednn_available
 from rlkl_lightning.perf.value_thread import ValueThread
 from rlkl_lightning.rewards import FunctionReward
 
@@ -45,6 +46,7 @@ def _train(
         policy=str(tiny_lm_dir),
         value_model=str(tiny_lm_dir),
         value_model_thread=value_model_thread,
+        cpu_matmul=settings.pop("cpu_matmul", "auto"),
         reward=FunctionReward(lambda p, r: float(len(r.split()))),
         max_prompt_tokens=16,
         max_new_tokens=6,
@@ -69,8 +71,16 @@ def _train(
     return module, record.batches, threads, before
 
 
-@pytest.mark.parametrize("grad_accum_steps", [1, 2])
-def test_training_logs_the_same_numbers_bit_for_bit(tiny_lm_dir, monkeypatch, grad_accum_steps):
+ONEDNN = pytest.mark.skipif(not onednn_available(), reason="no oneDNN float32 linear kernel")
+
+
+@pytest.mark.parametrize(
+    "grad_accum_steps, cpu_matmul",
+    [(1, "default"), (2, "default"), pytest.param(2, "onednn", marks=ONEDNN)],
+)
+def test_training_logs_the_same_numbers_bit_for_bit(
+    tiny_lm_dir, monkeypatch, grad_accum_steps, cpu_matmul
+):
     head: list[str] = []  # where the LM head's weight gradients were computed
     product = logprobs._weight_gradient
 
@@ -87,10 +97,14 @@ def test_training_logs_the_same_numbers_bit_for_bit(tiny_lm_dir, monkeypatch, gr
         return fused(params, *args, **kwargs)
 
     monkeypatch.setattr(torch, "_fused_adamw_", recorded_update)
-    plain, plain_logs, plain_threads, _ = _train(tiny_lm_dir, False, 2, None, grad_accum_steps)
+    plain, plain_logs, plain_threads, _ = _train(
+        tiny_lm_dir, False, 2, None, grad_accum_steps, cpu_matmul=cpu_matmul
+    )
     plain_head, head[:] = head[:], []
     plain_updates, updates[:] = updates[:], []
-    threaded, logs, threads, _ = _train(tiny_lm_dir, True, 2, None, grad_accum_steps)
+    threaded, logs, threads, _ = _train(
+        tiny_lm_dir, True, 2, None, grad_accum_steps, cpu_matmul=cpu_matmul
+    )
     # 2 batches x 2 epochs x 2 minibatches x micro-batches: value forwards with gradients
     steps = 8 * grad_accum_steps
     assert len(threads) == len(plain_threads) == len(head) == len(plain_head) == steps
