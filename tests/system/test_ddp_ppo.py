@@ -28,9 +28,9 @@ The test asserts:
   and per-sample KL, scores, whitened advantages (global statistics: whitening each rank's
   rows alone differs by > 0.05), logged metrics, the beta sequence and the weights equal to
   float32 rounding, not bit for bit: a batch of 2 and a batch of 4 pad differently and sum
-  in a different order. Tolerances: 1e-5 relative plus 1e-6 absolute on KL, advantages,
-  metrics and beta, 1e-5 absolute on the weights (measured: about 1e-6 on weights that moved
-  by more than 1e-3);
+  in a different order. Tolerances: 1e-5 relative plus 1e-6 absolute on KL, metrics and beta,
+  1e-5 relative or absolute on the whitened advantages, 1e-5 absolute on the weights
+  (measured: about 1e-6 on weights that moved by more than 1e-3);
 * per-token metrics (``objective/kl_per_token``, ``objective/entropy``) are means over the
   tokens of the global batch, also when the ranks hold different numbers of tokens (the mean
   of the two ranks' own token means differs);
@@ -130,7 +130,11 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_p
             if key in ("responses", "tokens"):
                 assert got == want
             else:
-                assert all(close(got[p], want[p]) for p in want), key
+                # Whitened advantages have unit spread: their absolute error is relative to
+                # it (float32 rounding through the whitening reached 1.5e-6 with oneDNN's
+                # products, cpu_matmul="auto" on an AMD processor).
+                tol = {"abs": 1e-5} if key == "advantages" else {}
+                assert all(close(got[p], want[p], **tol) for p in want), key
         # Whitening each rank's rows on their own gives clearly different numbers.
         for r in ranks:
             flat = torch.tensor(sum(r["advantages_raw"], []))
