@@ -38,7 +38,8 @@ def test_fit_and_band_match_a_second_computation():
     resid = score - X @ np.array([intercept, slope])
     s2 = resid @ resid / (9 - 2)
     x0 = np.array([1.0, math.log(6.0)])
-    assert fit.standard_error(6.0) == pytest.approx(math.sqrt(s2 * x0 @ np.linalg.inv(X.T @ X) @ x0))
+    expected = math.sqrt(s2 * x0 @ np.linalg.inv(X.T @ X) @ x0)
+    assert fit.standard_error(6.0) == pytest.approx(expected)
     # One law seed: the gap's error is the frontier's alone.
     gap = frontier_gap(fit, [6.0], [0.7])
     assert gap["gap"] == pytest.approx(0.7 - (intercept + slope * math.log(6.0)))
