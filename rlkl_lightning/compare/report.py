@@ -468,8 +468,12 @@ def plot_frontier(
         grid = np.exp(np.linspace(*fit.log_kl_range, 50))
         band = 2 * fit.standard_error(grid)
         line = fit.score(grid)
-        ax_score.plot(grid, line, ":", color="black", linewidth=1, label="fitted frontier")
-        ax_score.fill_between(grid, line - band, line + band, color="gray", alpha=0.15)
+        ax_score.plot(
+            grid, line, ":", color="black", linewidth=1, label="fitted frontier (a + b ln KL)"
+        )
+        ax_score.fill_between(
+            grid, line - band, line + band, color="gray", alpha=0.15, label="its 2 SE band"
+        )
     for ax, name in ((ax_score, "final_score"), (ax_ppl, "final_perplexity")):
         ax.axvline(kl["target"], color="black", linestyle="--", linewidth=1, label="target")
         xs = [groups[g]["final_kl"] for g in fixed]
