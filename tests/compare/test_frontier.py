@@ -58,8 +58,9 @@ def test_two_standard_errors_cover_the_true_gap_about_95_percent_of_the_time():
         law = A + B * np.log(law_kl) + 0.01 + 0.02 * rng.standard_normal(3)
         gap = frontier_gap(fit, law_kl, law)
         covered += abs(gap["gap"] - 0.01) <= gap["two_se"]
-    # Normal-theory 2 SE with these few degrees of freedom covers a little under 95%.
-    assert 0.88 <= covered / trials <= 0.97
+    # Normal-theory 2 SE with these few degrees of freedom covers less than 95% (89% here):
+    # the docs say so. Without the frontier's own error it would cover far less.
+    assert 0.85 <= covered / trials <= 0.95
 
 
 def test_a_law_far_above_is_beyond_two_se_and_one_on_the_line_is_not():
