@@ -12,6 +12,7 @@ _LAZY = {
     "ExponentialKLController": "rlkl_lightning.kl.controllers",
     "FixedKLController": "rlkl_lightning.kl.controllers",
     "KLController": "rlkl_lightning.kl.controllers",
+    "LogPIDKLController": "rlkl_lightning.kl.controllers",
     "PIKLController": "rlkl_lightning.kl.controllers",
     "KLControllerCallback": "rlkl_lightning.kl.controller_callback",
     "KLDriftMonitor": "rlkl_lightning.kl.drift_monitor",

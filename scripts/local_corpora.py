@@ -1,4 +1,4 @@
-"""Write two corpora of real text from files every Python installation has (no download).
+"""Write three corpora of real text from files every Python installation has (no download).
 
     python scripts/local_corpora.py OUT_DIR
 
@@ -6,6 +6,8 @@
 public classes and functions, one paragraph per row (columns ``name`` and ``docstring``).
 ``OUT_DIR/package_readmes.txt``: the long descriptions (READMEs: markdown, code, tables) of the
 installed packages, from their ``METADATA``, separated by blank lines.
+``OUT_DIR/stdlib_code.jsonl``: the source code of the standard library's public functions and
+methods (field ``text``, one function per line): code rather than prose.
 
 docs/worlds.md, "A world from your own text", builds a world from each; what they hold depends on
 the Python version and the installed packages.
@@ -17,6 +19,7 @@ import csv
 import email
 import importlib
 import inspect
+import json
 import site
 import sys
 import warnings
@@ -63,8 +66,36 @@ def package_readmes() -> list[str]:
     return texts
 
 
+def stdlib_functions() -> list[str]:
+    """The source of the public functions and classes' methods of the stdlib modules."""
+    texts = []
+    for name in sorted(sys.stdlib_module_names - _SKIP):
+        if name.startswith("_"):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
+        except Exception:  # platform-specific or optional modules
+            continue
+        functions = []
+        for key, value in vars(module).items():
+            if key.startswith("_") or getattr(value, "__module__", None) != name:
+                continue
+            if inspect.isfunction(value):
+                functions.append(value)
+            elif inspect.isclass(value):  # its methods, dunders included
+                functions += [v for v in vars(value).values() if inspect.isfunction(v)]
+        for function in functions:
+            try:
+                texts.append(inspect.getsource(function))
+            except (OSError, TypeError):  # no source file (frozen, built-in)
+                continue
+    return texts
+
+
 def main(out: str) -> None:
-    """Write both corpora into ``out``."""
+    """Write the three corpora into ``out``."""
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "stdlib_docs.csv", "w", newline="") as handle:
@@ -72,7 +103,9 @@ def main(out: str) -> None:
         writer.writerow(["name", "docstring"])
         writer.writerows(stdlib_docstrings())
     (directory / "package_readmes.txt").write_text("\n\n".join(package_readmes()) + "\n")
-    print(f"wrote {directory}/stdlib_docs.csv and {directory}/package_readmes.txt")
+    with open(directory / "stdlib_code.jsonl", "w") as handle:
+        handle.writelines(json.dumps({"text": text}) + "\n" for text in stdlib_functions())
+    print(f"wrote stdlib_docs.csv, package_readmes.txt and stdlib_code.jsonl in {directory}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Aggregate the study's runs over seeds and write ``curves.png``, ``report.md``, ``summary.json``.
 
 With a beta sweep, ``frontier.png`` shows final score and held-out perplexity against final KL
-for every run, so one sees where the adaptive controller lands among the fixed betas. When the
+for every run, so one sees where the adaptive controller lands among the fixed betas; with 3 or
+more fixed-beta runs the report also fits the frontier (:mod:`.frontier`) and gives every other
+run's gap to it at equal KL, with its standard error. When the
 runs log a gold score, ``gold_proxy.png`` and the report's "Gold vs proxy" section come from
 :mod:`.gold`.
 """
@@ -27,6 +29,7 @@ from rlkl_lightning.compare.events import (
     read_curves,
     run_metrics,
 )
+from rlkl_lightning.compare.frontier import Frontier, fit_frontier, frontier_gap
 from rlkl_lightning.compare.gold import gold_report
 
 if TYPE_CHECKING:
@@ -207,6 +210,8 @@ def write_report(runs: list[Run], study: StudyConfig, out: Path, elapsed: float)
         "gold": gold,
     }
     main_groups = [g for g in study.runs if g in by_group]
+    fitted = frontier_summary(groups)
+    summary["frontier"] = fitted and fitted[1]
     if len(main_groups) >= 2:
         summary["differences"] = [
             differences(groups, main_groups[0], other) for other in main_groups[1:]
@@ -215,7 +220,7 @@ def write_report(runs: list[Run], study: StudyConfig, out: Path, elapsed: float)
     plot_curves({g: [curves[r] for r in by_group[g]] for g in main_groups}, kl, out)
     frontier = len(by_group) > len(main_groups)
     if frontier:
-        plot_frontier(groups, kl, out)
+        plot_frontier(groups, kl, out, fitted and fitted[0])
     else:
         (out / "frontier.png").unlink(missing_ok=True)  # from an earlier study
     first_runs = [members[0] for members in by_group.values()]
@@ -278,10 +283,75 @@ def _markdown(
         lines += _differences_table(d) + [""]
     if frontier:
         lines += ["![frontier](frontier.png)", ""]
+    if summary.get("frontier"):
+        lines += [*_frontier_lines(summary["frontier"]), ""]
     lines += [*extra, "Repeat one run alone (the first seed of each):", "", "```"]
     lines += [f"python train.py fit --config {r.config}" for r in first_runs]
     lines += ["```", ""]
     return "\n".join(lines)
+
+
+def fixed_groups(groups: dict[str, dict[str, Any]]) -> list[str]:
+    """The fixed-beta groups (``fixed`` and the sweep's ``fixed_<beta>``), by beta."""
+    return sorted(
+        (g for g in groups if g == "fixed" or g.startswith("fixed_")),
+        key=lambda g: groups[g]["init_kl_coef"],
+    )
+
+
+def frontier_summary(
+    groups: dict[str, dict[str, Any]],
+) -> tuple[Frontier, dict[str, Any]] | None:
+    """The fitted fixed-beta frontier and every other group's gap to it; None without a fit.
+
+    The fit takes every seed of every fixed-beta group as a point; it needs 3 points and 2
+    distinct KLs (:func:`.frontier.fit_frontier`).
+    """
+    fixed = fixed_groups(groups)
+    kl = [v for g in fixed for v in groups[g]["per_seed"]["final_kl"]]
+    score = [v for g in fixed for v in groups[g]["per_seed"]["final_score"]]
+    try:
+        fit = fit_frontier(kl, score)
+    except ValueError:  # too few fixed-beta runs: the plot alone
+        return None
+    gaps = {
+        g: frontier_gap(
+            fit, groups[g]["per_seed"]["final_kl"], groups[g]["per_seed"]["final_score"]
+        )
+        for g in groups
+        if g not in fixed
+    }
+    return fit, {
+        "model": "final_score = intercept + slope * ln(final_kl), least squares over seeds",
+        "intercept": fit.intercept,
+        "slope": fit.slope,
+        "residual_sd": fit.residual_sd,
+        "points": fit.n,
+        "kl_range": [math.exp(v) for v in fit.log_kl_range],
+        "gaps": gaps,
+    }
+
+
+def _frontier_lines(f: dict[str, Any]) -> list[str]:
+    lo, hi = f["kl_range"]
+    lines = [
+        f"Fixed-beta frontier: final score = {f['intercept']:.3f} + {f['slope']:.3f} ln(final "
+        f"KL), least squares through {f['points']} fixed-beta runs (every seed a point; KL "
+        f"{lo:.2f}-{hi:.2f}; residual sd {f['residual_sd']:.3f}). Each run's gap is its mean "
+        "score minus the frontier at its own final KL, per seed; its standard error adds the "
+        "seeds' scatter of the gap and the frontier's error there.",
+        "",
+        "| run | final KL | gap to the frontier | 2 SE | beyond 2 SE | seeds "
+        "| KL inside the fit's range |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for g, d in f["gaps"].items():
+        lines.append(
+            f"| `{g}` | {d['kl']:.2f} | {d['gap']:+.3f} | {d['two_se']:.3f} | "
+            f"{'yes' if d['beyond_two_se'] else 'no'} | {d['seeds']} | "
+            f"{'yes' if d['inside_range'] else 'no (extrapolated)'} |"
+        )
+    return lines
 
 
 def _cell(g: dict[str, Any], name: str, fmt: str) -> str:
@@ -380,18 +450,30 @@ def plot_curves(groups: dict[str, list[Curves]], kl: dict[str, Any], out: Path) 
     plt.close(fig)
 
 
-def plot_frontier(groups: dict[str, dict[str, Any]], kl: dict[str, Any], out: Path) -> None:
-    """Final score and perplexity against final KL, one point per run."""
+def plot_frontier(
+    groups: dict[str, dict[str, Any]],
+    kl: dict[str, Any],
+    out: Path,
+    fit: Frontier | None = None,
+) -> None:
+    """Final score and perplexity against final KL, one point per run (and the fitted line)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_score, ax_ppl) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    fixed = sorted(
-        (g for g in groups if g == "fixed" or g.startswith("fixed_")),
-        key=lambda g: groups[g]["init_kl_coef"],
-    )
+    fixed = fixed_groups(groups)
+    if fit is not None:
+        grid = np.exp(np.linspace(*fit.log_kl_range, 50))
+        band = 2 * fit.standard_error(grid)
+        line = fit.score(grid)
+        ax_score.plot(
+            grid, line, ":", color="black", linewidth=1, label="fitted frontier (a + b ln KL)"
+        )
+        ax_score.fill_between(
+            grid, line - band, line + band, color="gray", alpha=0.15, label="its 2 SE band"
+        )
     for ax, name in ((ax_score, "final_score"), (ax_ppl, "final_perplexity")):
         ax.axvline(kl["target"], color="black", linestyle="--", linewidth=1, label="target")
         xs = [groups[g]["final_kl"] for g in fixed]

@@ -17,8 +17,9 @@ Every controller follows the :class:`KLController` protocol and these common rul
 * A non-finite ``current_kl`` (nan or inf) leaves the state unchanged and emits one
   ``RuntimeWarning`` per controller instance.
 * ``state_dict()`` holds the law name, beta (``value``) and the law's declared
-  ``state_fields`` (the PI integral); ``load_state_dict`` checks the law and gives a field
-  missing from an older state its start value, so states written by older versions still load.
+  ``state_fields`` (the PI integral; the log-PID law's integral and filter); ``load_state_dict``
+  checks the law and gives a field missing from an older state its start value, so states
+  written by older versions still load.
   Parameters (target, gains, ...) come from the constructor.
 
 Invalid parameters raise :class:`ValueError` at construction, naming the option and its
@@ -40,10 +41,11 @@ __all__ = [
     "ExponentialKLController",
     "FixedKLController",
     "KLController",
+    "LogPIDKLController",
     "PIKLController",
 ]
 
-KL_LAWS = ("fixed", "adaptive", "exponential", "pi")
+KL_LAWS = ("fixed", "adaptive", "exponential", "pi", "logpid")
 
 
 @runtime_checkable
@@ -435,4 +437,105 @@ class PIKLController(_BaseKLController):
     def _step(self, kl: float, n_steps: int) -> float:
         error = min(max((kl - self.target) / self.target, -self.error_clip), self.error_clip)
         self.integral = self.integral + self.ki * error
+        return self._log_to_beta(self.integral + self.kp * error)
+
+
+class LogPIDKLController(_BaseKLController):
+    """A PID law on the log of KL / target: one tuning for worlds whose KL answers beta unalike.
+
+    Where the KL goes as ``beta^-a``, the loop gain from ``log beta`` to ``log KL`` is the
+    elasticity ``a`` alone, whatever the KL's level, so an error in logs needs no per-world
+    gain. With ``f = floor`` and ``c = error_clip``, each update with a finite KL and
+    ``n_steps > 0`` does::
+
+        y     = log(max(kl, f * target) / target)                 # floored: the KL starts at 0
+        m     <- alpha * y + (1 - alpha) * (m + d)                 # smoothed log error (Holt)
+        d     <- gamma * (m - m_before) + (1 - gamma) * d          # its trend per batch
+        e     = clip(m + lead * d, -c, c)                          # projected `lead` batches on
+        e     <- e * min(1, |e| / dead_zone)                       # quadratic near 0: less noise
+        z     <- clip(z + max(ki * e, -max_fall), L, U)            # integral, falls <= max_fall
+        beta  <- exp(clip(z + kp * e, L, U))
+
+    ``L``, ``U`` are ``log`` of the bounds, as in :class:`PIKLController`. The trend term lets
+    the law raise beta while a fast-rising KL is still below the target, and the integral may
+    fall by at most ``max_fall`` per batch: the KL's slow start (from 0, or a plateau until
+    the policy finds the reward) cannot wind beta down unchecked. ``z`` (:attr:`integral`)
+    starts at ``log(init_kl_coef)``, ``m`` at ``log(floor)`` (a KL of 0), ``d`` at 0; all three
+    are in the state. Gains are per update (once per training batch). docs/controllers.md
+    ("The log-PID law") derives the defaults.
+
+    Args:
+        init_kl_coef: Initial beta, a finite number > 0 inside the bounds.
+        target: Target KL in the unit of the KL passed to :meth:`update`, finite and > 0.
+        kp: Proportional gain on log beta per unit of log error, finite and >= 0.
+        ki: Integral gain per update per unit of log error, finite and > 0.
+        lead: Batches the trend projects the error ahead, finite and >= 0.
+        max_fall: Largest fall of the integral (log beta) per update, finite and > 0.
+        alpha: Smoothing of the log error, in (0, 1].
+        gamma: Smoothing of its trend, in (0, 1].
+        dead_zone: Log error below which the error is scaled down quadratically, >= 0 (0: off).
+        error_clip: Clip ``c`` of the projected error, finite and > 0.
+        min_kl_coef: Optional lower bound on beta.
+        max_kl_coef: Optional upper bound on beta.
+    """
+
+    law = "logpid"
+    #: The KL is floored at this fraction of the target before its log is taken.
+    floor: ClassVar[float] = 0.3
+    state_fields = {
+        "integral": math.log,
+        "log_error": lambda beta: math.log(LogPIDKLController.floor),
+        "trend": lambda beta: 0.0,
+    }
+
+    def __init__(
+        self,
+        init_kl_coef: float,
+        target: float,
+        kp: float = 0.6,
+        ki: float = 0.15,
+        lead: float = 8.0,
+        max_fall: float = 0.05,
+        alpha: float = 0.5,
+        gamma: float = 0.1,
+        dead_zone: float = 0.4,
+        error_clip: float = 1.0,
+        min_kl_coef: float | None = None,
+        max_kl_coef: float | None = None,
+    ) -> None:
+        super().__init__(init_kl_coef, min_kl_coef, max_kl_coef)
+        owner = type(self).__name__
+        self.target = _finite(owner, "target", target, unit="nats")
+        self.kp = _finite(owner, "kp", kp, strict=False)
+        self.ki = _finite(owner, "ki", ki)
+        self.lead = _finite(owner, "lead", lead, strict=False, unit="batches")
+        self.max_fall = _finite(owner, "max_fall", max_fall)
+        for name, value in (("alpha", alpha), ("gamma", gamma)):
+            number = _finite(owner, name, value)
+            if number > 1.0:
+                raise ValueError(f"{owner}: `{name}` must lie in (0, 1], got {value!r}")
+            setattr(self, name, number)
+        self.dead_zone = _finite(owner, "dead_zone", dead_zone, strict=False)
+        self.error_clip = _finite(owner, "error_clip", error_clip)
+
+    @property
+    def integral(self) -> float:
+        """The integral term ``z`` on log-beta, always inside ``[L, U]``."""
+        return self._integral
+
+    @integral.setter
+    def integral(self, z: float) -> None:
+        # Anti-windup: the integral term is clamped to the actuator range [log lo, log hi].
+        self._integral = min(max(z, math.log(self._lo)), math.log(self._hi))
+
+    def _step(self, kl: float, n_steps: int) -> float:
+        y = math.log(max(kl, self.floor * self.target) / self.target)
+        before = self.log_error
+        self.log_error = self.alpha * y + (1.0 - self.alpha) * (before + self.trend)
+        self.trend = self.gamma * (self.log_error - before) + (1.0 - self.gamma) * self.trend
+        error = self.log_error + self.lead * self.trend
+        error = min(max(error, -self.error_clip), self.error_clip)
+        if self.dead_zone > 0.0:
+            error *= min(1.0, abs(error) / self.dead_zone)
+        self.integral = self.integral + max(self.ki * error, -self.max_fall)
         return self._log_to_beta(self.integral + self.kp * error)

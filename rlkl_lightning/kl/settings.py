@@ -15,6 +15,7 @@ from rlkl_lightning.kl.controllers import (
     ExponentialKLController,
     FixedKLController,
     KLController,
+    LogPIDKLController,
     PIKLController,
 )
 from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
@@ -28,7 +29,8 @@ class KLSettings:
 
     Args:
         controller: the control law: ``fixed``, ``adaptive`` (Ziegler et al. 2019),
-            ``exponential`` or ``pi``.
+            ``exponential``, ``pi`` or ``logpid`` (a PID law on log KL whose defaults need no
+            per-world tuning; it takes only ``target`` and the bounds from this group).
         target: target KL in ``unit``; drives the adaptive laws and the drift monitor (with a
             fixed beta it is only monitored).
         unit: ``sequence`` (nats per sequence, read from ``objective/kl``) or ``token``
@@ -96,6 +98,8 @@ class KLSettings:
                 return ExponentialKLController(init_kl_coef, self.target, self.k, **bounds)
             case "pi":
                 return PIKLController(init_kl_coef, self.target, self.kp, self.ki, **bounds)
+            case "logpid":
+                return LogPIDKLController(init_kl_coef, self.target, **bounds)
         raise AssertionError(f"no controller for law {self.controller!r}")  # see __post_init__
 
     def callbacks(self, init_kl_coef: float) -> list[Callback]:

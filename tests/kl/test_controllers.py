@@ -23,6 +23,7 @@ from rlkl_lightning.kl.controllers import (
     ExponentialKLController,
     FixedKLController,
     KLController,
+    LogPIDKLController,
     PIKLController,
 )
 from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
@@ -42,6 +43,7 @@ def _make(law: str, **overrides):
         "adaptive": dict(init_kl_coef=0.1, target=6.0, horizon=1000),
         "exponential": dict(init_kl_coef=0.1, target=6.0, k=0.05),
         "pi": dict(init_kl_coef=0.1, target=6.0, kp=0.3, ki=0.05, min_kl_coef=1e-3),
+        "logpid": dict(init_kl_coef=0.1, target=6.0, min_kl_coef=1e-3),
     }[law]
     params.update(overrides)
     cls = {
@@ -49,6 +51,7 @@ def _make(law: str, **overrides):
         "adaptive": AdaptiveKLController,
         "exponential": ExponentialKLController,
         "pi": PIKLController,
+        "logpid": LogPIDKLController,
     }[law]
     return cls(**params)
 
@@ -225,7 +228,146 @@ def test_pi_anti_windup_leaves_the_bound_at_the_first_sign_change():
 # common behaviour
 
 
-@pytest.mark.parametrize("law", ["fixed", "adaptive", "exponential", "pi"])
+def _logpid_reference(
+    init,
+    target,
+    kls,
+    kp=0.6,
+    ki=0.15,
+    lead=8.0,
+    fall=0.05,
+    alpha=0.5,
+    gamma=0.1,
+    dead=0.4,
+    clip=1.0,
+    lo=1e-3,
+    hi=10.0,
+):
+    """The log-PID law of the LogPIDKLController docstring, written out independently."""
+    z, m, d, betas = math.log(init), math.log(0.3), 0.0, []
+    for kl in kls:
+        y = math.log(max(kl, 0.3 * target) / target)
+        m_new = alpha * y + (1 - alpha) * (m + d)
+        d = gamma * (m_new - m) + (1 - gamma) * d
+        m = m_new
+        e = _clip(m + lead * d, -clip, clip)
+        e = e * min(1.0, abs(e) / dead) if dead else e
+        z = _clip(z + max(ki * e, -fall), math.log(lo), math.log(hi))
+        betas.append(math.exp(_clip(z + kp * e, math.log(lo), math.log(hi))))
+    return betas
+
+
+def test_logpid_matches_formula_step_by_step():
+    kls = KL_SEQUENCE + [60.0, 60.0, 0.5, 6.0, 6.0]
+    ctl = LogPIDKLController(0.1, 6.0, min_kl_coef=1e-3, max_kl_coef=10.0)
+    got = [ctl.update(kl, 64) for kl in kls]
+    assert got == pytest.approx(_logpid_reference(0.1, 6.0, kls), rel=1e-12)
+    other = dict(kp=0.2, ki=0.3, lead=2.0, fall=0.5, alpha=0.9, gamma=0.6, dead=0.0, clip=2.0)
+    ctl = LogPIDKLController(
+        0.1, 6.0, 0.2, 0.3, 2.0, 0.5, 0.9, 0.6, 0.0, 2.0, min_kl_coef=1e-3, max_kl_coef=10.0
+    )
+    got = [ctl.update(kl, 64) for kl in kls]
+    assert got == pytest.approx(_logpid_reference(0.1, 6.0, kls, **other), rel=1e-12)
+
+
+def test_logpid_falls_at_most_max_fall_per_batch_while_the_kl_is_zero():
+    """A KL of 0 is an error of log(0.3) clipped to -1: the integral would fall by ki = 0.15 a
+    batch, the cap holds it to 0.05, and the proportional term adds kp * -1 once: after n
+    batches beta = 0.1 exp(-0.05 n - 0.6), whatever the batch size."""
+    ctl = LogPIDKLController(0.1, 6.0)
+    for n in range(1, 41):
+        assert ctl.update(0.0, 64 if n % 2 else 1) == pytest.approx(
+            0.1 * math.exp(-0.05 * n - 0.6), rel=1e-12
+        )
+    assert ctl.log_error == pytest.approx(math.log(0.3)) and ctl.trend == 0.0
+    # Without the cap the same 40 batches take beta 0.15 / 0.05 = 3 times as far in log.
+    free = LogPIDKLController(0.1, 6.0, max_fall=1.0)
+    for _ in range(40):
+        free.update(0.0, 64)
+    assert free.value == pytest.approx(0.1 * math.exp(-0.15 * 40 - 0.6), rel=1e-12)
+
+
+def test_logpid_at_the_target_with_no_trend_keeps_beta_and_zero_samples_change_nothing():
+    ctl = LogPIDKLController(0.1, 6.0)
+    ctl.load_state_dict({"law": "logpid", "value": 0.05, "log_error": 0.0, "trend": 0.0})
+    assert ctl.integral == pytest.approx(math.log(0.05))  # missing: from the saved beta
+    for _ in range(5):
+        assert ctl.update(6.0, 64) == pytest.approx(0.05, rel=1e-15)
+    state = ctl.state_dict()
+    assert ctl.update(600.0, 0) == ctl.value and ctl.state_dict() == state
+    # Inside the dead zone a small steady error moves beta quadratically less: 0.2 / 0.4.
+    near = LogPIDKLController(0.1, 6.0, kp=0.0, ki=1.0, lead=0.0, alpha=1.0)
+    near.load_state_dict({"law": "logpid", "value": 0.1, "log_error": 0.0, "trend": 0.0})
+    assert math.log(near.update(6.0 * math.exp(0.2), 64) / 0.1) == pytest.approx(0.2 * 0.2 / 0.4)
+
+
+def test_logpid_raises_beta_on_a_fast_rise_before_the_kl_reaches_the_target():
+    """The trend term: while a KL climbs 2 -> 5 nats (still below 6) beta turns up, where the
+    same law without it (lead 0) holds it lower."""
+    rise = (2.5, 3.2, 4.0, 5.0)
+    ctl = LogPIDKLController(0.05, 6.0)
+    ctl.load_state_dict({"law": "logpid", "value": 0.05, "log_error": math.log(2 / 6)})
+    betas = [ctl.update(kl, 64) for kl in rise]
+    flat = LogPIDKLController(0.05, 6.0, lead=0.0)
+    flat.load_state_dict({"law": "logpid", "value": 0.05, "log_error": math.log(2 / 6)})
+    flat_betas = [flat.update(kl, 64) for kl in rise]
+    assert betas[-1] > betas[-2] > betas[0] and betas[-1] > 1.3 * flat_betas[-1]
+    assert flat_betas[-1] < 0.05  # still below where it started
+
+
+def test_logpid_options_are_validated():
+    for name in ("alpha", "gamma"):
+        with pytest.raises(ValueError, match=rf"`{name}` must lie in \(0, 1\], got 1.5"):
+            _make("logpid", **{name: 1.5})
+    for name in ("kp", "lead", "dead_zone"):
+        with pytest.raises(ValueError, match=rf"`{name}` must be a finite number >= 0"):
+            _make("logpid", **{name: -1.0})
+
+
+def _learning_plant(controller, seed, takeoff_rate, batches=150, noise=0.15):
+    """A simulated KL (docs/controllers.md, "The log-PID law"): a fast part ~ beta^-0.4 and a
+    learnt part ~ beta^-1 that grows as the policy finds the reward, sooner at lower beta."""
+    rng = np.random.default_rng(seed)
+    betas, fast, learnt, found, kls = [controller.value], 0.0, 0.0, 0.01, []
+    for _ in range(batches):
+        beta = betas[max(0, len(betas) - 3)]  # a dead time of 2 batches
+        found = min(1.0, found + takeoff_rate * (0.1 / beta) * found * (1 - found))
+        fast += ((beta / 0.1) ** -0.4 - fast) / 2.0
+        learnt += (found * 3.0 * (beta / 0.1) ** -1.0 - learnt) / 5.0
+        kl = fast + learnt
+        kls.append(max(0.0, kl * (1 + noise * rng.standard_normal())))
+        betas.append(controller.update(kls[-1], 32))
+    return np.array(kls)
+
+
+def _settle_and_overshoot(kl, target=6.0, window=10):
+    means = np.convolve(kl, np.ones(window) / window, mode="valid")
+    outside = [i for i, m in enumerate(means) if abs(m - target) > 0.25 * target]
+    settle = window if not outside else window + outside[-1] + 1
+    return settle, max(0.0, means.max() - target)
+
+
+@pytest.mark.parametrize("takeoff_rate", [0.2, 0.08, 0.025])  # reward found fast ... slowly
+def test_logpid_settles_fast_without_overshoot_where_an_unlimited_variant_overshoots(
+    takeoff_rate,
+):
+    """On a KL that sits low until the policy finds the reward, the law's 10-batch mean is
+    within 25% of the target by batch 45 and overshoots by under 25% of it, one tuning for all
+    three rates. Without the fall cap and the trend (lead 0, max_fall 1) it overshoots by more
+    than 4 nats, and the PI law with the default world's gains settles late or overshoots."""
+    for seed in range(3):
+        settle, over = _settle_and_overshoot(
+            _learning_plant(LogPIDKLController(0.1, 6.0), seed, takeoff_rate)
+        )
+        assert settle <= 45 and over <= 1.5, (seed, settle, over)
+        unlimited = LogPIDKLController(0.1, 6.0, lead=0.0, max_fall=1.0)
+        assert _settle_and_overshoot(_learning_plant(unlimited, seed, takeoff_rate))[1] > 4.0
+        pi = PIKLController(0.1, 6.0, kp=0.77, ki=0.067)
+        settle, over = _settle_and_overshoot(_learning_plant(pi, seed, takeoff_rate))
+        assert takeoff_rate > 0.1 or settle > 45 or over > 1.5
+
+
+@pytest.mark.parametrize("law", KL_LAWS)
 def test_protocol_and_repr(law):
     ctl = _make(law)
     assert isinstance(ctl, KLController)
@@ -235,7 +377,7 @@ def test_protocol_and_repr(law):
         assert "target=6.0" in text
 
 
-@pytest.mark.parametrize("law", ["fixed", "adaptive", "exponential", "pi"])
+@pytest.mark.parametrize("law", KL_LAWS)
 def test_non_finite_kl_keeps_state_and_warns_once(law):
     ctl = _make(law)
     ctl.update(9.0, 64)
@@ -256,7 +398,7 @@ def test_non_finite_kl_keeps_state_and_warns_once(law):
         _make(law).update(NAN, 1)
 
 
-@pytest.mark.parametrize("law", ["fixed", "adaptive", "exponential", "pi"])
+@pytest.mark.parametrize("law", KL_LAWS)
 @pytest.mark.parametrize("n_steps", [-1, 1.5, True, "3", None, 2.0])
 def test_update_rejects_bad_n_steps(law, n_steps):
     ctl = _make(law)
@@ -293,6 +435,13 @@ POSITIVE_OPTIONS = [
     ("pi", "target"),
     ("pi", "error_clip"),
     ("pi", "min_kl_coef"),
+    ("logpid", "init_kl_coef"),
+    ("logpid", "target"),
+    ("logpid", "ki"),
+    ("logpid", "max_fall"),
+    ("logpid", "alpha"),
+    ("logpid", "gamma"),
+    ("logpid", "error_clip"),
     ("adaptive", "max_kl_coef"),
 ]
 
@@ -353,7 +502,7 @@ def test_pi_needs_a_gain():
     assert _make("pi", kp=0.0).update(12.0, 1) > 0.1  # pure integral is fine
 
 
-@pytest.mark.parametrize("law", ["fixed", "adaptive", "exponential", "pi"])
+@pytest.mark.parametrize("law", KL_LAWS)
 def test_bounds_are_validated(law):
     with pytest.raises(ValueError, match="`min_kl_coef` must be <= `max_kl_coef`"):
         _make(law, min_kl_coef=0.2, max_kl_coef=0.05)
@@ -375,7 +524,7 @@ def test_kl_settings_build_each_law_from_its_options():
         return KLSettings(**options).kl_controller(0.2)
 
     assert [built(controller=law).law for law in KL_LAWS] == list(KL_LAWS)
-    assert KL_LAWS == ("fixed", "adaptive", "exponential", "pi")
+    assert KL_LAWS == ("fixed", "adaptive", "exponential", "pi", "logpid")
     fixed = built(controller="fixed", max_kl_coef=0.3)
     assert type(fixed) is FixedKLController and (fixed.value, fixed.max_kl_coef) == (0.2, 0.3)
 
@@ -392,6 +541,13 @@ def test_kl_settings_build_each_law_from_its_options():
     )
     pi = built(controller="pi", kp=0.1, ki=0.01)
     assert type(pi) is PIKLController and (pi.kp, pi.ki, pi.target) == (0.1, 0.01, 6.0)
+    # The log-PID law takes the target and bounds alone: the PI gains do not reach it.
+    logpid = built(controller="logpid", target=4.0, kp=0.1, ki=0.01, max_kl_coef=2.0)
+    assert type(logpid) is LogPIDKLController and (logpid.target, logpid.max_kl_coef) == (4.0, 2.0)
+    assert (logpid.kp, logpid.ki) == (
+        _default(LogPIDKLController, "kp"),
+        _default(LogPIDKLController, "ki"),
+    )
 
 
 def _default(cls, name):
@@ -439,15 +595,17 @@ def test_every_kl_settings_default_is_the_default_of_the_signature_it_feeds():
 # state
 
 
-@pytest.mark.parametrize("law", ["fixed", "adaptive", "exponential", "pi"])
+@pytest.mark.parametrize("law", KL_LAWS)
 def test_state_round_trip_continues_the_same_trajectory(law):
     ctl = _make(law)
     for kl in KL_SEQUENCE[:6]:
         ctl.update(kl, 64)
     state = json.loads(json.dumps(ctl.state_dict()))  # plain, serializable values
     assert state["law"] == law and state["value"] == ctl.value
-    if law == "pi":
+    if law in ("pi", "logpid"):
         assert state["integral"] == ctl.integral != math.log(0.1)
+    if law == "logpid":
+        assert state["log_error"] == ctl.log_error and state["trend"] == ctl.trend != 0.0
 
     resumed = _make(law)
     resumed.load_state_dict(state)
@@ -511,7 +669,7 @@ positive = st.floats(min_value=1e-6, max_value=1e6)
 @st.composite
 def controllers(draw):
     """A controller of any law with random parameters, with or without bounds."""
-    law = draw(st.sampled_from(["fixed", "adaptive", "exponential", "pi"]))
+    law = draw(st.sampled_from(KL_LAWS))
     lo = draw(st.none() | st.floats(min_value=1e-8, max_value=1.0))
     hi = draw(st.none() | st.floats(min_value=1.0, max_value=1e8))
     init = draw(st.floats(min_value=lo or 1e-8, max_value=hi or 1e8))
@@ -522,6 +680,20 @@ def controllers(draw):
         ctl = AdaptiveKLController(init, draw(positive), draw(positive), **bounds)
     elif law == "exponential":
         ctl = ExponentialKLController(init, draw(positive), draw(positive), **bounds)
+    elif law == "logpid":
+        unit = st.floats(min_value=1e-3, max_value=1.0)
+        ctl = LogPIDKLController(
+            init,
+            draw(positive),
+            kp=draw(st.floats(min_value=0.0, max_value=100.0)),
+            ki=draw(st.floats(min_value=1e-6, max_value=100.0)),
+            lead=draw(st.floats(min_value=0.0, max_value=100.0)),
+            max_fall=draw(st.floats(min_value=1e-6, max_value=100.0)),
+            alpha=draw(unit),
+            gamma=draw(unit),
+            dead_zone=draw(st.floats(min_value=0.0, max_value=10.0)),
+            **bounds,
+        )
     else:
         kp = draw(st.floats(min_value=0.0, max_value=100.0))
         ki = draw(st.floats(min_value=1e-6, max_value=100.0))
@@ -558,7 +730,7 @@ def test_beta_stays_finite_positive_and_bounded(ctl, steps):
             assert lo <= beta <= hi
             if not math.isfinite(kl) or n == 0:
                 assert ctl.state_dict() == before
-            if isinstance(ctl, PIKLController):
+            if isinstance(ctl, PIKLController | LogPIDKLController):
                 assert math.log(lo) <= ctl.integral <= math.log(hi)
 
 

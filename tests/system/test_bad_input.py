@@ -101,6 +101,7 @@ def test_cli_kl_group_rejects_bad_values(kwargs, match):
         ({"horizon": -5.0}, r"`horizon` must be a finite number > 0"),
         ({"controller": "exponential", "k": math.nan}, r"`k` must be a finite number > 0"),
         ({"controller": "pi", "kp": -1.0}, r"`kp` must be a finite number >= 0"),
+        ({"controller": "pid"}, r"`kl.controller` must be one of \('fixed', .*'logpid'\), got"),
         ({"min_kl_coef": 0.0}, r"`min_kl_coef` must be a finite number > 0"),
         ({"min_kl_coef": 0.5, "max_kl_coef": 0.1}, r"`min_kl_coef` must be <= `max_kl_coef`"),
         ({"window": 0}, r"window must be an int >= 1"),
@@ -119,7 +120,7 @@ def test_beta_out_of_range_or_nan_is_rejected(tiny_lm_dir):
         with pytest.raises(ValueError, match=r"`init_kl_coef` must be a finite number >= 0"):
             PPOModule(**ppo_args(tiny_lm_dir, init_kl_coef=bad))
     # The adaptive laws multiply beta: 0 could never move, and the error says to use `fixed`.
-    for law in ("adaptive", "exponential", "pi"):
+    for law in ("adaptive", "exponential", "pi", "logpid"):
         with pytest.raises(
             ValueError,
             match=r"`init_kl_coef` must be a finite number > 0, got 0.0: the .* law multiplies "

@@ -36,7 +36,7 @@ def scalar_tags(log_dir: Path) -> set[str]:
 def test_the_configs_are_all_here():
     names = {c.name for c in CONFIGS}
     assert {"ppo_adaptive.yaml", "ppo_fixed.yaml", "sft.yaml", "compare.yaml"} <= names
-    assert {"ppo_exponential.yaml", "ppo_pi.yaml", "compare_laws.yaml"} <= names
+    assert {"ppo_exponential.yaml", "ppo_pi.yaml", "ppo_logpid.yaml", "compare_laws.yaml"} <= names
     assert {"rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml", "compare_algorithms.yaml"} <= names
     assert "grpo_adaptive.yaml" in names
     assert "ppo_reference_reset.yaml" in names
@@ -98,12 +98,14 @@ LAW_CLASSES = {
     "adaptive": "AdaptiveKLController",
     "exponential": "ExponentialKLController",
     "pi": "PIKLController",
+    "logpid": "LogPIDKLController",
 }
 
 
 @pytest.mark.parametrize(
     "name",
     ["ppo_adaptive.yaml", "ppo_fixed.yaml", "ppo_exponential.yaml", "ppo_pi.yaml"]
+    + ["ppo_logpid.yaml"]
     + ["rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml", "grpo_adaptive.yaml"]
     + ["ppo_reference_reset.yaml"],
 )

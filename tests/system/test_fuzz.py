@@ -29,6 +29,7 @@ from rlkl_lightning.kl.controllers import (
     AdaptiveKLController,
     ExponentialKLController,
     FixedKLController,
+    LogPIDKLController,
     PIKLController,
 )
 from rlkl_lightning.kl.estimators import exact_kl, per_token_kl, sequence_kl, token_mean_kl
@@ -192,6 +193,10 @@ LAWS = {
     PIKLController: (
         {"init_kl_coef": 0.1, "target": 6.0},
         ["init_kl_coef", "target", "error_clip", "min_kl_coef"],
+    ),
+    LogPIDKLController: (
+        {"init_kl_coef": 0.1, "target": 6.0},
+        ["init_kl_coef", "target", "ki", "max_fall", "error_clip", "max_kl_coef"],
     ),
 }
 LAW_OPTIONS = [(cls, option) for cls, (_, options) in LAWS.items() for option in options]
