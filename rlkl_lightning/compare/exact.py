@@ -29,7 +29,7 @@ import numpy as np
 import yaml
 
 from rlkl_lightning import metric_keys as keys
-from rlkl_lightning.compare.events import read_scalars
+from rlkl_lightning.compare.events import overshoot, read_scalars, settle_batch
 
 if TYPE_CHECKING:
     from rlkl_lightning.compare.config import StudyConfig
@@ -92,6 +92,13 @@ def final_values(log_dir: Path) -> dict[str, float]:
     return out
 
 
+def settling(log_dir: Path, target: float) -> dict[str, Any]:
+    """A law's settle batch (None: never) and overshoot, as the other studies define them."""
+    series = read_scalars(log_dir)[keys.KL]
+    kl = np.array([series[step] for step in sorted(series)], dtype=float)
+    return {"settle": settle_batch(kl, target), "overshoot": overshoot(kl, target)}
+
+
 def _stats(values: list[float]) -> dict[str, Any]:
     v = np.asarray(values, dtype=float)
     return {
@@ -120,6 +127,8 @@ def summarise(runs: list[Run], end_steps: int = END_STEPS) -> dict[str, Any]:
         g = groups.setdefault(run.group, {**settings, "seeds": [], "finals": []})
         g["seeds"].append(run.seed)
         g["finals"].append(final_values(run.log_dir))
+        if settings["law"] != "fixed":
+            g.setdefault("settling", []).append(settling(run.log_dir, float(settings["target"])))
     for g in groups.values():
         world = worlds[json.dumps(g.pop("world"), sort_keys=True)]
         finals = g.pop("finals")
@@ -145,6 +154,14 @@ def summarise(runs: list[Run], end_steps: int = END_STEPS) -> dict[str, Any]:
             best = world.optimum(beta)
             g["target_optimum"] = {"beta": beta, "kl": best.kl, "reward": best.reward}
             g["beta_ratio"] = g["kl_coef"]["mean"] / beta
+            traces = g.pop("settling")
+            settled = [t["settle"] for t in traces if t["settle"] is not None]
+            g["settle_batch"] = {
+                "per_seed": [t["settle"] for t in traces],
+                "mean": float(np.mean(settled)) if settled else None,
+                "never": len(traces) - len(settled),
+            }
+            g["overshoot"] = _stats([t["overshoot"] for t in traces])
     (world,) = worlds.values() if len(worlds) == 1 else (None,)
     reference = None
     if world is not None:
@@ -259,16 +276,19 @@ def _markdown(summary: dict[str, Any], study: StudyConfig, n_runs: int) -> str:
             "## KL target: each control law's final beta against the exact one",
             "",
             "| run | law | target KL | final beta | exact beta for the target | ratio "
-            "| KL(pi‖ref) reached | E[R] | frontier E[R] at that KL | gap |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| KL(pi‖ref) reached | E[R] | frontier E[R] at that KL | gap "
+            "| settle batch (per seed) | overshoot |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, g in laws.items():
             t = g["target_optimum"]
+            per_seed = g["settle_batch"]["per_seed"]
+            settle = ", ".join("never" if b is None else str(b) for b in per_seed)
             lines.append(
                 f"| `{name}` | {g['law']} | {g['target']:g} | {_cell(g['kl_coef'], '.3f')} | "
                 f"{t['beta']:.3f} | {g['beta_ratio']:.2f} | {_cell(g['kl_to_ref'], '.3f')} | "
                 f"{_cell(g['reward'], '.3f')} | {_cell(g['frontier_reward'], '.3f')} | "
-                f"{_cell(g['reward_gap'], '.3f')} |"
+                f"{_cell(g['reward_gap'], '.3f')} | {settle} | {_cell(g['overshoot'], '.2f')} |"
             )
         lines.append("")
     lines += [

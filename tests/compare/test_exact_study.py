@@ -53,7 +53,7 @@ def test_the_study_plans_every_placement_estimator_and_law(tmp_path, monkeypatch
         for e in ("k1", "k2", "k3")
     }
     expected |= {f"ppo_{law}": ("PPO", "reward", "k1", law) for law in ("adaptive", "exponential")}
-    expected |= {"ppo_pi": ("PPO", "reward", "k1", "pi")}
+    expected |= {f"ppo_{law}": ("PPO", "reward", "k1", law) for law in ("pi", "logpid")}
     assert seen == expected
 
 
@@ -110,6 +110,15 @@ def test_the_report_reads_the_final_numbers_and_judges_them_exactly(tmp_path, mo
     names = (keys.EXACT_KL_TO_REF, keys.EXACT_REWARD, keys.EXACT_KL_TO_OPTIMUM, keys.KL_COEF)
     for run in runs:
         write_events(run.log_dir, dict(zip((*names, keys.ENTROPY), finals[run.group], strict=True)))
+    # The law's batch KL: 6 nats for 5 batches, then the target 3. The 10-batch means are 4.5,
+    # 4.2, 3.9 (outside 3 +- 25%), then 3.6 at batch 13 and inside from there: settled at 13,
+    # overshoot 4.5 - 3.
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(next(r for r in runs if r.group == "ppo_pi").log_dir))
+    for step in range(30):
+        writer.add_scalar(keys.KL, 6.0 if step < 5 else 3.0, step)
+    writer.close()
     study, _ = parse_args(["--config", CONFIG])
     summary = write_exact_report(runs, study, tmp_path, elapsed=1.0, end_steps=2)
     groups = summary["groups"]
@@ -123,6 +132,8 @@ def test_the_report_reads_the_final_numbers_and_judges_them_exactly(tmp_path, mo
     pi = groups["ppo_pi"]
     assert pi["target_optimum"]["beta"] == pytest.approx(world.beta_for_kl(3.0))
     assert pi["beta_ratio"] == pytest.approx(0.25 / world.beta_for_kl(3.0), rel=1e-6)
+    assert pi["settle_batch"]["per_seed"] == [13] and pi["settle_batch"]["never"] == 0
+    assert pi["overshoot"]["mean"] == pytest.approx(1.5)
     assert json.loads((tmp_path / "summary.json").read_text())["groups"].keys() == groups.keys()
     report = (tmp_path / "report.md").read_text()
     assert "| `ppo_reward_k1` | PPO | reward | k1 | 0.5 |" in report
