@@ -374,7 +374,24 @@ class ExponentialKLController(_BaseKLController):
         return self._log_to_beta(math.log(self._beta) + self.k * (kl - self.target))
 
 
-class PIKLController(_BaseKLController):
+class _ClampedIntegral:
+    """An integral term ``z`` on log-beta, clamped to the actuator range ``[L, U]``."""
+
+    _lo: float
+    _hi: float
+
+    @property
+    def integral(self) -> float:
+        """The integral term ``z`` on log-beta, always inside ``[L, U]``."""
+        return self._integral
+
+    @integral.setter
+    def integral(self, z: float) -> None:
+        # Anti-windup: the integral term is clamped to the actuator range [log lo, log hi].
+        self._integral = min(max(z, math.log(self._lo)), math.log(self._hi))
+
+
+class PIKLController(_ClampedIntegral, _BaseKLController):
     """Proportional-integral law on log-beta, with integrator clamping as anti-windup.
 
     With ``L = log(min_kl_coef)``, ``U = log(max_kl_coef)`` (the float range when a bound is
@@ -424,23 +441,13 @@ class PIKLController(_BaseKLController):
             raise ValueError(f"{owner}: at least one of `kp`, `ki` must be > 0, got kp=0, ki=0")
         self.error_clip = _finite(owner, "error_clip", error_clip)
 
-    @property
-    def integral(self) -> float:
-        """The integral term ``z`` on log-beta, always inside ``[L, U]``."""
-        return self._integral
-
-    @integral.setter
-    def integral(self, z: float) -> None:
-        # Anti-windup: the integral term is clamped to the actuator range [log lo, log hi].
-        self._integral = min(max(z, math.log(self._lo)), math.log(self._hi))
-
     def _step(self, kl: float, n_steps: int) -> float:
         error = min(max((kl - self.target) / self.target, -self.error_clip), self.error_clip)
         self.integral = self.integral + self.ki * error
         return self._log_to_beta(self.integral + self.kp * error)
 
 
-class LogPIDKLController(_BaseKLController):
+class LogPIDKLController(_ClampedIntegral, _BaseKLController):
     """A PID law on the log of KL / target: one tuning for worlds whose KL answers beta unalike.
 
     Where the KL goes as ``beta^-a``, the loop gain from ``log beta`` to ``log KL`` is the
@@ -517,16 +524,6 @@ class LogPIDKLController(_BaseKLController):
             setattr(self, name, number)
         self.dead_zone = _finite(owner, "dead_zone", dead_zone, strict=False)
         self.error_clip = _finite(owner, "error_clip", error_clip)
-
-    @property
-    def integral(self) -> float:
-        """The integral term ``z`` on log-beta, always inside ``[L, U]``."""
-        return self._integral
-
-    @integral.setter
-    def integral(self, z: float) -> None:
-        # Anti-windup: the integral term is clamped to the actuator range [log lo, log hi].
-        self._integral = min(max(z, math.log(self._lo)), math.log(self._hi))
 
     def _step(self, kl: float, n_steps: int) -> float:
         y = math.log(max(kl, self.floor * self.target) / self.target)
