@@ -48,11 +48,11 @@ import flops  # noqa: E402
 from bench_world import PRESETS, build, preset  # noqa: E402
 from harness import (  # noqa: E402
     BF16_FLAGS,
-    Worker,
-    alternate,
+    add_common_arguments,
+    check_common_arguments,
     cpu_flags,
-    load_average,
     machine,
+    measure,
     phase_line,
     summarize,
 )
@@ -80,54 +80,26 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_TRL_PYTHON,
         help=f"the interpreter with TRL {TRL_VERSION} (default: %(default)s, `make trl-env`)",
     )
-    parser.add_argument("--json", type=Path, help="write the results to this file")
-    parser.add_argument("--iters", type=int, default=10, help="timed iterations per side")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per side")
-    parser.add_argument(
-        "--preset", choices=sorted(PRESETS), default="gpt2-4x256", help="models and batch"
-    )
-    parser.add_argument(
-        "--tiny", action="store_true", help="the preset's architecture at smoke-test size"
-    )
+    add_common_arguments(parser, sorted(PRESETS))
     parser.add_argument(
         "--batch", type=int, help="completions per iteration instead of the preset's"
     )
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument(
-        "--precision",
-        choices=("32-true", "bf16-mixed"),
-        default="32-true",
-        help="fp32, or bfloat16 autocast on both sides (on a CPU: where it has bf16 units)",
-    )
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of every worker")
     parser.add_argument(
         "--cpu-matmul",
         choices=("auto", "default", "onednn"),
         help="our side's cpu_matmul option (default: the library's own default)",
     )
-    parser.add_argument("--world", type=Path, help="where to build the models (default: temp)")
-    parser.add_argument(
-        "--omp-wait-policy",
-        choices=("passive", "active", "default"),
-        default="default",
-        help="OMP_WAIT_POLICY of every worker (passive on a shared machine; see "
-        "ppo_throughput.py --help)",
-    )
     args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0 or args.threads < 1 or args.generations < 2:
-        parser.error("--iters and --threads must be >= 1, --warmup >= 0, --generations >= 2")
+    check_common_arguments(parser, args)
+    if args.generations < 2:
+        parser.error("--generations must be >= 2")
     p = preset(args.preset, args.tiny, args.batch)
     if p.batch % args.generations or p.batch % p.minibatches:
         parser.error(
             f"--batch ({p.batch}) must be a multiple of --generations ({args.generations}) and "
             f"of the {p.minibatches} minibatches"
         )
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: torch sees no CUDA device here; allowed: --device cpu")
     return args
 
 
@@ -165,20 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlkl-grpo-bench-"))
     world = build(args.world or tmp / "world", chosen)
-    total = args.warmup + args.iters
-    load_before = load_average()
-    workers = {
-        side: Worker(side, world, total, tmp, settings, python) for side, python in sides.items()
-    }
-    for w in workers.values():
-        w.receive()  # ready: models loaded, trainer built
+    runs, peak, load_before = measure(sides, world, tmp, settings, args)
     dtype = torch.bfloat16 if args.precision == "bf16-mixed" else torch.float32
-    peak_kw = {"device": args.device, "dtype": dtype}
-    peak = flops.matmul_peak(args.threads, **peak_kw)  # workers are idle: only we compute
-    runs = alternate(workers, args.warmup, args.iters)
-    for w in workers.values():
-        w.close()
-    peak = max(peak, flops.matmul_peak(args.threads, **peak_kw))
 
     tokens = shape.batch * shape.response
     results: dict = {

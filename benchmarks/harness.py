@@ -7,6 +7,7 @@ the order every iteration, so that all sides meet the same machine conditions.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -80,6 +81,74 @@ class Worker:
         except BrokenPipeError:
             pass
         self.proc.wait(timeout=300)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, presets: list[str]) -> None:
+    """The options every throughput benchmark takes (its own are added by the script)."""
+    parser.add_argument("--json", type=Path, help="write the results to this file")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per side")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per side")
+    parser.add_argument("--preset", choices=presets, default="gpt2-4x256", help="models and batch")
+    parser.add_argument(
+        "--tiny", action="store_true", help="the preset's architecture at smoke-test size"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--precision",
+        choices=("32-true", "bf16-mixed"),
+        default="32-true",
+        help="fp32, or bfloat16 autocast on both sides (on a CPU: where it has bf16 units)",
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every worker")
+    parser.add_argument("--world", type=Path, help="where to build the models (default: temp)")
+    parser.add_argument(
+        "--omp-wait-policy",
+        choices=("passive", "active", "default"),
+        default="default",
+        help="OMP_WAIT_POLICY of every worker (default: OpenMP's own). On a shared machine use "
+        "passive: with spin-waiting, a 2-thread process on 2 cores runs 10-20x slower whenever "
+        "another process computes; passive waiting keeps timings usable (about 15%% slower for "
+        "every side on a quiet machine)",
+    )
+
+
+def check_common_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse common options out of range, and ``--device cuda`` without a GPU."""
+    if args.iters < 1 or args.warmup < 0 or args.threads < 1:
+        parser.error("--iters and --threads must be >= 1 and --warmup >= 0")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here; allowed: --device cpu")
+
+
+def measure(
+    sides: dict[str, str], world: Path, log_dir: Path, settings: dict, args: argparse.Namespace
+) -> tuple[dict[str, list[dict]], float, list[float]]:
+    """Start a worker per side (side -> its interpreter), time them alternately, stop them.
+
+    Returns each side's timed iterations, the device's matmul peak in the run's precision (the
+    better of a measurement before and after, taken while the workers are idle) and the load
+    average before the workers started.
+    """
+    import torch
+
+    load_before = load_average()
+    total = args.warmup + args.iters
+    workers = {
+        side: Worker(side, world, total, log_dir, settings, python)
+        for side, python in sides.items()
+    }
+    for w in workers.values():
+        w.receive()  # ready: models loaded, trainer built
+    dtype = torch.bfloat16 if args.precision == "bf16-mixed" else torch.float32
+    peak_kw = {"device": args.device, "dtype": dtype}
+    peak = flops.matmul_peak(args.threads, **peak_kw)  # workers are idle: only we compute
+    runs = alternate(workers, args.warmup, args.iters)
+    for w in workers.values():
+        w.close()
+    return runs, max(peak, flops.matmul_peak(args.threads, **peak_kw)), load_before
 
 
 def alternate(workers: dict[str, Worker], warmup: int, iters: int) -> dict[str, list[dict]]:

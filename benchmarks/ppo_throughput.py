@@ -51,11 +51,11 @@ from bench_world import PRESETS, build, preset  # noqa: E402
 from harness import (  # noqa: E402
     BF16_FLAGS,
     PHASES,  # noqa: F401 (read by the smoke test)
-    Worker,
-    alternate,
+    add_common_arguments,
+    check_common_arguments,
     cpu_flags,
-    load_average,
     machine,
+    measure,
     phase_line,
     summarize,
 )
@@ -80,28 +80,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vs-trl", action="store_true", help="also run TRL's PPOTrainer")
-    parser.add_argument("--json", type=Path, help="write the results to this file")
-    parser.add_argument("--iters", type=int, default=10, help="timed iterations per side")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per side")
-    parser.add_argument(
-        "--preset", choices=sorted(PRESETS), default="gpt2-4x256", help="models and batch"
-    )
-    parser.add_argument(
-        "--tiny", action="store_true", help="the preset's architecture at smoke-test size"
-    )
+    add_common_arguments(parser, sorted(PRESETS))
     parser.add_argument(
         "--batch",
         type=int,
         help="prompts per iteration instead of the preset's (a multiple of its 4 minibatches)",
     )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument(
-        "--precision",
-        choices=("32-true", "bf16-mixed"),
-        default="32-true",
-        help="fp32, or bfloat16 autocast on both sides (on a CPU: where it has bf16 units)",
-    )
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of every worker")
     parser.add_argument(
         "--cpu-matmul",
         choices=("auto", "default", "onednn"),
@@ -129,27 +113,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="skip our variant with a separate value model",
     )
-    parser.add_argument("--world", type=Path, help="where to build the models (default: temp)")
-    parser.add_argument(
-        "--omp-wait-policy",
-        choices=("passive", "active", "default"),
-        default="default",
-        help="OMP_WAIT_POLICY of every worker (default: OpenMP's own). On a shared machine use "
-        "passive: with spin-waiting, a 2-thread process on 2 cores runs 10-20x slower whenever "
-        "another process computes; passive waiting keeps timings usable (about 15%% slower for "
-        "every side on a quiet machine)",
-    )
     args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0 or args.threads < 1:
-        parser.error("--iters and --threads must be >= 1 and --warmup >= 0")
+    check_common_arguments(parser, args)
     minibatches = preset(args.preset, args.tiny).minibatches
     if args.batch is not None and (args.batch < 1 or args.batch % minibatches):
         parser.error(f"--batch must be a positive multiple of the {minibatches} minibatches")
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: torch sees no CUDA device here; allowed: --device cpu")
     return args
 
 
@@ -189,18 +157,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlkl-bench-"))
     world = build(args.world or tmp / "world", chosen)
-    total = args.warmup + args.iters
-    load_before = load_average()
-    workers = {side: Worker(side, world, total, tmp, settings) for side in sides}
-    for w in workers.values():
-        w.receive()  # ready: models loaded, trainer built
+    python = {side: sys.executable for side in sides}
+    runs, peak, load_before = measure(python, world, tmp, settings, args)
     dtype = torch.bfloat16 if args.precision == "bf16-mixed" else torch.float32
-    peak_kw = {"device": args.device, "dtype": dtype}
-    peak = flops.matmul_peak(args.threads, **peak_kw)  # workers are idle: only we compute
-    runs = alternate(workers, args.warmup, args.iters)
-    for w in workers.values():
-        w.close()
-    peak = max(peak, flops.matmul_peak(args.threads, **peak_kw))
 
     tokens = shape.batch * shape.response
     results: dict = {

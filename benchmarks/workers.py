@@ -20,6 +20,7 @@ import os
 import resource
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 TEMPERATURE, KL_COEF, LR, SEED = 0.7, 0.05, 3e-6, 0
@@ -127,10 +128,29 @@ class SpacedPairReward:
         return self
 
 
+def lightning_trainer(settings: dict, callbacks=()):
+    """The Trainer of our sides: one device, one epoch, no logging, checkpoints or validation."""
+    from lightning.pytorch import Trainer
+
+    return Trainer(
+        accelerator="gpu" if settings["device"] == "cuda" else "cpu",
+        devices=1,
+        precision=settings["precision"],
+        max_epochs=1,
+        logger=False,
+        callbacks=list(callbacks),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+
+
 def ours(world: Path, settings: dict, separate_value: bool, iterations: int, callbacks=()):
     """Our side: ``(trainer, module, data)``, PPOModule on the world as both sides configure it."""
     from bench_world import preset, prompts
-    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch import seed_everything
     from torch.utils.data import DataLoader
 
     from rlkl_lightning import PPOModule
@@ -170,24 +190,14 @@ def ours(world: Path, settings: dict, separate_value: bool, iterations: int, cal
     data = DataLoader(
         prompts(p, p.batch * iterations), batch_size=p.batch, collate_fn=lambda xs: {"prompt": xs}
     )
-    trainer = Trainer(
-        accelerator="gpu" if settings["device"] == "cuda" else "cpu",
-        devices=1,
-        precision=settings["precision"],
-        max_epochs=1,
-        logger=False,
-        callbacks=list(callbacks),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    return trainer, module, data
+    return lightning_trainer(settings, callbacks), module, data
 
 
-def run_ours(world: Path, pacer: Pacer, iterations: int, settings: dict, separate_value: bool):
-    """PPOModule's real training_step under a Lightning Trainer, one batch per iteration."""
+def run_ours(pacer: Pacer, iterations: int, settings: dict, build) -> None:
+    """Our module's real training_step under a Lightning Trainer, one batch per iteration.
+
+    ``build(callbacks)`` returns ``(trainer, module, data)``: :func:`ours` or :func:`ours_grpo`.
+    """
     import torch
     from lightning.pytorch import Callback
 
@@ -203,13 +213,21 @@ def run_ours(world: Path, pacer: Pacer, iterations: int, settings: dict, separat
                 rollout=marks["rollout_end"] - pacer.start,
                 score=marks["update_start"] - marks["rollout_end"],
                 update=marks["update_end"] - marks["update_start"],
+                sampled_tokens=marks["tokens"],
             )
             marks.clear()
             if batch_idx + 1 < iterations:
                 pacer.wait()
 
-    trainer, module, data = ours(world, settings, separate_value, iterations, [Pace()])
-    module.rollout = pacer.timed(marks, None, "rollout_end", module.rollout)
+    trainer, module, data = build([Pace()])
+    rollout = pacer.timed(marks, None, "rollout_end", module.rollout)
+
+    def counted_rollout(prompts):
+        traj, scores = rollout(prompts)
+        marks["tokens"] = int(traj.response_mask.sum())
+        return traj, scores
+
+    module.rollout = counted_rollout
     module.update = pacer.timed(marks, "update_start", "update_end", module.update)
     torch.set_num_threads(settings["threads"])
     pacer.send(ready=True)
@@ -335,7 +353,7 @@ def grpo_prompts(p, iterations: int, generations: int) -> list[str]:
 def ours_grpo(world: Path, settings: dict, iterations: int, callbacks=()):
     """Our GRPO side: ``(trainer, module, data)``, RLOOModule as TRL's GRPOTrainer's work."""
     from bench_world import preset
-    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch import seed_everything
     from torch.utils.data import DataLoader
 
     from rlkl_lightning import RLOOModule
@@ -380,58 +398,7 @@ def ours_grpo(world: Path, settings: dict, iterations: int, callbacks=()):
         batch_size=p.batch // k,
         collate_fn=lambda xs: {"prompt": xs},
     )
-    trainer = Trainer(
-        accelerator="gpu" if settings["device"] == "cuda" else "cpu",
-        devices=1,
-        precision=settings["precision"],
-        max_epochs=1,
-        logger=False,
-        callbacks=list(callbacks),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    return trainer, module, data
-
-
-def run_ours_grpo(world: Path, pacer: Pacer, iterations: int, settings: dict) -> None:
-    """RLOOModule with GRPO's advantage and the KL (k3) in the loss, as TRL's GRPOTrainer."""
-    import torch
-    from lightning.pytorch import Callback
-
-    marks: dict[str, float] = {}
-
-    class Pace(Callback):
-        def on_train_start(self, trainer, pl_module):
-            pacer.info = describe_optimizer(trainer.optimizers[0])
-            pacer.wait()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            pacer.done(
-                rollout=marks["rollout_end"] - pacer.start,
-                score=marks["update_start"] - marks["rollout_end"],
-                update=marks["update_end"] - marks["update_start"],
-                sampled_tokens=marks["tokens"],
-            )
-            marks.clear()
-            if batch_idx + 1 < iterations:
-                pacer.wait()
-
-    trainer, module, data = ours_grpo(world, settings, iterations, [Pace()])
-    rollout = pacer.timed(marks, None, "rollout_end", module.rollout)
-
-    def counted_rollout(prompts):
-        traj, scores = rollout(prompts)
-        marks["tokens"] = int(traj.response_mask.sum())
-        return traj, scores
-
-    module.rollout = counted_rollout
-    module.update = pacer.timed(marks, "update_start", "update_end", module.update)
-    torch.set_num_threads(settings["threads"])
-    pacer.send(ready=True)
-    trainer.fit(module, data)
+    return lightning_trainer(settings, callbacks), module, data
 
 
 def run_trl_grpo(world: Path, pacer: Pacer, iterations: int, settings: dict) -> None:
@@ -556,10 +523,10 @@ def main() -> None:
     elif side == "trl_grpo":
         run_trl_grpo(world, pacer, iterations, settings)
     elif side == "ours_grpo":
-        run_ours_grpo(world, pacer, iterations, settings)
+        run_ours(pacer, iterations, settings, partial(ours_grpo, world, settings, iterations))
     else:
         separate = side == "ours_separate_value"
-        run_ours(world, pacer, iterations, settings, separate_value=separate)
+        run_ours(pacer, iterations, settings, partial(ours, world, settings, separate, iterations))
 
 
 if __name__ == "__main__":
