@@ -25,8 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
-import yaml
-from helpers.cli_runs import cli_error
+from helpers.cli_runs import cli_error, tiny_cli_config
 from helpers.trainers import cpu_trainer
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -135,38 +134,12 @@ def test_a_checkpoint_whose_pickle_runs_code_is_refused_and_the_code_never_runs(
     assert not marker.exists()
 
 
-def cli_config(tiny_lm_dir, tmp_path, **model) -> Path:
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
-    config = {
-        "trainer": {
-            "accelerator": "cpu",
-            "default_root_dir": str(tmp_path),
-            "max_steps": 2,
-            "logger": False,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-            "num_sanity_val_steps": 0,
-        },
-        "model": {"class_path": "rlkl_lightning.PPOModule", "init_args": ppo_args(tiny_lm_dir)},
-        "data": {
-            "class_path": "rlkl_lightning.data.PromptDataModule",
-            "init_args": {"prompts": str(prompts), "heldout": None, "batch_size": BATCH},
-        },
-        "kl": {"target": 1.0, "horizon": 100.0},
-    }
-    config["model"]["init_args"].update(model)
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 def test_cli_refuses_a_checkpoint_whose_pickle_runs_code(
     tiny_lm_dir, good_checkpoint, tmp_path, monkeypatch, capfd
 ):
     from rlkl_lightning import cli
 
-    config = cli_config(tiny_lm_dir, tmp_path)
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
     marker = tmp_path / "marker"
     bad = poisoned(good_checkpoint, tmp_path / "bad.ckpt", marker)
     # The CLI prints the message last and alone (exit status 2); --verbose raises it.
@@ -196,7 +169,7 @@ def test_cli_takes_no_settings_from_a_checkpoint(tiny_lm_dir, good_checkpoint, t
     }
     forged = tmp_path / "forged.ckpt"
     torch.save(checkpoint, forged)
-    config = cli_config(tiny_lm_dir, tmp_path)
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
     run = cli.main(["fit", "--config", str(config), "--ckpt_path", str(forged)])
     assert run.model.hparams.max_new_tokens == 4  # the config's
     assert run.model.hparams.trust_remote_code is False
