@@ -2,4 +2,5 @@
 
 from rlkl_lightning.compare import main
 
-main()
+if __name__ == "__main__":  # a run's process imports this module again (multiprocessing)
+    main()

@@ -1,5 +1,9 @@
 """Plan and launch the study's runs: one ``train.py fit`` process per (controller, seed).
 
+Each run's process is forked from a server process that imported torch, Lightning and the
+CLI once (multiprocessing's ``forkserver``), so no run pays those seconds of imports again;
+where that start method is missing (Windows) each run is a fresh interpreter.
+
 Each run gets a derived config, written to ``<out>/configs/<run>.yaml``: its base config with
 the study's overrides merged in, the seed, the run length and a TensorBoard logger writing to
 ``<out>/runs/<group>/seed<k>/``. So every run can be repeated alone with
@@ -11,9 +15,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -87,6 +92,18 @@ class Run:
     def progress_file(self) -> Path:
         """Written by :class:`RunProgress`."""
         return self.out / "progress" / f"{self.name}.txt"
+
+    @property
+    def cpu_file(self) -> Path:
+        """The run's CPU seconds, written by its process as it ends."""
+        return self.out / "progress" / f"{self.name}.cpu"
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the finished run took; NaN where not known."""
+        try:
+            return float(self.cpu_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return math.nan
 
     def batches_done(self) -> int:
         """Finished training batches so far (0 before the first)."""
@@ -215,62 +232,100 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
 
         build_world(num_threads=os.cpu_count())  # once, before the runs race for it
     env = {
-        **os.environ,
         "OMP_NUM_THREADS": str(study.threads),
         "MKL_NUM_THREADS": str(study.threads),
         "TOKENIZERS_PARALLELISM": "false",
     }
+    context = _run_context(env)
     pending, running = list(runs), {}
-    cpu = children_cpu_s()
     with study_progress(len(runs), study.batches) as progress:
         try:
             while pending or running:
                 while pending and len(running) < study.workers:
                     run = pending.pop(0)
-                    running[run] = _start(run, env)
+                    running[run] = _start(context, run, env, study.threads)
                     progress.started(run.name)
                 for run, proc in list(running.items()):
-                    if proc.poll() is None:
+                    if proc.exitcode is None:
                         continue
                     del running[run]
-                    if proc.returncode != 0:
+                    if proc.exitcode != 0:
                         tail = run.log_file.read_text()[-4000:]
                         raise RuntimeError(
-                            f"compare: run {run.name} failed (exit {proc.returncode}); "
+                            f"compare: run {run.name} failed (exit {proc.exitcode}); "
                             f"end of {run.log_file}:\n{tail}"
                         )
-                    # Children are reaped one poll at a time: the CPU added is this run's.
-                    cpu, before = children_cpu_s(), cpu
-                    progress.finished(run.name, cpu - before)
+                    progress.finished(run.name, run.cpu_s())
                 progress.update({r.name: r.batches_done() for r in running})
                 time.sleep(0.5)
         finally:
             for proc in running.values():
                 proc.terminate()
             for proc in running.values():
-                proc.wait()
+                proc.join()
 
 
-def children_cpu_s() -> float:
-    """CPU seconds (user + system) of this process's finished and reaped children so far.
+def _run_context(env: dict[str, str]) -> multiprocessing.context.BaseContext:
+    """``forkserver`` with the CLI imported once, where it exists; else ``spawn``."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["rlkl_lightning.cli", "rlkl_lightning.compare.runs"])
+    # The server reads the thread settings from its environment when OpenMP loads.
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return context
 
-    NaN where the ``resource`` module is missing (Windows).
-    """
+
+def _start(
+    context: multiprocessing.context.BaseContext, run: Run, env: dict[str, str], threads: int
+) -> multiprocessing.process.BaseProcess:
+    shutil.rmtree(run.log_dir, ignore_errors=True)  # never mix event files of two studies
+    run.progress_file.unlink(missing_ok=True)
+    run.cpu_file.unlink(missing_ok=True)
+    proc = context.Process(
+        target=_train,
+        args=(run, {**os.environ, **env}, threads),
+        name=f"rlkl-study-{run.name}",
+        daemon=False,
+    )
+    proc.start()
+    return proc
+
+
+def _train(run: Run, env: dict[str, str], threads: int) -> None:
+    """In a run's own process: ``train.py fit --config`` its config, printing to its log."""
+    import torch
+
+    from rlkl_lightning.cli import main
+
+    os.environ.clear()  # the study's environment now, not the server's when it started
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    with open(run.log_file, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        main(["fit", "--config", str(run.config)])
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        run.cpu_file.write_text(repr(_own_cpu_s()))
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds (user + system) of this process so far; NaN without ``resource`` (Windows)."""
     try:
         import resource
     except ImportError:
         return math.nan
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def _start(run: Run, env: dict[str, str]) -> subprocess.Popen:
-    shutil.rmtree(run.log_dir, ignore_errors=True)  # never mix event files of two studies
-    run.progress_file.unlink(missing_ok=True)
-    with open(run.log_file, "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "rlkl_lightning.cli", "fit", "--config", str(run.config)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
