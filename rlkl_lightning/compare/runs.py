@@ -227,16 +227,16 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
     """
     from rlkl_lightning.compare.progress import study_progress
 
-    if any(uses_default_world(yaml.safe_load(r.config.read_text())) for r in runs):
-        from rlkl_lightning.world import build_world
-
-        build_world(num_threads=os.cpu_count())  # once, before the runs race for it
     env = {
         "OMP_NUM_THREADS": str(study.threads),
         "MKL_NUM_THREADS": str(study.threads),
         "TOKENIZERS_PARALLELISM": "false",
     }
-    context = _run_context(env)
+    context = _run_context(env)  # its server imports while the world builds
+    if any(uses_default_world(yaml.safe_load(r.config.read_text())) for r in runs):
+        from rlkl_lightning.world import build_world
+
+        build_world(num_threads=os.cpu_count())  # once, before the runs race for it
     pending, running = list(runs), {}
     with study_progress(len(runs), study.batches) as progress:
         try:

@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.checkpoints import plain, plain_hyperparameters
+from rlkl_lightning.perf.gelu import fuse_tanh_gelu
 from rlkl_lightning.perplexity import NextTokenNLL, next_token_nll
 from rlkl_lightning.texts import load_texts
 from rlkl_lightning.world.cache import build_corpus
@@ -286,6 +287,7 @@ class SFTModule(LightningModule):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.model = GPT2LMHeadModel(config)
+        fuse_tanh_gelu(self.model)  # GPT-2's GELU as one kernel (the RL pipeline does the same)
         self.val_nll = NextTokenNLL()
 
     @override
@@ -340,6 +342,7 @@ class SFTModule(LightningModule):
             ],
             lr=hp.lr,
             betas=(0.9, 0.95),
+            fused=decay[0].device.type in ("cpu", "cuda"),  # one kernel over all parameters
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = min(hp.warmup_steps, total - 1)
