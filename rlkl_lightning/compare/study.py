@@ -35,7 +35,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[StudyConfig, bool]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the study; returns the summary that is also written to ``summary.json``."""
+    """Run the study; returns the summary that is also written to ``summary.json``.
+
+    The runs are ``multiprocessing`` processes: a script calls this under
+    ``if __name__ == "__main__":``.
+    """
     from rlkl_lightning.compare.report import write_report
     from rlkl_lightning.compare.runs import plan_runs, run_all
 
