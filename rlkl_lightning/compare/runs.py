@@ -313,6 +313,7 @@ def _train(run: Run, env: dict[str, str], threads: int) -> None:
     with open(run.log_file, "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+    sys.argv[1:] = []  # the study's own flags are not this run's
     try:
         main(["fit", "--config", str(run.config)])
     finally:
