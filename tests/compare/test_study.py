@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from helpers.cli_runs import tiny_cli_config
 
 from rlkl_lightning.compare import StudyConfig, main, parse_args
 
@@ -365,3 +366,38 @@ def test_run_progress_replaces_its_count_file_whole(tmp_path):
         callback.on_train_batch_end(SimpleNamespace(is_global_zero=True), None, None, None, 0)
     assert run.batches_done() == 3
     assert [p.name for p in (tmp_path / "progress").iterdir()] == ["fixed-seed0.txt"]
+
+
+def test_each_run_takes_the_study_environment_and_directory_at_its_start(
+    tiny_lm_dir, tmp_path, monkeypatch
+):
+    """The run server outlives a study; what changed since it started still reaches a run."""
+    from rlkl_lightning.compare.runs import Run, _run_context, _start
+
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    context = _run_context(env)
+    seen = []
+    for k, value in enumerate(["first", "second"]):
+        work = tmp_path / f"cwd{k}"
+        work.mkdir()
+        monkeypatch.chdir(work)
+        monkeypatch.setenv("RLKL_PROBE", value)
+        probe = tmp_path / f"seen{k}.json"
+        callback = {
+            "class_path": "helpers.run_probe.RecordStart",
+            "init_args": {"path": str(probe), "variable": "RLKL_PROBE"},
+        }
+        config = tiny_cli_config(
+            tiny_lm_dir, tmp_path, name=f"run{k}.yaml", trainer={"callbacks": [callback]}
+        )
+        out = tmp_path / f"out{k}"
+        for sub in ("logs", "progress"):
+            (out / sub).mkdir(parents=True)
+        run = Run("fixed", k, 0.2, config, out / "runs", out)
+        proc = _start(context, run, env, threads=1)
+        proc.join(timeout=120)
+        assert proc.exitcode == 0, run.log_file.read_text()[-2000:]
+        seen.append(json.loads(probe.read_text()))
+        assert seen[-1]["value"] == value and seen[-1]["cwd"] == str(work)
+        assert seen[-1]["threads"] == 1 and run.cpu_s() > 0
+    assert seen[0]["pid"] != seen[1]["pid"]  # a fresh process per run
