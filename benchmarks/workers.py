@@ -147,37 +147,27 @@ def lightning_trainer(settings: dict, callbacks=()):
     )
 
 
-def ours(world: Path, settings: dict, separate_value: bool, iterations: int, callbacks=()):
-    """Our side: ``(trainer, module, data)``, PPOModule on the world as both sides configure it."""
-    from bench_world import preset, prompts
+def _our_options(world: Path, settings: dict, p) -> tuple[dict, object]:
+    """What both of our sides set alike: ``(keyword arguments, reward model)``."""
     from lightning.pytorch import seed_everything
-    from torch.utils.data import DataLoader
 
-    from rlkl_lightning import PPOModule
     from rlkl_lightning.rewards import SequenceClassifierReward
 
-    p = preset(settings["preset"], settings["tiny"], settings.get("batch"))
     seed_everything(SEED, verbose=False)
     # None: the library's default for the option (what a user gets without setting it)
     matmul = {} if settings["cpu_matmul"] is None else {"cpu_matmul": settings["cpu_matmul"]}
-    module = PPOModule(
+    reward = SequenceClassifierReward(
+        str(world / "reward"),
+        label=0,
+        tokenizer=str(world / "tokenizer"),
+        text="prompt+response",
+        batch_size=p.batch,
+        **matmul,
+    )
+    options = dict(
         policy=str(world / "policy"),
         tokenizer=str(world / "tokenizer"),
-        value_model=str(world / "policy") if separate_value else None,
-        value_model_thread=settings.get("value_model_thread") if separate_value else None,
-        reward=SpacedPairReward(
-            SequenceClassifierReward(
-                str(world / "reward"),
-                label=0,
-                tokenizer=str(world / "tokenizer"),
-                text="prompt+response",
-                batch_size=p.batch,
-                **matmul,
-            )
-        ),
         init_kl_coef=KL_COEF,
-        kl_estimator="k1",
-        max_prompt_tokens=p.prompt,
         max_new_tokens=p.response,
         temperature=TEMPERATURE,
         stop_at_eos=False,
@@ -186,6 +176,26 @@ def ours(world: Path, settings: dict, separate_value: bool, iterations: int, cal
         lr=LR,
         log_samples_every=0,
         **matmul,
+    )
+    return options, reward
+
+
+def ours(world: Path, settings: dict, separate_value: bool, iterations: int, callbacks=()):
+    """Our side: ``(trainer, module, data)``, PPOModule on the world as both sides configure it."""
+    from bench_world import preset, prompts
+    from torch.utils.data import DataLoader
+
+    from rlkl_lightning import PPOModule
+
+    p = preset(settings["preset"], settings["tiny"], settings.get("batch"))
+    options, reward = _our_options(world, settings, p)
+    module = PPOModule(
+        value_model=str(world / "policy") if separate_value else None,
+        value_model_thread=settings.get("value_model_thread") if separate_value else None,
+        reward=SpacedPairReward(reward),
+        kl_estimator="k1",
+        max_prompt_tokens=p.prompt,
+        **options,
     )
     data = DataLoader(
         prompts(p, p.batch * iterations), batch_size=p.batch, collate_fn=lambda xs: {"prompt": xs}
@@ -353,43 +363,23 @@ def grpo_prompts(p, iterations: int, generations: int) -> list[str]:
 def ours_grpo(world: Path, settings: dict, iterations: int, callbacks=()):
     """Our GRPO side: ``(trainer, module, data)``, RLOOModule as TRL's GRPOTrainer's work."""
     from bench_world import preset
-    from lightning.pytorch import seed_everything
     from torch.utils.data import DataLoader
 
     from rlkl_lightning import RLOOModule
-    from rlkl_lightning.rewards import SequenceClassifierReward
 
     p = preset(settings["preset"], settings["tiny"], settings.get("batch"))
     k = settings["generations"]
-    seed_everything(SEED, verbose=False)
-    options = {} if settings["cpu_matmul"] is None else {"cpu_matmul": settings["cpu_matmul"]}
+    options, reward = _our_options(world, settings, p)
     module = RLOOModule(
-        policy=str(world / "policy"),
-        tokenizer=str(world / "tokenizer"),
-        reward=SequenceClassifierReward(
-            str(world / "reward"),
-            label=0,
-            tokenizer=str(world / "tokenizer"),
-            text="prompt+response",
-            batch_size=p.batch,
-            **options,
-        ),
+        reward=reward,
         responses_per_prompt=k,
         advantage="grpo",
         scale_rewards="group",
         loss_aggregation="batch_token_mean",  # TRL's bnpo: tokens of the local minibatch
-        init_kl_coef=KL_COEF,
         kl_placement="loss",
         kl_loss_estimator="k3",
         cliprange=0.2,
         max_prompt_tokens=p.prompt + 1,
-        max_new_tokens=p.response,
-        temperature=TEMPERATURE,
-        stop_at_eos=False,
-        ppo_epochs=p.epochs,
-        num_minibatches=p.minibatches,
-        lr=LR,
-        log_samples_every=0,
         **options,
     )
     # p.batch // k prompts per batch; RLOOModule repeats each k times in a row.
