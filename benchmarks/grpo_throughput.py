@@ -50,11 +50,10 @@ from harness import (  # noqa: E402
     BF16_FLAGS,
     add_common_arguments,
     check_common_arguments,
+    collect,
     cpu_flags,
-    machine,
     measure,
     phase_line,
-    summarize,
 )
 
 DEFAULT_TRL_PYTHON = HERE.parent / ".venv-trl" / "bin" / "python"
@@ -105,8 +104,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns the results that ``--json`` writes ({} when skipped)."""
-    import torch
-
     args = parse(argv)
     flags = sorted(cpu_flags() & set(BF16_FLAGS))
     if args.precision == "bf16-mixed" and args.device == "cpu" and not flags:
@@ -138,16 +135,14 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="rlkl-grpo-bench-"))
     world = build(args.world or tmp / "world", chosen)
     runs, peak, load_before = measure(sides, world, tmp, settings, args)
-    dtype = torch.bfloat16 if args.precision == "bf16-mixed" else torch.float32
-
     tokens = shape.batch * shape.response
-    results: dict = {
-        side: summarize(runs[side], flops.grpo_phases(shape, side, args.device), tokens, peak)
-        for side in sides
-    }
-    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-    results["machine"] = machine(
-        args.device, args.threads, args.omp_wait_policy, precision, peak, load_before
+    results, precision = collect(
+        runs,
+        lambda side: flops.grpo_phases(shape, side, args.device),
+        tokens,
+        peak,
+        load_before,
+        args,
     )
     results["config"] = {
         "preset": chosen.name,

@@ -265,6 +265,23 @@ def device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def collect(
+    runs: dict[str, list[dict]], phase_flops, tokens: int, peak: float, load_before, args
+) -> tuple[dict, str]:
+    """Each side's :func:`summarize`, the ``machine`` record, and the precision's name.
+
+    ``phase_flops(side)``: that side's FLOPs per phase; the name is ``bf16`` or ``fp32``.
+    """
+    precision = "bf16" if args.precision == "bf16-mixed" else "fp32"
+    results: dict = {
+        side: summarize(r, phase_flops(side), tokens, peak) for side, r in runs.items()
+    }
+    results["machine"] = machine(
+        args.device, args.threads, args.omp_wait_policy, precision, peak, load_before
+    )
+    return results, precision
+
+
 def machine(device: str, threads: int, wait_policy: str, precision: str, peak: float, load_before):
     """The JSON's ``machine`` record."""
     import torch

@@ -53,11 +53,10 @@ from harness import (  # noqa: E402
     PHASES,  # noqa: F401 (read by the smoke test)
     add_common_arguments,
     check_common_arguments,
+    collect,
     cpu_flags,
-    machine,
     measure,
     phase_line,
-    summarize,
 )
 
 LABELS = {
@@ -123,8 +122,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns the results that ``--json`` writes ({} when skipped)."""
-    import torch
-
     args = parse(argv)
     flags = sorted(cpu_flags() & set(BF16_FLAGS))
     print(f"CPU bfloat16 flags: {', '.join(flags) or 'none'} (of {', '.join(BF16_FLAGS)})")
@@ -159,15 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
     world = build(args.world or tmp / "world", chosen)
     python = {side: sys.executable for side in sides}
     runs, peak, load_before = measure(python, world, tmp, settings, args)
-    dtype = torch.bfloat16 if args.precision == "bf16-mixed" else torch.float32
-
     tokens = shape.batch * shape.response
-    results: dict = {
-        side: summarize(runs[side], flops.phases(shape, side), tokens, peak) for side in sides
-    }
-    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-    results["machine"] = machine(
-        args.device, args.threads, args.omp_wait_policy, precision, peak, load_before
+    results, precision = collect(
+        runs, lambda side: flops.phases(shape, side), tokens, peak, load_before, args
     )
     results["config"] = {
         "preset": chosen.name,
