@@ -250,11 +250,7 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
                         continue
                     del running[run]
                     if proc.exitcode != 0:
-                        tail = run.log_file.read_text()[-4000:]
-                        raise RuntimeError(
-                            f"compare: run {run.name} failed (exit {proc.exitcode}); "
-                            f"end of {run.log_file}:\n{tail}"
-                        )
+                        raise RuntimeError(_failure(run, proc.exitcode))
                     progress.finished(run.name, run.cpu_s())
                 progress.update({r.name: r.batches_done() for r in running})
                 time.sleep(0.5)
@@ -263,6 +259,19 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
                 proc.terminate()
             for proc in running.values():
                 proc.join()
+
+
+def _failure(run: Run, exitcode: int) -> str:
+    """What a failed run's error says: the end of its log, or why there is none."""
+    if not run.log_file.exists():  # the process ended before ``_train`` opened it
+        return (
+            f"compare: run {run.name}'s process ended (exit {exitcode}) before its run "
+            "started, so it wrote no log; its error is printed above. Each run's process "
+            "imports the script that started the study again: a script that calls "
+            '`rlkl_lightning.compare.main` must call it under `if __name__ == "__main__":`.'
+        )
+    tail = run.log_file.read_text()[-4000:]
+    return f"compare: run {run.name} failed (exit {exitcode}); end of {run.log_file}:\n{tail}"
 
 
 def _run_context(env: dict[str, str]) -> multiprocessing.context.BaseContext:
@@ -289,8 +298,8 @@ def _start(
     context: multiprocessing.context.BaseContext, run: Run, env: dict[str, str], threads: int
 ) -> multiprocessing.process.BaseProcess:
     shutil.rmtree(run.log_dir, ignore_errors=True)  # never mix event files of two studies
-    run.progress_file.unlink(missing_ok=True)
-    run.cpu_file.unlink(missing_ok=True)
+    for stale in (run.progress_file, run.cpu_file, run.log_file):  # an earlier study's
+        stale.unlink(missing_ok=True)
     proc = context.Process(
         target=_train,
         args=(run, {**os.environ, **env}, threads),

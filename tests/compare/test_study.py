@@ -401,3 +401,28 @@ def test_each_run_takes_the_study_environment_and_directory_at_its_start(
         assert seen[-1]["value"] == value and seen[-1]["cwd"] == str(work)
         assert seen[-1]["threads"] == 1 and run.cpu_s() > 0
     assert seen[0]["pid"] != seen[1]["pid"]  # a fresh process per run
+
+
+def test_a_script_that_starts_the_study_without_the_main_guard_is_told_so(tiny_lm_dir, tmp_path):
+    """Each run's process imports the calling script again; unguarded, it never starts its run."""
+    import subprocess
+    import sys
+
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    out = tmp_path / "study"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "fixed-seed0.log").write_text("an earlier study's log\n")  # must not be quoted
+    script = tmp_path / "study_script.py"
+    script.write_text(
+        "from rlkl_lightning.compare import main\n"
+        f"main(['--runs', '{{\"fixed\": \"{config}\"}}', '--seeds', '1', '--batches', '1',"
+        f" '--out', '{out}'])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert "process ended (exit 1) before its run started" in last_line, done.stderr[-3000:]
+    assert 'under `if __name__ == "__main__":`' in last_line
+    assert "an earlier study's log" not in done.stderr
