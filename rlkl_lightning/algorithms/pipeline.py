@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
@@ -74,7 +74,7 @@ from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.kl import estimators as klmod
 from rlkl_lightning.kl.loss import kl_loss, within_trust_region
 from rlkl_lightning.masked import masked_mean, masked_sum
-from rlkl_lightning.models.forward import no_grad
+from rlkl_lightning.models.forward import no_grad, plain_lm_head_weight
 from rlkl_lightning.models.loading import (
     disable_dropout,
     encode,
@@ -82,7 +82,7 @@ from rlkl_lightning.models.loading import (
     load_tokenizer,
     policy_and_reference,
 )
-from rlkl_lightning.models.logprobs import TokenScores, score_tokens
+from rlkl_lightning.models.logprobs import TokenScores, score_tokens, step_logits
 from rlkl_lightning.models.lora import AdaptersOff
 from rlkl_lightning.models.sharding import shard_models
 from rlkl_lightning.perf.gelu import fuse_tanh_gelu
@@ -106,6 +106,26 @@ SPEED_UP_RULES = [
         "'auto' or 'default' (this PyTorch has no oneDNN float32 linear kernel)",
     ),
 ]
+
+
+#: On a CPU, rollout logits up to this size are kept: recomputing small ones cost more time
+#: than it saved (docs/benchmarks.md, "Memory").
+CPU_KEPT_LOGITS_BYTES = 32 * 2**20
+
+
+def keep_rollout_logits(policy: nn.Module, device: torch.device, rows: int, tokens: int) -> bool:
+    """Whether the rollout keeps the policy's ``[rows, tokens, V]`` float32 logits for scoring.
+
+    Otherwise a plain head computes them again in scoring, a step at a time
+    (``RLPipeline._logit_diagnostics``), the same numbers without the whole tensor: always off
+    the CPU, where memory limits the batch; on a CPU above :data:`CPU_KEPT_LOGITS_BYTES`. An
+    unusual head, or a sharded one, always keeps them.
+    """
+    weight = plain_lm_head_weight(policy)
+    if weight is None:
+        return True
+    size = rows * tokens * weight.shape[0] * 4
+    return device.type == "cpu" and size <= CPU_KEPT_LOGITS_BYTES
 
 
 class RLPipeline(LightningModule):
@@ -389,6 +409,9 @@ class RLPipeline(LightningModule):
             eos_token_id=self.tokenizer.eos_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
             stop_at_eos=hp.stop_at_eos,
+            keep_logits=keep_rollout_logits(
+                self.policy, self.device, len(prompts), hp.max_new_tokens
+            ),
         )
 
     def score(
@@ -421,7 +444,8 @@ class RLPipeline(LightningModule):
             name: klmod.per_token_kl(traj.logprobs, ref_logprobs, name)
             for name in ("k1", "k2", "k3")
         }
-        per_token["exact"] = in_row_blocks(klmod.exact_kl, policy_scores.logits, ref_logits)
+        exact, entropy = self._logit_diagnostics(policy_scores, ref_logits)
+        per_token["exact"] = exact
         kl = per_token[hp.kl_estimator]
         diagnostics = {f"kl_{k}": klmod.sequence_kl(v, mask) for k, v in per_token.items()}
         if hp.kl_token_threshold is not None:  # collectives: every rank computes them
@@ -433,11 +457,30 @@ class RLPipeline(LightningModule):
             not bool(torch.isfinite(diagnostics[f"kl_{hp.kl_estimator}"]).all()),
             "the KL to the reference is not finite (on this or another rank)",
         )
-        entropy = in_row_blocks(entropy_from_logits, policy_scores.logits)
         diagnostics["entropy_sum"] = masked_sum(entropy, mask)
         diagnostics.update(gold_scores(self.gold_reward, prompts, responses, self.owner))
         traj = traj._replace(ref_logprobs=ref_logprobs, kl=kl, scores=scores)
         return traj, responses, diagnostics
+
+    def _logit_diagnostics(self, policy: TokenScores, ref_logits: Tensor) -> tuple[Tensor, Tensor]:
+        """``[B, R]`` exact KL to the reference and policy entropy, from the full logits.
+
+        Without the rollout's logits, the policy's are computed again one step at a time
+        (:func:`~rlkl_lightning.models.logprobs.step_logits`), each dropped once used.
+        """
+        if policy.logits is not None:
+            return (
+                in_row_blocks(klmod.exact_kl, policy.logits, ref_logits),
+                in_row_blocks(entropy_from_logits, policy.logits),
+            )
+        temperature = self.hparams.temperature
+        exact, entropy = [], []
+        with torch.no_grad():
+            for step in range(ref_logits.shape[1]):
+                logits = step_logits(self.policy, policy.hidden, step, temperature)
+                exact.append(in_row_blocks(klmod.exact_kl, logits, ref_logits[:, step]))
+                entropy.append(in_row_blocks(entropy_from_logits, logits))
+        return torch.stack(exact, dim=1), torch.stack(entropy, dim=1)
 
     def shape(self, traj: Trajectory) -> Trajectory:
         """Phase 3: advantages (and returns) from scores, KL and ``kl_coef``; per algorithm."""

@@ -4,9 +4,9 @@ The policy's log-probabilities, full logits and last hidden states at the respon
 are computed while sampling: the logits that sample response token ``t`` are the policy's
 next-token logits at position ``P - 1 + t``, and a causal model gives the same values whether
 it sees the sequence token by token with a KV cache or all at once (up to float rounding).
-:func:`sample_and_score` keeps them, so no second policy pass is needed, and it drives the
-model directly instead of through ``generate``, whose per-step bookkeeping costs more than the
-forward itself for small models. ``tests/perf/test_fast_path.py`` checks it against ``generate``
+:func:`sample_and_score` keeps them (the logits optionally: ``keep_logits``), so no second
+policy pass is needed, and it drives the model directly instead of through ``generate``,
+whose per-step bookkeeping costs more than the forward itself for small models. ``tests/perf/test_fast_path.py`` checks it against ``generate``
 followed by a scoring pass (``tests/helpers/generate_reference.py``).
 
 Shapes: ``B`` prompts, ``P`` prompt tokens (left padded), ``R`` response tokens (right
@@ -175,6 +175,7 @@ def sample_and_score(
     pad_token_id: int,
     stop_at_eos: bool = True,
     stop_check_every: int | None = None,
+    keep_logits: bool = True,
 ) -> tuple[Trajectory, TokenScores]:
     """Sample responses with a KV cache and keep the policy's scores of them.
 
@@ -202,11 +203,16 @@ def sample_and_score(
         stop_check_every: Tokens between two checks whether every row has stopped (each check
             waits for the device); None: every token on the CPU, where a check costs nothing,
             every 8 tokens elsewhere.
+        keep_logits: Keep the ``[B, R, V]`` float32 logits in the scores. False: the scores'
+            ``logits`` are None (the log-probs are the same, bit for bit on a CPU); where the
+            head is plain, :func:`~rlkl_lightning.models.logprobs.step_logits` computes them
+            again from the kept hidden states, one step at a time, as the loop did.
 
     Returns:
         ``(trajectory, scores)``: a :class:`Trajectory` with ids, masks and the policy's
         log-probs (``R`` may be shorter than ``max_new_tokens`` if every row stopped early),
-        and the policy's :class:`TokenScores` at its response positions (float32 logits).
+        and the policy's :class:`TokenScores` at its response positions (float32 logits, or
+        None).
     """
     eos = eos_token_id if stop_at_eos else None
     device = prompt_ids.device
@@ -216,7 +222,7 @@ def sample_and_score(
     policy.eval()
     try:
         with _weight_casts_kept(device.type):
-            response_ids, logits, hidden = _decode(
+            response_ids, logits, hidden, picked = _decode(
                 policy,
                 prompt_ids,
                 prompt_mask,
@@ -225,6 +231,7 @@ def sample_and_score(
                 eos,
                 every if generator is not None else 1,  # no state: stopping late is final
                 generator,
+                None if keep_logits else pad_token_id,
             )
     finally:
         policy.train(was_training)
@@ -233,7 +240,11 @@ def sample_and_score(
     response_ids = torch.where(response_mask.bool(), response_ids, pad_token_id)
     attention_mask = torch.cat([prompt_mask.to(response_mask.dtype), response_mask], dim=1).long()
     input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    logprobs = gather_logprobs(logits, response_ids)
+    if logits is not None:
+        logprobs = gather_logprobs(logits, response_ids)
+    else:  # gather_logprobs' own values: the logit of the token kept (or of pad) minus logz
+        sampled, pad, logz = picked.unbind(-1)
+        logprobs = torch.where(response_mask.bool(), sampled, pad) - logz
     traj = Trajectory(input_ids, attention_mask, response_ids, response_mask, logprobs)
     return traj, TokenScores(logits, logprobs, hidden)
 
@@ -247,12 +258,15 @@ def _decode(
     eos: int | None,
     every: int,
     generator: torch.Generator | None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    pad: int | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """The KV-cache loop: ``[B, R]`` tokens, ``[B, R, V]`` float32 logits / T, ``[B, R, H]``.
 
     ``sampling``: temperature, top-k and top-p. Stops once every row has drawn ``eos``,
     looking every ``every`` tokens; steps drawn after that are dropped and ``generator`` is
-    put back to its state after the last one kept.
+    put back to its state after the last one kept. With a ``pad`` id the logits are not kept
+    (None); instead, per step, the logits of the sampled token and of ``pad`` and the
+    log-sum-exp of the row: ``[B, R, 3]`` (else None).
     """
     temperature, top_k, top_p = sampling
     batch, prompt_len = prompt_ids.shape
@@ -277,16 +291,22 @@ def _decode(
     finished = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     tokens: list[Tensor] = []
     all_logits: Tensor | None = None  # [B, R, V], written step by step (no list to stack)
+    picked: list[Tensor] = []  # without the logits: [B, 3] per step
     hidden_steps: list[Tensor] = []
     states: list[Tensor] = []  # the generator's state after each step
     for step in range(max_new_tokens):
         logits = out.logits[:, -1].float() / temperature
-        if all_logits is None:
-            all_logits = logits.new_empty(batch, max_new_tokens, logits.shape[-1])
-        all_logits[:, step] = logits
+        if pad is None:
+            if all_logits is None:
+                all_logits = logits.new_empty(batch, max_new_tokens, logits.shape[-1])
+            all_logits[:, step] = logits
         hidden_steps.append(out.hidden_states[-1][:, -1])
         token = draw(torch.softmax(filter_logits(logits, top_k, top_p), dim=-1))
         tokens.append(token)
+        if pad is not None:  # without an eos no position is padded (pad may be no token)
+            filler = token if eos is None else token.new_full(token.shape, pad)
+            chosen = logits.gather(1, torch.cat([token, filler], 1))
+            picked.append(torch.cat([chosen, torch.logsumexp(logits, dim=-1, keepdim=True)], 1))
         if eos is not None:
             finished |= token[:, 0] == eos
             if generator is not None:
@@ -304,9 +324,10 @@ def _decode(
         length = int((response_ids == eos).int().argmax(dim=1).max()) + 1
         if length < len(tokens):
             response_ids = response_ids[:, :length]
-            hidden_steps = hidden_steps[:length]
+            hidden_steps, picked = hidden_steps[:length], picked[:length]
             generator.set_state(states[length - 1])
     length = response_ids.shape[1]
-    if length < max_new_tokens:
+    if all_logits is not None and length < max_new_tokens:
         all_logits = all_logits[:, :length].contiguous()
-    return response_ids, all_logits, torch.stack(hidden_steps, dim=1)
+    scores = torch.stack(picked, dim=1) if picked else None
+    return response_ids, all_logits, torch.stack(hidden_steps, dim=1), scores

@@ -94,6 +94,18 @@ def score_tokens(
     return TokenScores(scaled, gather_logprobs(scaled, traj.response_ids), out.hidden[:, :-1])
 
 
+def step_logits(model: nn.Module, hidden: Tensor, step: int, temperature: float) -> Tensor:
+    """The float32 ``logits / temperature`` of response step ``step``, ``[B, V]``, again.
+
+    ``hidden``: the ``[B, R, H]`` last hidden states a rollout kept. For a model whose
+    :func:`~rlkl_lightning.models.forward.plain_lm_head_weight` is not None, its head module
+    applied to one step's ``[B, 1, H]`` is the product the sampling loop computed, with the
+    same shapes, so the logits are those it drew from (bit for bit on a CPU).
+    """
+    head = model.get_output_embeddings()
+    return head(hidden[:, step : step + 1]).float()[:, 0] / temperature
+
+
 class TokenLogProbs(torch.autograd.Function):
     """``log_softmax(hidden @ weight.T / temperature)`` gathered at ``tokens``: ``[N]``."""
 

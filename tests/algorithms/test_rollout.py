@@ -20,7 +20,7 @@ from rlkl_lightning.algorithms import rollout as rollout_module
 from rlkl_lightning.algorithms.rollout import sample_and_score
 from rlkl_lightning.models.forward import trunk_forward
 from rlkl_lightning.models.loading import load_causal_lm, load_tokenizer
-from rlkl_lightning.models.logprobs import score_tokens
+from rlkl_lightning.models.logprobs import score_tokens, step_logits
 
 PROMPTS = ["the film was", "this book is really very", "the food", "a"]  # left padding
 HOST_READS = {
@@ -197,3 +197,99 @@ def test_weights_are_cast_once_per_rollout_and_never_after(tiny, monkeypatch):
             cached = policy.lm_head(x)
         torch.testing.assert_close(cached, policy.lm_head(x), rtol=0, atol=0)
         assert not torch.is_autocast_cache_enabled()
+
+
+def _grouped_query_model(tokenizer, path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return load_causal_lm(str(path))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_without_the_logits_the_rollout_is_the_same_and_its_logits_come_back(
+    tiny, tmp_path, autocast
+):
+    """``keep_logits=False``: the same tokens, log-probs, hidden states and random stream,
+    and ``step_logits`` gives back, bit for bit, the logits the loop drew each token from."""
+    policy, tokenizer, ids, mask = tiny
+    eos_first = _eos_likely(policy, tokenizer.eos_token_id, ids, mask)  # rows stop apart
+    qwen = _grouped_query_model(tokenizer, tmp_path)
+    context = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+    for model, every in ((policy, 1), (eos_first, 1), (eos_first, 8), (qwen, 4)):
+        with context if autocast else nullcontext():
+            kw = dict(max_new_tokens=20, stop_check_every=every)
+            (traj, kept), rng = _sample(model, tokenizer, ids, mask, **kw)
+            (traj_d, dropped), rng_d = _sample(model, tokenizer, ids, mask, keep_logits=False, **kw)
+            assert dropped.logits is None and torch.equal(rng, rng_d)
+            for x, y in zip(
+                (*traj, kept.logprobs, kept.hidden), (*traj_d, *dropped[1:]), strict=True
+            ):
+                assert (x is None and y is None) or torch.equal(x, y)
+            for step in range(traj.response_ids.shape[1]):
+                again = step_logits(model, dropped.hidden, step, 0.7)
+                assert torch.equal(again, kept.logits[:, step])
+            if model is eos_first:  # rows stopped apart: positions after an EOS are padding
+                assert bool((traj.response_mask == 0).any())
+
+
+def test_scoring_without_the_rollout_logits_logs_the_same_kl_and_entropy(tiny_lm_dir):
+    """Large logits of a plain head are not kept (always off the CPU); scoring gives the same."""
+    from rlkl_lightning import PPOModule
+    from rlkl_lightning.algorithms.pipeline import CPU_KEPT_LOGITS_BYTES, keep_rollout_logits
+    from rlkl_lightning.rewards import FunctionReward
+
+    module = PPOModule(
+        policy=str(tiny_lm_dir),
+        reward=FunctionReward(lambda p, r: float(len(r))),
+        max_prompt_tokens=16,
+        max_new_tokens=6,
+        log_samples_every=0,
+    )
+    hp = module.hparams
+    rollouts = []
+    for keep in (True, False):
+        torch.manual_seed(0)
+        rollouts.append(
+            sample_and_score(
+                module.policy,
+                *module._encode_prompts(PROMPTS),
+                max_new_tokens=6,
+                temperature=hp.temperature,
+                top_k=hp.top_k,
+                top_p=hp.top_p,
+                eos_token_id=module.tokenizer.eos_token_id,
+                pad_token_id=module.tokenizer.pad_token_id,
+                keep_logits=keep,
+            )
+        )
+    (traj, kept), (_, scores) = rollouts
+    ref = score_tokens(module.reference, traj, hp.temperature)
+    for again, plain in zip(
+        module._logit_diagnostics(scores, ref.logits),
+        module._logit_diagnostics(kept, ref.logits),
+        strict=True,
+    ):
+        assert torch.equal(again, plain)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # the choice, not a computation
+    vocab = len(module.tokenizer)
+    most = CPU_KEPT_LOGITS_BYTES // (4 * vocab * 32)  # rows of 32 tokens a CPU keeps
+    assert keep_rollout_logits(module.policy, cpu, most, 32)
+    assert not keep_rollout_logits(module.policy, cpu, most + 1, 32)
+    assert not keep_rollout_logits(module.policy, gpu, 1, 1)
+    assert module.rollout(PROMPTS)[1].logits is not None  # small: this CPU keeps them
+    module.policy.lm_head.bias = torch.nn.Parameter(torch.zeros(vocab))
+    module.policy._rlkl_plain_head = None  # checked again: a head with a bias is not plain
+    assert keep_rollout_logits(module.policy, gpu, most + 1, 32)

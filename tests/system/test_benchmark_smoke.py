@@ -1,7 +1,8 @@
 """The benchmarks at a tiny size on the CPU, so the GPU benchmarks cannot rot.
 
-benchmarks/lora_reference.py, and benchmarks/ppo_throughput.py with a GPU preset's
-architecture, the precision flag and its skip, in seconds (TRL is not needed).
+benchmarks/lora_reference.py, benchmarks/rollout_memory.py, and benchmarks/ppo_throughput.py
+with a GPU preset's architecture, the precision flag and its skip, in seconds (TRL is not
+needed).
 """
 
 from __future__ import annotations
@@ -33,6 +34,16 @@ def test_lora_reference_benchmark_runs_tiny_on_cpu(capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "| full+copy |" in printed and "| lora+off |" in printed
     assert "lora_reference" in sys.modules
+
+
+def test_rollout_memory_benchmark_runs_tiny_on_cpu(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import rollout_memory
+
+    rows = rollout_memory.main(["--tiny", "--threads", "1"])
+    assert [(r["way"], r["logits_kept"]) for r in rows] == [("kept", True), ("recomputed", False)]
+    assert rows[0]["kl_exact"] == rows[1]["kl_exact"] and rows[0]["peak_mib"] > 0
+    assert "exact KL and entropy equal in every run" in capsys.readouterr().out
 
 
 @pytest.fixture
