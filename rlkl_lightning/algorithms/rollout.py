@@ -6,8 +6,9 @@ next-token logits at position ``P - 1 + t``, and a causal model gives the same v
 it sees the sequence token by token with a KV cache or all at once (up to float rounding).
 :func:`sample_and_score` keeps them (the logits optionally: ``keep_logits``), so no second
 policy pass is needed, and it drives the model directly instead of through ``generate``,
-whose per-step bookkeeping costs more than the forward itself for small models. ``tests/perf/test_fast_path.py`` checks it against ``generate``
-followed by a scoring pass (``tests/helpers/generate_reference.py``).
+whose per-step bookkeeping costs more than the forward itself for small models.
+``tests/perf/test_fast_path.py`` checks it against ``generate`` followed by a scoring pass
+(``tests/helpers/generate_reference.py``).
 
 Shapes: ``B`` prompts, ``P`` prompt tokens (left padded), ``R`` response tokens (right
 padded after the first EOS), ``V`` vocabulary.
