@@ -147,14 +147,10 @@ def test_prepared_masks_give_the_numbers_of_transformers_own(tiny, monkeypatch):
     _assert_same(prepared, _sample(policy, tokenizer, ids, mask, max_new_tokens=10))
 
 
-def test_eager_attention_and_grouped_query_models(tiny_lm_dir, tmp_path):
-    """The 2D-mask path (eager attention) and a grouped-query model score like a full pass."""
+def _grouped_query_model(tokenizer, path):
+    """A tiny Qwen2 (grouped-query attention) with ``tokenizer``'s vocabulary, saved and loaded."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = load_tokenizer(str(tiny_lm_dir))
-    enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
-    eager = load_causal_lm(str(tiny_lm_dir))
-    eager.config._attn_implementation = "eager"
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -167,9 +163,17 @@ def test_eager_attention_and_grouped_query_models(tiny_lm_dir, tmp_path):
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
     )
-    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
-    qwen = load_causal_lm(str(tmp_path))
-    for policy in (eager, qwen):
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return load_causal_lm(str(path))
+
+
+def test_eager_attention_and_grouped_query_models(tiny_lm_dir, tmp_path):
+    """The 2D-mask path (eager attention) and a grouped-query model score like a full pass."""
+    tokenizer = load_tokenizer(str(tiny_lm_dir))
+    enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    eager = load_causal_lm(str(tiny_lm_dir))
+    eager.config._attn_implementation = "eager"
+    for policy in (eager, _grouped_query_model(tokenizer, tmp_path)):
         (traj, scores), _ = _sample(
             policy, tokenizer, enc["input_ids"], enc["attention_mask"], stop_check_every=4
         )
@@ -197,25 +201,6 @@ def test_weights_are_cast_once_per_rollout_and_never_after(tiny, monkeypatch):
             cached = policy.lm_head(x)
         torch.testing.assert_close(cached, policy.lm_head(x), rtol=0, atol=0)
         assert not torch.is_autocast_cache_enabled()
-
-
-def _grouped_query_model(tokenizer, path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return load_causal_lm(str(path))
 
 
 @pytest.mark.parametrize("autocast", [False, True])
