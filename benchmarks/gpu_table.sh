@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU table of docs/benchmarks.md in one command: GRPO against TRL's GRPOTrainer at the
-# 124M and 0.5B shapes in bf16, and the FSDP tests on CUDA. Each part has its own time limit,
-# so one failure does not cost the others; logs and JSON go to OUT (default: gpu_table/).
+# 124M and 0.5B shapes in bf16, the rollout's logits kept or recomputed, and the FSDP tests
+# on CUDA. Each part has its own time limit, so one failure does not cost the others; logs and
+# JSON go to OUT (default: gpu_table/).
 #
 #   bash benchmarks/gpu_table.sh [OUT] [TRL_PYTHON]
 #
@@ -27,6 +28,12 @@ run() {  # NAME LIMIT ARGS...: one benchmark, its log and JSON in OUT
 run tiny 90 --tiny --iters 1 --warmup 1
 run grpo_124m 200 --preset gpt2-124m --precision bf16-mixed --iters 5 --warmup 2
 run grpo_qwen_0.5b 200 --preset qwen2-0.5b --precision bf16-mixed --iters 5 --warmup 2
+# The scoring phase's memory with the rollout's logits kept and recomputed (the 124M shape's
+# vocabulary and batch); it also checks that both give the same exact KL and entropy.
+timeout 90 python3 benchmarks/rollout_memory.py --device cuda --batch 256 --new-tokens 64 \
+  --repeats 1 --json "$OUT/rollout_memory.json" >"$OUT/rollout_memory.log" 2>&1
+echo "== rollout memory: exit $?"
+tail -4 "$OUT/rollout_memory.log"
 timeout 110 python3 -m pytest -q -p no:cacheprovider tests/system/test_fsdp.py -k cuda \
   >"$OUT/fsdp.log" 2>&1
 echo "== fsdp cuda tests: exit $?"
