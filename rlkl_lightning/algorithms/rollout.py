@@ -232,7 +232,8 @@ def sample_and_score(
                 eos,
                 every if generator is not None else 1,  # no state: stopping late is final
                 generator,
-                None if keep_logits else pad_token_id,
+                keep_logits,
+                pad_token_id,
             )
     finally:
         policy.train(was_training)
@@ -259,14 +260,15 @@ def _decode(
     eos: int | None,
     every: int,
     generator: torch.Generator | None,
-    pad: int | None = None,
+    keep_logits: bool = True,
+    pad: int = 0,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """The KV-cache loop: ``[B, R]`` tokens, ``[B, R, V]`` float32 logits / T, ``[B, R, H]``.
 
     ``sampling``: temperature, top-k and top-p. Stops once every row has drawn ``eos``,
     looking every ``every`` tokens; steps drawn after that are dropped and ``generator`` is
-    put back to its state after the last one kept. With a ``pad`` id the logits are not kept
-    (None); instead, per step, the logits of the sampled token and of ``pad`` and the
+    put back to its state after the last one kept. Without ``keep_logits`` the logits are
+    None; instead, per step, the logits of the sampled token and of ``pad`` and the
     log-sum-exp of the row: ``[B, R, 3]`` (else None).
     """
     temperature, top_k, top_p = sampling
@@ -297,14 +299,14 @@ def _decode(
     states: list[Tensor] = []  # the generator's state after each step
     for step in range(max_new_tokens):
         logits = out.logits[:, -1].float() / temperature
-        if pad is None:
+        if keep_logits:
             if all_logits is None:
                 all_logits = logits.new_empty(batch, max_new_tokens, logits.shape[-1])
             all_logits[:, step] = logits
         hidden_steps.append(out.hidden_states[-1][:, -1])
         token = draw(torch.softmax(filter_logits(logits, top_k, top_p), dim=-1))
         tokens.append(token)
-        if pad is not None:  # without an eos no position is padded (pad may be no token)
+        if not keep_logits:  # without an eos no position is padded (pad may be no token)
             filler = token if eos is None else token.new_full(token.shape, pad)
             chosen = logits.gather(1, torch.cat([token, filler], 1))
             picked.append(torch.cat([chosen, torch.logsumexp(logits, dim=-1, keepdim=True)], 1))
