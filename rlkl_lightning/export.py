@@ -29,7 +29,7 @@ def export_policy(
     """Rebuild the policy from ``hparams``, load its trained weights, merge, save.
 
     Args:
-        hparams: The module's hyperparameters (``policy``, ``tokenizer``, ``peft``).
+        hparams: The module's hyperparameters (``policy``, ``tokenizer``, ``models.peft``).
         state_dict: The module's weights (keys ``policy.*``; frozen ones may be missing).
         directory: Where to write the model and tokenizer.
 
@@ -42,7 +42,8 @@ def export_policy(
 
     model = load_causal_lm(hparams["policy"], option="policy")
     state = {k.removeprefix("policy."): v for k, v in state_dict.items() if k.startswith("policy.")}
-    peft = hparams.get("peft")
+    # Adapters: the `models` group's, or a flat `peft` in a checkpoint of 0.1.0.
+    peft = (hparams.get("models") or {}).get("peft", hparams.get("peft"))
     wrapped = attach_adapters(model, peft) if peft is not None else None
     load_trainable(model, state, "export")
     if wrapped is not None:

@@ -201,11 +201,9 @@ class SequenceClassifierReward:
         trust_remote_code: bool = False,
         cpu_matmul: str = "auto",
     ) -> None:
-        from rlkl_lightning.perf.onednn import CPU_MATMULS, available, resolve, use_onednn
+        from rlkl_lightning.perf.onednn import check_cpu_matmul, resolve, use_onednn
 
-        if cpu_matmul not in CPU_MATMULS or (cpu_matmul == "onednn" and not available()):
-            allowed = CPU_MATMULS if available() else ("auto", "default")
-            raise ValueError(f"cpu_matmul must be one of {allowed}, got {cpu_matmul!r}")
+        check_cpu_matmul(cpu_matmul)
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         if text not in TEXTS:

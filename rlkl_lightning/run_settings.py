@@ -23,7 +23,7 @@ from typing_extensions import override
 # Options that change what is logged or how fast, never what is trained.
 NOT_TRAJECTORY = frozenset(
     {
-        "model.init_args.log_samples_every",
+        "model.init_args.logging",
         "model.init_args.gold_reward",
         "data.init_args.heldout",
         "data.init_args.heldout_column",
@@ -39,6 +39,13 @@ NOT_TRAJECTORY = frozenset(
 GROUPS = ("model", "data", "kl")
 
 
+def _kept(key: str) -> bool:
+    """Whether option ``key`` (``"model.init_args.sampling.top_p"``) shapes the trajectory."""
+    return key not in NOT_TRAJECTORY and not any(
+        key.startswith(f"{skip}.") for skip in NOT_TRAJECTORY
+    )
+
+
 def _flatten(value: Any, prefix: str, out: dict[str, str]) -> None:
     """``{"model.init_args.lr": "0.0001", ...}``: nested config values as comparable text."""
     if hasattr(value, "as_dict"):  # a jsonargparse Namespace
@@ -46,9 +53,7 @@ def _flatten(value: Any, prefix: str, out: dict[str, str]) -> None:
     if isinstance(value, dict) and value:
         for key, item in value.items():
             _flatten(item, f"{prefix}.{key}", out)
-    elif prefix not in NOT_TRAJECTORY and not any(
-        prefix.startswith(f"{skip}.") for skip in NOT_TRAJECTORY
-    ):
+    elif _kept(prefix):
         out[prefix] = repr(value)
 
 
@@ -59,6 +64,27 @@ def trajectory_settings(config: Any) -> dict[str, str]:
         _flatten(config.get(group), group, out)
     trainer = config.get("trainer")
     out["trainer.precision"] = repr(trainer.get("precision") if trainer is not None else None)
+    return out
+
+
+def nested_settings(saved: dict[str, str]) -> dict[str, str]:
+    """A checkpoint's settings with the flat model options of 0.1.0 put in their groups.
+
+    ``model.init_args.lr`` becomes ``model.init_args.optimization.lr``, so a checkpoint
+    written before the option groups is compared like with like.
+    """
+    from rlkl_lightning.algorithms.options import FLAT_KEYS
+
+    prefix = "model.init_args."
+    out = {}
+    for key, value in saved.items():
+        if key.startswith(prefix):
+            name, dot, rest = key.removeprefix(prefix).partition(".")
+            place = FLAT_KEYS.get(name)
+            if place is not None and not place.startswith(f"{name}."):
+                key = f"{prefix}{place}{dot}{rest}"
+        if _kept(key):
+            out[key] = value
     return out
 
 
@@ -115,7 +141,7 @@ class RunSettings(Callback):
         state = (checkpoint.get("callbacks") or {}).get(self.state_key)
         if not isinstance(state, dict) or not isinstance(state.get("settings"), dict):
             return  # a checkpoint written without the CLI, or before this check existed
-        self.changes = differences(state["settings"], self.settings)
+        self.changes = differences(nested_settings(state["settings"]), self.settings)
         if not self.changes:
             return
         listed = "\n  ".join(self.changes)

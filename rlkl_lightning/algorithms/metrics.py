@@ -214,20 +214,20 @@ def log_samples_table(
     """Write :func:`samples_table` to the module's TensorBoard every ``log_samples_every`` batches.
 
     Args:
-        module: The training module (its ``hparams``, ``batches_seen`` and ``logger``).
+        module: The training module (its ``logging`` options, ``batches_seen`` and ``logger``).
         prompts: The batch's prompts.
         responses: Their decoded responses.
         scores: ``[B]`` their reward-model scores.
         gold: ``[B]`` their gold scores, if a gold reward is logged.
         top_kl: ``rows -> `` :func:`top_kl_tokens` of the first rows, for the KL column.
     """
-    every = module.hparams.log_samples_every
+    every = module.logging.log_samples_every
     if not every or (module.batches_seen - 1) % every:
         return
     experiment = getattr(module.logger, "experiment", None)
     if experiment is None or not hasattr(experiment, "add_text"):
         return
-    rows = module.hparams.num_logged_samples
+    rows = module.logging.num_logged_samples
     tops = top_kl(rows) if top_kl is not None else None
     table = samples_table(prompts, responses, scores, rows, gold, tops)
     experiment.add_text("samples", table, global_step=module.batches_seen)

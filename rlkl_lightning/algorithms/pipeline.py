@@ -36,12 +36,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
-from rlkl_lightning.algorithms.checks import (
-    check_context,
-    check_pipeline_args,
-    check_vocabulary,
-    context_of,
-)
+from rlkl_lightning.algorithms.checks import check_context, check_vocabulary, context_of
 from rlkl_lightning.algorithms.gates import (
     SkipBatch,
     any_rank,
@@ -56,6 +51,18 @@ from rlkl_lightning.algorithms.metrics import (
     log_samples_table,
     token_kl_stats,
     top_kl_tokens,
+)
+from rlkl_lightning.algorithms.objective import PolicyObjective
+from rlkl_lightning.algorithms.options import (
+    PIPELINE_GROUPS,
+    KLPenalty,
+    Logging,
+    Models,
+    Objective,
+    Optimization,
+    Safeguards,
+    Sampling,
+    as_group,
 )
 from rlkl_lightning.algorithms.reference_refresh import mix_into_reference
 from rlkl_lightning.algorithms.resume import (
@@ -72,7 +79,7 @@ from rlkl_lightning.algorithms.update import OneThread, Reduce, run_update
 from rlkl_lightning.algorithms.validation import HeldoutPerplexity, encode_texts
 from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.kl import estimators as klmod
-from rlkl_lightning.kl.loss import kl_loss, within_trust_region
+from rlkl_lightning.kl.loss import within_trust_region
 from rlkl_lightning.masked import masked_mean, masked_sum
 from rlkl_lightning.models.forward import no_grad, plain_lm_head_weight
 from rlkl_lightning.models.loading import (
@@ -86,7 +93,7 @@ from rlkl_lightning.models.logprobs import TokenScores, score_tokens, step_logit
 from rlkl_lightning.models.lora import AdaptersOff
 from rlkl_lightning.models.sharding import shard_models
 from rlkl_lightning.perf.gelu import fuse_tanh_gelu
-from rlkl_lightning.perf.onednn import CPU_MATMULS, available, resolve, use_onednn
+from rlkl_lightning.perf.onednn import resolve, use_onednn
 from rlkl_lightning.perf.row_blocks import in_row_blocks
 from rlkl_lightning.perf.value_thread import ValueThread
 from rlkl_lightning.rewards import (
@@ -96,17 +103,6 @@ from rlkl_lightning.rewards import (
     validate_scores,
 )
 from rlkl_lightning.trajectory import Trajectory
-
-#: The rules of the speed-up options, checked with the other arguments.
-SPEED_UP_RULES = [
-    ("cpu_matmul", lambda x: x in CPU_MATMULS, f"one of {CPU_MATMULS}"),
-    (
-        "cpu_matmul",
-        lambda x: x != "onednn" or available(),
-        "'auto' or 'default' (this PyTorch has no oneDNN float32 linear kernel)",
-    ),
-]
-
 
 #: On a CPU, rollout logits up to this size are kept: recomputing small ones cost more time
 #: than it saved (docs/benchmarks.md, "Memory").
@@ -136,78 +132,21 @@ class RLPipeline(LightningModule):
             world's SFT model (built on first use).
         tokenizer: tokenizer name or directory; defaults to ``policy``.
         reference: reference model name or directory; defaults to a frozen copy of the policy,
-            or with ``peft`` to the policy with its adapters switched off (no copy).
+            or with ``models.peft`` to the policy with its adapters switched off (no copy).
         reward: the reward model, called as ``reward(prompts, responses) -> [B]`` scores;
             defaults to the VADER sentiment of the response.
         gold_reward: a second reward model, logged as ``objective/gold_score`` beside the
             trained score and never trained on (the default world's gold sentiment:
             ``rlkl_lightning.world.gold.GoldSentimentReward``); None: none.
-        trust_remote_code: run code shipped with the policy, reference, value model or
-            tokenizer (their own modelling files); off, such a model is refused with an error.
-            Set it only for model directories and hub repositories you trust.
-        init_kl_coef: beta before any controller update (a ``KLControllerCallback`` overwrites
-            ``kl_coef`` at fit start with its controller's value).
-        kl_estimator: the measured per-token KL: ``objective/kl`` (the controller's input) and,
-            with ``kl_placement="reward"``, the penalty in the reward: ``k1``, ``k2``, ``k3`` or
-            ``exact`` (see docs/kl.md, "Units and estimators").
-        kl_placement: where ``kl_coef x KL`` enters the update: ``reward`` (subtracted from the
-            reward, reaching the policy through the policy-gradient term) or ``loss`` (added
-            to the loss as ``kl_coef x kl_loss``, the reward has no KL term); see
-            :mod:`rlkl_lightning.kl.loss` and docs/kl.md, "Where the KL goes".
-        kl_loss_estimator: with ``kl_placement="loss"``, the estimator that is differentiated:
-            ``k1``, ``k2`` or ``k3`` (``k2`` follows the per-token KL gradient on-policy).
-        kl_loss_weight_clip: with ``kl_placement="loss"``, the cap of the importance weights
-            ``pi / pi_old`` (detached) of the KL loss on samples from an earlier policy
-            (``>= 1``; None: no cap).
-        max_prompt_tokens: prompts are truncated on the left to this many tokens.
-        max_new_tokens: response length limit (tokens).
-        temperature: sampling temperature; log-probs are computed at the same temperature.
-        top_k: sample among the top-k tokens only (0 = all). Anything but 0 makes the samples
-            come from a truncated distribution, so the KL estimates are biased; keep 0 for
-            KL-controlled runs.
-        top_p: nucleus sampling (1.0 = off); same caveat as ``top_k``.
-        stop_at_eos: stop each response at its first EOS (False: always ``max_new_tokens``).
-        ppo_epochs: passes over each batch of rollouts.
-        num_minibatches: minibatches per pass (one optimizer step each).
-        grad_accum_steps: micro-batches per minibatch, when a minibatch does not fit in memory.
-        lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        lr_schedule: ``constant`` or ``linear`` (decay to 0 over the training batches).
-        warmup_batches: linear warm-up length in batches.
-        cliprange: PPO ratio clip epsilon (below 1, and above unless ``cliprange_high``).
-        cliprange_high: the clip epsilon above 1 (DAPO's clip-higher: larger than
-            ``cliprange``); None: ``cliprange``.
-        importance_ratio: ``token`` (PPO's ratio per token) or ``sequence`` (GSPO's: each
-            response's geometric mean of its token ratios, on all its tokens).
-        loss_aggregation: how an optimizer step's per-token loss terms become its loss:
-            ``token_mean``, ``sequence_mean``, ``fixed_length`` (Dr. GRPO) or
-            ``batch_token_mean`` (DAPO); see :mod:`rlkl_lightning.algorithms.aggregation`.
-        score_clip: clip reward-model scores to ``[-score_clip, score_clip]`` (None: no clip).
-        max_grad_norm: gradient-norm clip (None: no clip).
-        log_samples_every: write a table of sampled generations to TensorBoard every this many
-            batches (0: never).
-        num_logged_samples: rows in that table.
-        max_skipped_in_a_row: stop the run with an error once this many batches in a row were
-            skipped (a reward model that always fails would otherwise burn the whole run);
-            None: never stop.
-        peft: train adapters instead of the policy's weights: the fields of a ``peft``
-            ``LoraConfig`` (``{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}``;
-            ``peft_type`` picks another adapter method) or a ``peft.PeftConfig``. Only the
-            adapters and the value head train (docs/bigger-models.md).
-        gradient_checkpointing: recompute the policy's activations in the backward pass
-            instead of storing them (less memory, about one more forward per update).
-        kl_token_threshold: log the per-token KL diagnostics (``kl_tokens/*``: the largest
-            per-token log-ratio and KL, upper quantiles, the largest per-sequence KL, and the
-            number of tokens with ``|log pi - log pi_ref|`` above this threshold) and name each
-            logged response's tokens of largest KL in the samples table; None: off.
-        kl_trust_region: leave tokens whose ``|log pi - log pi_ref|`` exceeds this out of the
-            KL penalty (in the reward: the rollout's log-ratio; in the loss: the current one);
-            ``objective/kl`` still measures every token. Biases the KL gradient (docs/kl.md,
-            "A per-token trust region"); None: off.
-        cpu_matmul: ``onednn``: the float32 CPU products of the policy, reference and value
-            models through oneDNN, faster where PyTorch's BLAS lacks AVX-512 kernels (AMD),
-            equal to ``default``'s to float32 rounding (:mod:`rlkl_lightning.perf.onednn`);
-            ``auto`` (default): ``onednn`` on an AMD processor, ``default`` elsewhere.
+        sampling: how responses are sampled (:class:`~.options.Sampling`).
+        optimization: the update loop and AdamW (:class:`~.options.Optimization`).
+        objective: the policy objective (:class:`~.options.Objective`).
+        kl: where and how the KL enters the update (:class:`~.options.KLPenalty`).
+        models: how the models are loaded and run (:class:`~.options.Models`).
+        safeguards: score clipping and the limit of skipped batches
+            (:class:`~.options.Safeguards`).
+        logging: the samples table and the per-token KL diagnostics
+            (:class:`~.options.Logging`).
     """
 
     #: The name messages give the module (its options are named in them too).
@@ -230,43 +169,19 @@ class RLPipeline(LightningModule):
         reference: str | None = None,
         reward: RewardModel | None = None,
         gold_reward: RewardModel | None = None,
-        trust_remote_code: bool = False,
-        init_kl_coef: float = 0.1,
-        kl_estimator: str = "k1",
-        kl_placement: str = "reward",
-        kl_loss_estimator: str = "k2",
-        kl_loss_weight_clip: float | None = 2.0,
-        max_prompt_tokens: int = 64,
-        max_new_tokens: int = 24,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        stop_at_eos: bool = True,
-        ppo_epochs: int = 4,
-        num_minibatches: int = 4,
-        grad_accum_steps: int = 1,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        lr_schedule: str = "constant",
-        warmup_batches: int = 0,
-        cliprange: float = 0.2,
-        cliprange_high: float | None = None,
-        importance_ratio: str = "token",
-        loss_aggregation: str = "token_mean",
-        score_clip: float | None = None,
-        max_grad_norm: float | None = 1.0,
-        log_samples_every: int = 50,
-        num_logged_samples: int = 4,
-        max_skipped_in_a_row: int | None = 20,
-        peft: dict[str, Any] | None = None,
-        gradient_checkpointing: bool = False,
-        kl_token_threshold: float | None = None,
-        kl_trust_region: float | None = None,
-        cpu_matmul: str = "auto",
+        sampling: Sampling = Sampling(),
+        optimization: Optimization = Optimization(),
+        objective: Objective = Objective(),
+        kl: KLPenalty = KLPenalty(),
+        models: Models = Models(),
+        safeguards: Safeguards = Safeguards(),
+        logging: Logging = Logging(),
     ):
         super().__init__()
-        args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        check_pipeline_args(self.owner, args, SPEED_UP_RULES)
+        groups = {k: v for k, v in locals().items() if k in PIPELINE_GROUPS}
+        for name, value in groups.items():
+            setattr(self, name, as_group(PIPELINE_GROUPS[name], value, name))
+        self._check_joint_options()
         for name in COUNTERS:
             setattr(self, name, 0)
         #: The ``state_dict`` keys a refresh changed, saved in checkpoints beside the trained ones.
@@ -275,26 +190,45 @@ class RLPipeline(LightningModule):
         self.log_reference_refreshes = False
         self.heldout = HeldoutPerplexity()
         self.threads: OneThread | ValueThread = OneThread()
-        models = ("reward", "gold_reward")  # objects, not settings
-        self.save_hyperparameters(ignore=list(models))
-        # LightningCLI saves a subclass's own arguments as the hyperparameters; the settings
-        # read from `hparams` must be the ones this module was built with. Plain values (a
-        # numpy lr would reach the optimizer's state): checkpoints load with weights_only=True.
-        self.hparams.update(plain({k: v for k, v in args.items() if k not in models}))
+        self.save_hyperparameters(ignore=["reward", "gold_reward"])  # objects, not settings
+        # LightningCLI saves a subclass's own arguments as the hyperparameters; the record must
+        # be the options this module was built with, as plain values: checkpoints load with
+        # weights_only=True. The options are read from the groups, never from `hparams`.
+        objects = {"policy": policy, "tokenizer": tokenizer, "reference": reference}
+        self.hparams.update(plain({**objects, **{k: getattr(self, k) for k in groups}}))
         self.automatic_optimization = False
+        #: The policy objective (surrogate, entropy bonus, KL term, aggregation).
+        self.policy_objective = PolicyObjective(self.objective, self.kl, self.sampling.temperature)
 
-        trust = {"trust_remote_code": trust_remote_code}
+        trust = {"trust_remote_code": self.models.trust_remote_code}
         self.tokenizer = load_tokenizer(
             tokenizer or policy, "tokenizer" if tokenizer else "policy", **trust
         )
         self.policy, self.reference = policy_and_reference(
-            policy, reference, peft, gradient_checkpointing, prepare=self.speed_up, **trust
+            policy,
+            reference,
+            self.models.peft,
+            self.models.gradient_checkpointing,
+            prepare=self.speed_up,
+            **trust,
         )
         check_vocabulary(self.owner, self.policy, self.reference)
-        check_context(self.owner, self.policy, max_prompt_tokens, max_new_tokens)
+        check_context(
+            self.owner, self.policy, self.sampling.max_prompt_tokens, self.sampling.max_new_tokens
+        )
         self.reward = reward if reward is not None else VaderSentimentReward()
         self.gold_reward = gold_reward
-        self.kl_coef = float(init_kl_coef)
+        self.kl_coef = float(self.kl.init_coef)
+
+    def _check_joint_options(self) -> None:
+        """The rules that join two groups, or a group and this machine; before models load."""
+        if self.sampling.truncated:
+            rank_zero_warn(
+                f"{self.owner}: `sampling.top_k`/`sampling.top_p` truncate the sampling "
+                "distribution, so the KL estimates (and the penalty) no longer refer to the "
+                "policy itself; use top_k=0, top_p=1.0 for KL-controlled runs",
+                category=RuntimeWarning,
+            )
 
     # ------------------------------------------------------------------ set-up
     def speed_up(self, model: torch.nn.Module) -> None:
@@ -305,7 +239,7 @@ class RLPipeline(LightningModule):
         products by oneDNN.
         """
         fuse_tanh_gelu(model)
-        if resolve(self.hparams.cpu_matmul) == "onednn":
+        if resolve(self.models.cpu_matmul) == "onednn":
             use_onednn(model)
 
     def update_threads(self) -> OneThread | ValueThread:
@@ -327,7 +261,10 @@ class RLPipeline(LightningModule):
         # The fused kernel does one pass per tensor instead of a dozen (same update rule).
         fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
         optimizer = torch.optim.AdamW(
-            params, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, fused=fused
+            params,
+            lr=self.optimization.lr,
+            weight_decay=self.optimization.weight_decay,
+            fused=fused,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
         return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
@@ -340,10 +277,10 @@ class RLPipeline(LightningModule):
             self.reference.model = self.policy  # the sharded policy, adapters off
 
     def _lr_factor(self, batch: int) -> float:
-        warmup = self.hparams.warmup_batches
+        warmup = self.optimization.warmup_batches
         if warmup and batch < warmup:
             return (batch + 1) / warmup
-        if self.hparams.lr_schedule == "linear" and self._trainer is not None:
+        if self.optimization.lr_schedule == "linear" and self._trainer is not None:
             total = max(int(self.trainer.estimated_stepping_batches), 1)
             return max(0.0, 1.0 - (batch - warmup) / max(total - warmup, 1))
         return 1.0
@@ -396,7 +333,7 @@ class RLPipeline(LightningModule):
 
     def rollout(self, prompts: list[str]) -> tuple[Trajectory, TokenScores]:
         """Phase 1: sample a response per prompt; the policy's scores of them come along."""
-        hp = self.hparams
+        hp = self.sampling
         prompt_ids, prompt_mask = self._encode_prompts(prompts)
         return sample_and_score(
             self.policy,
@@ -427,10 +364,9 @@ class RLPipeline(LightningModule):
             ``kl_token_threshold`` the ``kl_tokens/*`` diagnostics and the ``[B, R]`` per-token
             KL (``token_kl``).
         """
-        hp = self.hparams
         mask = traj.response_mask
         with no_grad(self.reference):
-            ref = score_tokens(self.reference, traj, hp.temperature)
+            ref = score_tokens(self.reference, traj, self.sampling.temperature)
         # The logits only feed the no-grad exact KL below: an inference tensor is fine there,
         # and a copy of [B, R, V] is not (it is a large share of this phase's peak memory).
         ref_logits, ref_logprobs = ref.logits, ref.logprobs.clone()
@@ -446,15 +382,15 @@ class RLPipeline(LightningModule):
         }
         exact, entropy = self._logit_diagnostics(policy_scores, ref_logits)
         per_token["exact"] = exact
-        kl = per_token[hp.kl_estimator]
+        kl = per_token[self.kl.estimator]
         diagnostics = {f"kl_{k}": klmod.sequence_kl(v, mask) for k, v in per_token.items()}
-        if hp.kl_token_threshold is not None:  # collectives: every rank computes them
+        if self.logging.kl_token_threshold is not None:  # collectives: every rank computes them
             diagnostics.update(self._token_kl_stats(per_token["k1"], kl, mask))
             diagnostics["token_kl"] = kl  # [B, R] for the samples table
-        if hp.kl_trust_region is not None:  # the penalty only; the measured KL is whole
-            kl = kl * within_trust_region(per_token["k1"], hp.kl_trust_region)
+        if self.kl.trust_region is not None:  # the penalty only; the measured KL is whole
+            kl = kl * within_trust_region(per_token["k1"], self.kl.trust_region)
         self.gate(
-            not bool(torch.isfinite(diagnostics[f"kl_{hp.kl_estimator}"]).all()),
+            not bool(torch.isfinite(diagnostics[f"kl_{self.kl.estimator}"]).all()),
             "the KL to the reference is not finite (on this or another rank)",
         )
         diagnostics["entropy_sum"] = masked_sum(entropy, mask)
@@ -473,7 +409,7 @@ class RLPipeline(LightningModule):
                 in_row_blocks(klmod.exact_kl, policy.logits, ref_logits),
                 in_row_blocks(entropy_from_logits, policy.logits),
             )
-        temperature = self.hparams.temperature
+        temperature = self.sampling.temperature
         exact, entropy = [], []
         with torch.no_grad():
             for step in range(ref_logits.shape[1]):
@@ -489,52 +425,24 @@ class RLPipeline(LightningModule):
     def loss(
         self, minibatch: Trajectory, reduce: Reduce = masked_mean
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one (micro-)minibatch and its detached statistics; per algorithm.
+        """The loss of one (micro-)minibatch and its detached statistics: the policy objective.
 
         ``reduce(per_token, mask)`` makes the per-token terms one number (the loss aggregation,
-        :mod:`rlkl_lightning.algorithms.aggregation`); by default their mean.
+        :mod:`rlkl_lightning.algorithms.aggregation`); by default their mean. An algorithm
+        with a loss term of its own (PPO's value loss) passes it as the objective's ``extra``.
         """
-        raise NotImplementedError
+        return self.policy_objective(
+            self.policy, minibatch, self.kl_coef, reduce, self.threads.defer
+        )
 
     @property
     def reward_kl_coef(self) -> float:
-        """Beta in the reward: ``kl_coef`` with ``kl_placement="reward"``, else 0."""
-        return self.kl_coef if self.hparams.kl_placement == "reward" else 0.0
+        """Beta in the reward: ``kl_coef`` with ``kl.placement="reward"``, else 0."""
+        return self.kl_coef if self.kl.placement == "reward" else 0.0
 
-    def add_kl_loss(
-        self,
-        loss: Tensor,
-        stats: dict[str, Tensor],
-        logprobs: Tensor,
-        minibatch: Trajectory,
-        reduce: Reduce = masked_mean,
-    ) -> Tensor:
-        """``loss`` plus ``kl_coef x kl_loss`` with ``kl_placement="loss"`` (else ``loss``).
-
-        Records the KL term, before ``kl_coef``, as ``stats["loss/kl"]``.
-
-        Args:
-            loss: The algorithm's loss of the minibatch.
-            stats: Its statistics, updated in place.
-            logprobs: ``[B, R]`` the policy's log-probs of the minibatch (with gradient).
-            minibatch: Supplies the rollout and reference log-probs and the mask.
-            reduce: The loss aggregation of the per-token KL terms (the policy loss's).
-        """
-        hp = self.hparams
-        if hp.kl_placement != "loss":
-            return loss
-        term = kl_loss(
-            logprobs,
-            minibatch.logprobs,
-            minibatch.ref_logprobs,
-            minibatch.response_mask,
-            hp.kl_loss_estimator,
-            hp.kl_loss_weight_clip,
-            reduce,
-            hp.kl_trust_region,
-        )
-        stats[keys.LOSS_KL] = term.detach()
-        return loss + self.kl_coef * term
+    def global_sum(self, values: Tensor) -> Tensor:
+        """``values`` summed over every rank (a collective under DDP: call it on every rank)."""
+        return global_sum(self._trainer, values)
 
     def update(self, traj: Trajectory) -> dict[str, Tensor]:
         """Phase 4: ``ppo_epochs`` x ``num_minibatches`` optimizer steps over the trajectory.
@@ -576,7 +484,7 @@ class RLPipeline(LightningModule):
         metrics = batch_metrics(
             traj,
             diagnostics,
-            self.hparams.kl_estimator,
+            self.kl.estimator,
             self.kl_coef,
             clock,
             partial(global_sum, self._trainer),
@@ -598,7 +506,7 @@ class RLPipeline(LightningModule):
         )
         if self.global_rank == 0:
             top_kl = None
-            if self.hparams.kl_token_threshold is not None:
+            if self.logging.kl_token_threshold is not None:
 
                 def top_kl(rows: int) -> list[str]:
                     return top_kl_tokens(
@@ -618,24 +526,24 @@ class RLPipeline(LightningModule):
             log_ratio,
             kl,
             mask,
-            self.hparams.kl_token_threshold,
+            self.logging.kl_token_threshold,
             partial(global_sum, self._trainer),
             partial(global_max, self._trainer),
         )
 
     def _encode_prompts(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         if not getattr(self, "_warned_truncation", False):
-            limit = self.hparams.max_prompt_tokens
+            limit = self.sampling.max_prompt_tokens
             longest = max(len(ids) for ids in self.tokenizer(prompts)["input_ids"])
             if longest > limit:
                 self._warned_truncation = True
                 rank_zero_warn(
                     f"{self.owner}: a prompt of {longest} tokens is longer than "
-                    f"`max_prompt_tokens`={limit}; prompts are cut on the left to their last "
-                    f"{limit} tokens (warned once)",
+                    f"`sampling.max_prompt_tokens`={limit}; prompts are cut on the left to "
+                    f"their last {limit} tokens (warned once)",
                     category=RuntimeWarning,
                 )
-        ids, mask = encode(self.tokenizer, prompts, "left", self.hparams.max_prompt_tokens)
+        ids, mask = encode(self.tokenizer, prompts, "left", self.sampling.max_prompt_tokens)
         return ids.to(self.device), mask.to(self.device)
 
     def _reward_scores(self, prompts: list[str], responses: list[str]) -> Tensor:
@@ -655,8 +563,9 @@ class RLPipeline(LightningModule):
                 ) from error
             raise SkipBatch(f"the reward model failed: {error or 'on another rank'}")
         scores = scores.to(self.device)
-        if self.hparams.score_clip is not None:
-            scores = scores.clamp(-self.hparams.score_clip, self.hparams.score_clip)
+        clip = self.safeguards.score_clip
+        if clip is not None:
+            scores = scores.clamp(-clip, clip)
         return scores
 
     def gate(self, bad: bool, why: str) -> None:
@@ -678,14 +587,14 @@ class RLPipeline(LightningModule):
         """
         self.skipped_batches += 1
         self.skipped_in_a_row += 1
-        limit = self.hparams.max_skipped_in_a_row
+        limit = self.safeguards.max_skipped_in_a_row
         if limit is not None and self.skipped_in_a_row >= limit:
             # Every rank skipped the same batches (the decision is agreed), so all stop here.
             raise RuntimeError(
                 f"{self.owner}: {self.skipped_in_a_row} batches in a row were skipped, the last "
-                f"because {why}; stopping (`max_skipped_in_a_row`={limit}). Fix the cause, or "
-                "set `max_skipped_in_a_row` higher or to None. Weights and beta are those of "
-                "the last trained batch."
+                f"because {why}; stopping (`safeguards.max_skipped_in_a_row`={limit}). Fix the "
+                "cause, or set `safeguards.max_skipped_in_a_row` higher or to None. Weights and "
+                "beta are those of the last trained batch."
             )
         rank_zero_warn(
             f"{self.owner}: skipping batch {self.batches_seen + 1}: {why}; kl_coef is unchanged "
@@ -727,7 +636,7 @@ class RLPipeline(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Store counters, RNG states, plain hparams; drop the reference and frozen weights.
 
-        Beta is the KL controller callback's state (without one it is ``init_kl_coef``).
+        Beta is the KL controller callback's state (without one it is ``kl.init_coef``).
         """
         plain_hyperparameters(checkpoint)
         if self.refreshed_keys:  # the reference differs from the one the config builds

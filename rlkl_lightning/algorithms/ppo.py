@@ -5,17 +5,17 @@ PPO adds a value function and its own shaping and loss:
 
 * score: value estimates at rollout time, from a head on the policy trunk (default) or a
   separate value model;
-* shape: ``r_t = -kl_coef * kl_t`` plus the score on the last response token (Ziegler et al.
-  2019, arXiv 1909.08593, eq. 2; the score alone with ``kl_placement="loss"``), then GAE
-  (Schulman et al. 2016, arXiv 1506.02438) and advantage whitening;
-* loss: the clipped surrogate and clipped value loss (Schulman et al. 2017, arXiv 1707.06347,
-  eq. 7 and 9), optionally an entropy bonus, and ``kl_coef x kl_loss`` with
-  ``kl_placement="loss"``.
+* shape: the ``gae`` advantage estimator (:mod:`.advantage_estimators`): ``r_t = -kl_coef *
+  kl_t`` plus the score on the last response token (Ziegler et al. 2019, arXiv 1909.08593,
+  eq. 2; the score alone with ``kl.placement="loss"``), then GAE (Schulman et al. 2016, arXiv
+  1506.02438) and advantage whitening;
+* loss: the policy objective (:mod:`.objective`) with the clipped value loss (Schulman et al.
+  2017, arXiv 1707.06347, eq. 9) times ``ppo.vf_coef`` added right after the surrogate.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -23,41 +23,51 @@ from torch import Tensor
 from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
-from rlkl_lightning.algorithms.advantages import gae, shape_rewards
-from rlkl_lightning.algorithms.checks import PPO_RULES, check_all
-from rlkl_lightning.algorithms.losses import entropy_from_logits, policy_loss, value_loss
+from rlkl_lightning.algorithms.advantage_estimators import advantage_estimator
+from rlkl_lightning.algorithms.losses import value_loss
+from rlkl_lightning.algorithms.options import (
+    KLPenalty,
+    Logging,
+    Models,
+    Objective,
+    Optimization,
+    PPOOptions,
+    Safeguards,
+    Sampling,
+    as_group,
+)
 from rlkl_lightning.algorithms.pipeline import RLPipeline
 from rlkl_lightning.algorithms.update import Reduce
 from rlkl_lightning.checkpoints import plain
-from rlkl_lightning.masked import masked_mean, masked_whiten
+from rlkl_lightning.masked import masked_mean
 from rlkl_lightning.models.forward import trunk_forward
 from rlkl_lightning.models.loading import load_causal_lm
-from rlkl_lightning.models.logprobs import TokenScores, score_tokens
+from rlkl_lightning.models.logprobs import TokenScores
 from rlkl_lightning.models.value_head import ValueHead, hidden_size_of
+from rlkl_lightning.rewards import RewardModel
 from rlkl_lightning.trajectory import Trajectory
 
 
 class PPOModule(RLPipeline):
     """PPO fine-tuning of a causal LM with a per-token KL penalty to a frozen reference.
 
-    Takes every argument of :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline` (policy, reward,
-    sampling, KL, update and logging options) and these:
+    Takes the model objects and option groups of
+    :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline` and PPO's own group.
 
     Args:
-        value_model: separate value model (a causal LM trunk plus a value head); by default the
-            value head sits on the policy trunk.
-        cliprange_value: value clip around the rollout-time values.
-        vf_coef: weight of the value loss.
-        ent_coef: weight of the entropy bonus.
-        gamma: discount.
-        lam: GAE lambda.
-        whiten_rewards: scale shaped rewards to unit variance (over valid tokens) before GAE.
-        value_model_thread: run the separate value model's passes in a second thread, beside
-            the policy's, each with half of torch's threads (``value_thread.py``; one process
-            only). Faster on a CPU; the numbers are those of the plain path with that many
-            threads per network. None (default): on where it helps, i.e. with a separate
-            ``value_model``, one process on a CPU and at least 2 torch threads.
-        **kwargs: the arguments of :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline`.
+        policy: as :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline`'s.
+        tokenizer: as the pipeline's.
+        reference: as the pipeline's.
+        reward: as the pipeline's.
+        gold_reward: as the pipeline's.
+        sampling: as the pipeline's.
+        optimization: as the pipeline's.
+        objective: as the pipeline's.
+        kl: as the pipeline's.
+        models: as the pipeline's.
+        safeguards: as the pipeline's.
+        logging: as the pipeline's.
+        ppo: the value function and GAE (:class:`~rlkl_lightning.algorithms.options.PPOOptions`).
     """
 
     owner: ClassVar[str] = "PPOModule"
@@ -65,32 +75,45 @@ class PPOModule(RLPipeline):
 
     def __init__(
         self,
-        value_model: str | None = None,
-        cliprange_value: float = 0.2,
-        vf_coef: float = 0.1,
-        ent_coef: float = 0.0,
-        gamma: float = 1.0,
-        lam: float = 0.95,
-        whiten_rewards: bool = False,
-        value_model_thread: bool | None = None,
-        **kwargs: Any,
+        policy: str = "default",
+        tokenizer: str | None = None,
+        reference: str | None = None,
+        reward: RewardModel | None = None,
+        gold_reward: RewardModel | None = None,
+        sampling: Sampling = Sampling(),
+        optimization: Optimization = Optimization(),
+        objective: Objective = Objective(),
+        kl: KLPenalty = KLPenalty(),
+        models: Models = Models(),
+        safeguards: Safeguards = Safeguards(),
+        logging: Logging = Logging(),
+        ppo: PPOOptions = PPOOptions(),
     ):
-        own = {k: v for k, v in locals().items() if k not in ("self", "__class__", "kwargs")}
-        check_all(self.owner, own, PPO_RULES)  # before the models load, like the shared ones
-        if value_model_thread and value_model is None:
-            raise ValueError(
-                f"{self.owner}: `value_model_thread`=True needs a separate `value_model`; with "
-                "value_model=None the value head shares the policy's passes (set "
-                "value_model_thread=False)"
-            )
-        super().__init__(**kwargs)
-        self.hparams.update(plain(own))
-        if value_model is None:
+        own = as_group(PPOOptions, ppo, "ppo")  # checked before the models load
+        super().__init__(
+            policy,
+            tokenizer,
+            reference,
+            reward,
+            gold_reward,
+            sampling,
+            optimization,
+            objective,
+            kl,
+            models,
+            safeguards,
+            logging,
+        )
+        self.ppo = own
+        self.hparams["ppo"] = plain(self.ppo)
+        if self.ppo.value_model is None:
             self.value_trunk = None
             self.value_head = ValueHead(hidden_size_of(self.policy))
         else:
             self.value_trunk = load_causal_lm(
-                value_model, option="value_model", trust_remote_code=self.hparams.trust_remote_code
+                self.ppo.value_model,
+                option="ppo.value_model",
+                trust_remote_code=self.models.trust_remote_code,
             )
             self.speed_up(self.value_trunk)
             self.value_head = ValueHead(hidden_size_of(self.value_trunk))
@@ -105,16 +128,17 @@ class PPOModule(RLPipeline):
 
     @override
     def on_fit_start(self) -> None:
-        """The shared set-up; ``value_model_thread`` needs one process."""
+        """The shared set-up; ``ppo.value_model_thread`` needs one process."""
         super().on_fit_start()
         strategy = self.trainer.strategy
         one_process = isinstance(strategy, SingleDeviceStrategy)
-        if self.hparams.value_model_thread and not one_process:
+        if self.ppo.value_model_thread and not one_process:
             raise ValueError(
-                f"{self.owner}: `value_model_thread`=True needs one process with a single-device "
-                f"strategy, got {type(strategy).__name__}; set value_model_thread=False"
+                f"{self.owner}: `ppo.value_model_thread`=True needs one process with a "
+                f"single-device strategy, got {type(strategy).__name__}; set "
+                "value_model_thread=False"
             )
-        self._value_thread = self.hparams.value_model_thread
+        self._value_thread = self.ppo.value_model_thread
         if self._value_thread is None:  # on where it helps
             self._value_thread = (
                 self.value_trunk is not None
@@ -135,71 +159,42 @@ class PPOModule(RLPipeline):
 
     @override
     def helper_thread_parameters(self) -> list[Tensor] | None:
-        """With ``value_model_thread``, the value model's part of the update runs beside."""
-        thread = getattr(self, "_value_thread", self.hparams.value_model_thread)
+        """With ``ppo.value_model_thread``, the value model's part of the update runs beside."""
+        thread = getattr(self, "_value_thread", self.ppo.value_model_thread)
         if not thread:
             return None
         return [*self.value_trunk.parameters(), *self.value_head.parameters()]
 
     @override
     def shape(self, traj: Trajectory) -> Trajectory:
-        """KL-shaped per-token rewards, GAE, and whitened advantages."""
-        hp = self.hparams
-        mask = traj.response_mask
-        rewards = shape_rewards(traj.scores, traj.kl, self.reward_kl_coef, mask)
-        if hp.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False)
-        advantages, returns = gae(rewards, traj.values, mask, hp.gamma, hp.lam)
-        return traj._replace(advantages=masked_whiten(advantages, mask), returns=returns)
+        """KL-shaped per-token rewards, GAE, and whitened advantages (the ``gae`` estimator)."""
+        estimate = advantage_estimator("gae", "token")
+        return estimate(traj, self.reward_kl_coef, self.ppo, self.global_sum)
 
     @override
     def loss(
         self, minibatch: Trajectory, reduce: Reduce = masked_mean
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped policy loss + ``vf_coef`` x clipped value loss (- ``ent_coef`` x entropy).
+        """The policy objective with ``vf_coef`` x the clipped value loss after the surrogate.
 
-        With ``kl_placement="loss"``, plus ``kl_coef`` x the KL loss (:meth:`add_kl_loss`).
-        Every term's per-token values are made one number by ``reduce`` (the aggregation).
+        The value model's part starts first: in a helper thread, it runs beside the policy's.
         """
-        hp = self.hparams
-        mb = minibatch
         threads = self.threads
-        value_side = threads.beside(self._value_loss, mb, reduce)  # now, if in a helper thread
-        # Without an entropy bonus no [B, R, V] logits are needed: the fused head (logprobs.py).
-        new = score_tokens(self.policy, mb, hp.temperature, bool(hp.ent_coef), threads.defer)
-        mask = mb.response_mask
-        pg_loss, pg_stats = policy_loss(
-            new.logprobs,
-            mb.logprobs,
-            mb.advantages,
-            mask,
-            hp.cliprange,
-            reduce,
-            hp.cliprange_high,
-            hp.importance_ratio,
+        value_side = threads.beside(self._value_loss, minibatch, reduce)  # now, if in a thread
+
+        def value_term(new: TokenScores) -> tuple[Tensor, dict[str, Tensor]]:
+            vf_loss, vf_clipfrac = value_side(new.hidden)
+            stats = {keys.LOSS_VALUE: vf_loss.detach(), keys.VALUE_CLIPFRAC: vf_clipfrac}
+            return self.ppo.vf_coef * vf_loss, stats
+
+        return self.policy_objective(
+            self.policy, minibatch, self.kl_coef, reduce, threads.defer, value_term
         )
-        vf_loss, vf_clipfrac = value_side(new.hidden)
-        loss = pg_loss + hp.vf_coef * vf_loss
-        stats = {
-            keys.LOSS_POLICY: pg_loss.detach(),
-            keys.LOSS_VALUE: vf_loss.detach(),
-            keys.APPROX_KL: pg_stats.approx_kl,
-            keys.CLIPFRAC: pg_stats.clipfrac,
-            keys.VALUE_CLIPFRAC: vf_clipfrac,
-        }
-        if hp.ent_coef:
-            entropy = reduce(entropy_from_logits(new.logits), mask)
-            loss = loss - hp.ent_coef * entropy
-            stats[keys.LOSS_ENTROPY_BONUS] = entropy.detach()
-        loss = self.add_kl_loss(loss, stats, new.logprobs, mb, reduce)
-        stats[keys.LOSS_TOTAL] = loss.detach()
-        return loss, stats
 
     def _value_loss(
         self, mb: Trajectory, reduce: Reduce, policy_hidden: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         values = self.values(mb, policy_hidden)
-        hp = self.hparams
         return value_loss(
-            values, mb.values, mb.returns, mb.response_mask, hp.cliprange_value, reduce
+            values, mb.values, mb.returns, mb.response_mask, self.ppo.cliprange_value, reduce
         )

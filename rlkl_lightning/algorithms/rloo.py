@@ -7,13 +7,12 @@ checkpoints) are :class:`RLPipeline`'s; RLOO has no value model and adds:
   row (:meth:`RLOOModule.on_before_batch_transfer`), so the rollout samples ``k`` responses per
   prompt and everything after it, the KL callbacks included, sees one row per response;
 * shape: one return per response, ``score - kl_coef * sum_t kl_t`` (the score alone with
-  ``kl_placement="loss"``), turned into advantages within each prompt's group by the
+  ``kl.placement="loss"``), turned into advantages within each prompt's group by the
   leave-one-out baseline (Ahmadian et al. 2024, arXiv 2402.14740) or GRPO's group
   normalisation (Shao et al. 2024, arXiv 2402.03300); every token of a response gets its
   response's advantage;
-* loss: PPO's clipped surrogate on those advantages (a token mean, as in the PPO loss, or the
-  ``loss_aggregation``), plus ``kl_coef x kl_loss`` with ``kl_placement="loss"``, minus
-  ``ent_coef`` x the entropy;
+* loss: the policy objective (:mod:`.objective`) on those advantages, as PPO's without its
+  value loss;
 * the GRPO family's options (docs/pipeline.md, "GRPO as TRL, verl and DAPO run it"): the
   advantages' scale (``scale_rewards``), responses cut at ``max_new_tokens`` left out of the
   update (``mask_truncated_completions``), groups whose scores are all equal left out of it
@@ -31,15 +30,21 @@ from torch import Tensor
 from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
-from rlkl_lightning.algorithms.advantages import group_advantages
-from rlkl_lightning.algorithms.checks import RLOO_RULES, check_all, need
-from rlkl_lightning.algorithms.gates import global_sum
-from rlkl_lightning.algorithms.losses import entropy_from_logits, policy_loss
+from rlkl_lightning.algorithms.advantage_estimators import advantage_estimator
+from rlkl_lightning.algorithms.options import (
+    GroupOptions,
+    KLPenalty,
+    Logging,
+    Models,
+    Objective,
+    Optimization,
+    Safeguards,
+    Sampling,
+    as_group,
+)
 from rlkl_lightning.algorithms.pipeline import RLPipeline
-from rlkl_lightning.algorithms.update import Reduce
-from rlkl_lightning.kl.estimators import sequence_kl
-from rlkl_lightning.masked import masked_mean
-from rlkl_lightning.models.logprobs import score_tokens
+from rlkl_lightning.checkpoints import plain
+from rlkl_lightning.rewards import RewardModel
 from rlkl_lightning.trajectory import Trajectory
 
 __all__ = ["RLOOModule", "repeat_each", "zero_std_groups"]
@@ -80,50 +85,62 @@ def zero_std_groups(scores: Tensor, k: int) -> Tensor:
 class RLOOModule(RLPipeline):
     """RLOO (or GRPO-style) fine-tuning of a causal LM with a KL penalty to a frozen reference.
 
-    Takes every argument of :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline` and these:
+    Takes the model objects and option groups of
+    :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline` and the group's own options.
 
     Args:
-        responses_per_prompt: ``k``, responses sampled per prompt (each prompt of a data
-            batch of ``b`` prompts is repeated ``k`` times: ``b * k`` responses per batch, the
-            samples the KL callbacks count).
-        advantage: ``rloo`` (leave-one-out baseline, unbiased) or ``grpo`` (the group's mean
-            subtracted, then divided by its standard deviation).
-        scale_rewards: with ``advantage="grpo"``, what the centred returns are divided by:
-            ``group`` (the group's standard deviation), ``batch`` (that of the whole batch,
-            every rank's) or ``none`` (Dr. GRPO). ``rloo`` takes only ``group``.
-        ent_coef: weight of an entropy bonus in the loss (``- ent_coef x`` the aggregated
-            per-token entropy); 0: none, and no full-vocabulary logits in the update.
-        mask_truncated_completions: leave the responses that end without EOS (cut at
-            ``max_new_tokens``) out of the update: their reward scored an unfinished text.
-        drop_zero_std_groups: leave the groups whose scores are all equal out of the update.
-            One process only. The KL callbacks still count, and ``objective/kl`` still
-            measures, every response of the batch (docs/callbacks.md).
-        **kwargs: the arguments of :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline`.
+        policy: as :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline`'s.
+        tokenizer: as the pipeline's.
+        reference: as the pipeline's.
+        reward: as the pipeline's.
+        gold_reward: as the pipeline's.
+        sampling: as the pipeline's.
+        optimization: as the pipeline's.
+        objective: as the pipeline's.
+        kl: as the pipeline's.
+        models: as the pipeline's.
+        safeguards: as the pipeline's.
+        logging: as the pipeline's.
+        group: the responses per prompt and the group advantages
+            (:class:`~rlkl_lightning.algorithms.options.GroupOptions`).
     """
 
     owner: ClassVar[str] = "RLOOModule"
 
     def __init__(
         self,
-        responses_per_prompt: int = 4,
-        advantage: str = "rloo",
-        scale_rewards: str = "group",
-        ent_coef: float = 0.0,
-        mask_truncated_completions: bool = False,
-        drop_zero_std_groups: bool = False,
-        **kwargs: Any,
+        policy: str = "default",
+        tokenizer: str | None = None,
+        reference: str | None = None,
+        reward: RewardModel | None = None,
+        gold_reward: RewardModel | None = None,
+        sampling: Sampling = Sampling(),
+        optimization: Optimization = Optimization(),
+        objective: Objective = Objective(),
+        kl: KLPenalty = KLPenalty(),
+        models: Models = Models(),
+        safeguards: Safeguards = Safeguards(),
+        logging: Logging = Logging(),
+        group: GroupOptions = GroupOptions(),
     ):
-        own = {k: v for k, v in locals().items() if k not in ("self", "__class__", "kwargs")}
-        check_all(self.owner, own, RLOO_RULES)  # before the models load, like the shared ones
-        need(
-            self.owner,
-            advantage == "grpo" or scale_rewards == "group",
-            "scale_rewards",
-            "'group' with advantage='rloo' (the leave-one-out baseline never divides)",
-            scale_rewards,
+        own = as_group(GroupOptions, group, "group")  # checked before the models load
+        advantage_estimator(own.advantage, "group", "group.advantage")
+        super().__init__(
+            policy,
+            tokenizer,
+            reference,
+            reward,
+            gold_reward,
+            sampling,
+            optimization,
+            objective,
+            kl,
+            models,
+            safeguards,
+            logging,
         )
-        super().__init__(**kwargs)
-        self.hparams.update(own)
+        self.group = own
+        self.hparams["group"] = plain(self.group)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Repeat each training prompt ``responses_per_prompt`` times in a row.
@@ -135,16 +152,16 @@ class RLOOModule(RLPipeline):
         """
         if self._trainer is None or not self.trainer.training:
             return batch
-        return repeat_each(batch, self.hparams.responses_per_prompt)
+        return repeat_each(batch, self.group.responses_per_prompt)
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Check that the prompts come in groups of ``k``, then run the shared phases."""
-        k = self.hparams.responses_per_prompt
+        k = self.group.responses_per_prompt
         prompts = list(batch["prompt"])
         if len(prompts) % k or any(p != prompts[i - i % k] for i, p in enumerate(prompts)):
             raise ValueError(
-                f"{self.owner}: a training batch must hold each prompt `responses_per_prompt`"
+                f"{self.owner}: a training batch must hold each prompt `group.responses_per_prompt`"
                 f"={k} times in a row; got {len(prompts)} prompts that are not. "
                 "RLOOModule.on_before_batch_transfer repeats them; a LightningDataModule that "
                 "defines its own on_before_batch_transfer replaces that hook and must repeat them"
@@ -155,11 +172,10 @@ class RLOOModule(RLPipeline):
     def on_fit_start(self) -> None:
         """The shared set-up; leaving responses out of the update needs one process."""
         super().on_fit_start()
-        hp = self.hparams
         for option in ("mask_truncated_completions", "drop_zero_std_groups"):
-            if hp[option] and self.trainer.world_size > 1:
+            if getattr(self.group, option) and self.trainer.world_size > 1:
                 raise ValueError(
-                    f"{self.owner}: `{option}`=True needs one process (ranks would train on "
+                    f"{self.owner}: `group.{option}`=True needs one process (ranks would train on "
                     f"different numbers of responses), got world_size={self.trainer.world_size};"
                     f" set {option}=False"
                 )
@@ -167,27 +183,12 @@ class RLOOModule(RLPipeline):
     @override
     def shape(self, traj: Trajectory) -> Trajectory:
         """Sequence returns, group advantages, the same advantage on every token of a response."""
-        hp = self.hparams
-        mask = traj.response_mask
-        # With the KL in the reward, the return of a response is its score minus
-        # kl_coef x its KL in nats per sequence (Ziegler et al. 2019's R = r - beta KL).
-        returns = traj.scores - self.reward_kl_coef * sequence_kl(traj.kl, mask)
-        k, scale = hp.responses_per_prompt, hp.scale_rewards
-        batch_std = self._batch_std(returns) if scale == "batch" else None
-        advantages = group_advantages(returns, k, hp.advantage, scale=scale, batch_std=batch_std)
-        return traj._replace(advantages=advantages[:, None] * mask)
-
-    def _batch_std(self, returns: Tensor) -> Tensor:
-        """The sample standard deviation of every rank's returns (two passes, one per sum)."""
-        r = returns.to(torch.float64)
-        count_sum = global_sum(self._trainer, torch.stack([r.new_tensor(r.numel()), r.sum()]))
-        mean = count_sum[1] / count_sum[0]
-        squares = global_sum(self._trainer, ((r - mean) ** 2).sum())
-        return (squares / (count_sum[0] - 1)).sqrt()
+        estimate = advantage_estimator(self.group.advantage, "group", "group.advantage")
+        return estimate(traj, self.reward_kl_coef, self.group, self.global_sum)
 
     def rows_to_train(self, traj: Trajectory) -> Tensor | None:
         """The responses the update trains on; None: all of them (the default)."""
-        hp = self.hparams
+        hp = self.group
         keep = torch.ones_like(traj.scores, dtype=torch.bool)
         if hp.drop_zero_std_groups:
             flat = zero_std_groups(traj.scores, hp.responses_per_prompt)
@@ -218,43 +219,8 @@ class RLOOModule(RLPipeline):
 
         (Only then: RLOO's default runs log exactly what they logged before the option.)
         """
-        hp = self.hparams
+        hp = self.group
         if hp.advantage == "grpo" or hp.drop_zero_std_groups:
             flat = zero_std_groups(traj.scores, hp.responses_per_prompt)
             stats = {**stats, keys.FRAC_REWARD_ZERO_STD: flat.float().mean()}
         super().log_batch(prompts, responses, traj, diagnostics, stats, clock)
-
-    @override
-    def loss(
-        self, minibatch: Trajectory, reduce: Reduce = masked_mean
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Clipped policy loss on the group advantages (+ ``kl_coef`` x the KL loss).
-
-        The per-token terms are made one number by ``reduce`` (the loss aggregation).
-        """
-        hp = self.hparams
-        mb = minibatch
-        new = score_tokens(self.policy, mb, hp.temperature, logits=bool(hp.ent_coef))
-        pg_loss, pg_stats = policy_loss(
-            new.logprobs,
-            mb.logprobs,
-            mb.advantages,
-            mb.response_mask,
-            hp.cliprange,
-            reduce,
-            hp.cliprange_high,
-            hp.importance_ratio,
-        )
-        stats = {
-            keys.LOSS_POLICY: pg_loss.detach(),
-            keys.APPROX_KL: pg_stats.approx_kl,
-            keys.CLIPFRAC: pg_stats.clipfrac,
-        }
-        loss = pg_loss
-        if hp.ent_coef:
-            entropy = reduce(entropy_from_logits(new.logits), mb.response_mask)
-            loss = loss - hp.ent_coef * entropy
-            stats[keys.LOSS_ENTROPY_BONUS] = entropy.detach()
-        loss = self.add_kl_loss(loss, stats, new.logprobs, mb, reduce)
-        stats[keys.LOSS_TOTAL] = loss.detach()
-        return loss, stats

@@ -66,7 +66,9 @@ class Updatable(Protocol):
     :class:`~rlkl_lightning.algorithms.pipeline.RLPipeline` has all of it.
     """
 
-    hparams: Any  #: ppo_epochs, num_minibatches, grad_accum_steps, max_grad_norm, ...
+    optimization: Any  #: the ``optimization`` group (epochs, minibatches, clipping, ...)
+    objective: Any  #: the ``objective`` group (its ``aggregation``)
+    sampling: Any  #: the ``sampling`` group (its ``max_new_tokens``)
     threads: OneThread  #: or a speed-up with the same methods
     sharded_models: tuple[str, ...]
     device: torch.device
@@ -94,14 +96,14 @@ class Updatable(Protocol):
 def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
     """``ppo_epochs`` x ``num_minibatches`` optimizer steps of ``module.loss`` over ``traj``.
 
-    Each minibatch's loss aggregates its per-token terms as ``loss_aggregation`` says
+    Each minibatch's loss aggregates its per-token terms as ``objective.aggregation`` says
     (:mod:`~rlkl_lightning.algorithms.aggregation`; by default the token-weighted mean of its
     micro-batches' token means); the returned statistics are means over the optimizer steps,
     plus the learning rate. The ``loss/*`` statistics are the minibatch's aggregated losses, the
     others token means.
     """
-    hp = module.hparams
-    aggregation = getattr(hp, "loss_aggregation", "token_mean")
+    hp = module.optimization
+    aggregation = module.objective.aggregation
     optimizer = module.optimizers()
     scheduler = module.lr_schedulers()
     tokens_per_rank = 0.0
@@ -127,7 +129,7 @@ def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
                         part.response_mask,
                         aggregation,
                         len(minibatch),
-                        hp.max_new_tokens,
+                        module.sampling.max_new_tokens,
                         tokens_per_rank,
                     )
                     loss, stats = module.loss(part, partial(weighted_sum, weights=w))
@@ -164,7 +166,8 @@ def clip_gradients(module: Updatable, optimizer: Any) -> float:
     scale), and the norm and the clip are those of the unscaled gradients. Under FSDP the
     norm is that of all ranks' gradient shards together.
     """
-    max_norm = module.hparams.max_grad_norm if module.hparams.max_grad_norm else float("inf")
+    clip = module.optimization.max_grad_norm
+    max_norm = clip if clip else float("inf")
     scaler = getattr(module.trainer.precision_plugin, "scaler", None) if module._trainer else None
     scale = float(scaler.get_scale()) if scaler is not None else 1.0
     params = [p for group in optimizer.param_groups for p in group["params"]]

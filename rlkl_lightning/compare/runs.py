@@ -116,21 +116,27 @@ class Run:
 def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
     """A class's init argument in a config: its value there, else the class default.
 
-    A class that forwards ``**kwargs`` to its base (``PPOModule``, ``RLOOModule`` to
-    ``RLPipeline``) takes the default of the first class in its MRO that names the argument.
+    ``name`` may be an option of a group, ``"kl.init_coef"``: its value in the config's
+    ``init_args.kl`` block, else the field's default in the group the class's signature
+    gives as that argument's default.
     """
     section = config.get(group) or {}
     args = section.get("init_args") or {}
-    if name in args:
-        return args[name]
+    outer, _, inner = name.partition(".")
+    if outer in args and not inner:
+        return args[outer]
+    if inner and inner in (args.get(outer) or {}):
+        return args[outer][inner]
     path = section.get("class_path")
     if not path:
         raise ValueError(f"compare: the config has no `{group}.class_path`")
     module, _, cls = path.rpartition(".")
     try:
-        default = default_of(getattr(importlib.import_module(module), cls), name)
+        default = default_of(getattr(importlib.import_module(module), cls), outer)
     except KeyError:
         default = inspect.Parameter.empty
+    if inner and default is not inspect.Parameter.empty:
+        default = getattr(default, inner, inspect.Parameter.empty)
     if default is inspect.Parameter.empty:
         raise ValueError(f"compare: `{group}.init_args.{name}` is needed and has no default")
     return default
@@ -154,11 +160,11 @@ def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
     for seed in range(study.seeds):
         plan += [(group, seed, base) for group, base in bases.items()]
     if study.sweep_kl_coefs:
-        fixed_beta = float(init_arg(bases["fixed"], "model", "init_kl_coef"))
+        fixed_beta = float(init_arg(bases["fixed"], "model", "kl.init_coef"))
         for beta in study.sweep_kl_coefs:
             if beta == fixed_beta:  # the `fixed` runs already cover it
                 continue
-            swept = merge(bases["fixed"], {"model": {"init_args": {"init_kl_coef": beta}}})
+            swept = merge(bases["fixed"], {"model": {"init_args": {"kl": {"init_coef": beta}}}})
             for seed in range(min(study.sweep_seeds, study.seeds)):
                 plan.append((f"fixed_{beta:g}", seed, swept))
     for sub in ("configs", "logs", "progress"):
@@ -167,14 +173,14 @@ def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
 
 
 def _derive(group: str, seed: int, base: dict[str, Any], study: StudyConfig, out: Path) -> Run:
-    steps = int(init_arg(base, "model", "ppo_epochs")) * int(
-        init_arg(base, "model", "num_minibatches")
+    steps = int(init_arg(base, "model", "optimization.ppo_epochs")) * int(
+        init_arg(base, "model", "optimization.num_minibatches")
     )
     log_root = (out / "runs").resolve()
     run = Run(
         group=group,
         seed=seed,
-        kl_coef=float(init_arg(base, "model", "init_kl_coef")),
+        kl_coef=float(init_arg(base, "model", "kl.init_coef")),
         config=out / "configs" / f"{group}-seed{seed}.yaml",
         log_dir=log_root / group / f"seed{seed}",
         out=out,

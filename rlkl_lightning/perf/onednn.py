@@ -38,6 +38,19 @@ def available() -> bool:
         return False
 
 
+def check_cpu_matmul(choice: str, option: str = "cpu_matmul") -> None:
+    """Raise ``ValueError`` naming ``option`` unless ``choice`` is a ``cpu_matmul`` value here.
+
+    The one rule of the option, for every model that takes it (the pipeline's, the reward's).
+    """
+    if choice not in CPU_MATMULS or (choice == "onednn" and not available()):
+        allowed = CPU_MATMULS if available() else ("auto", "default")
+        why = ""
+        if choice == "onednn":
+            why = " (this PyTorch has no oneDNN float32 linear kernel)"
+        raise ValueError(f"`{option}` must be one of {allowed}{why}, got {choice!r}")
+
+
 def _cpuinfo(field: str) -> str:
     """The first value of ``field`` in ``/proc/cpuinfo`` (``""`` where it cannot be read)."""
     try:

@@ -31,6 +31,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlkl_lightning.algorithms.options import nest_flat_options
 from rlkl_lightning.world.cache import Corpus, build_stage, default_cache_dir, info, write_jsonl
 from rlkl_lightning.world.config import CustomWorldConfig, WorldConfig
 from rlkl_lightning.world.read import OWNER, read_corpus
@@ -308,7 +309,7 @@ def _make(
             "init_args": {
                 "policy": "./model",
                 # Longest prompt, within half the context (prompts are cut on the left).
-                "max_prompt_tokens": min(prompt_tokens, settings.n_positions // 2),
+                "sampling": {"max_prompt_tokens": min(prompt_tokens, settings.n_positions // 2)},
             }
         },
         "data": {"init_args": {"prompts": "./prompts.jsonl", "heldout": "./test.jsonl"}},
@@ -388,7 +389,11 @@ def study_overrides(directory: str | Path, where: str = "compare: `world`") -> d
             return str((world.root / value[2:]).resolve())
         return value
 
-    return resolve_paths(yaml.safe_load((world.root / STUDY_FILE).read_text()) or {})
+    overrides = resolve_paths(yaml.safe_load((world.root / STUDY_FILE).read_text()) or {})
+    model = overrides.get("model") or {}
+    if isinstance(model.get("init_args"), dict):  # a world built before the option groups
+        model["init_args"] = nest_flat_options(model["init_args"])
+    return overrides
 
 
 def without_replaced_options(config: dict[str, Any]) -> dict[str, Any]:

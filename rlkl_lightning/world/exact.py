@@ -508,7 +508,9 @@ class ExactMetrics(Callback):
 
     def measure(self, pl_module) -> dict[str, float]:
         """The module's policy's exact numbers now."""
-        temperature = float(getattr(pl_module.hparams, "temperature", 1.0))
+        # An RLPipeline samples at its `sampling.temperature`; any other module at 1.
+        sampling = getattr(pl_module, "sampling", None)
+        temperature = float(sampling.temperature) if sampling is not None else 1.0
         logprobs = self.world.logprobs(pl_module.policy, temperature)
         beta = float(getattr(pl_module, self.beta_attribute))
         return self.world.policy_metrics(logprobs, beta)

@@ -1,0 +1,121 @@
+"""The advantage estimators behind one seam: a name (or a dotted path) -> estimator.
+
+An estimator turns a scored trajectory (scores, per-token KL, values where there are some)
+into advantages, given beta in the reward (0 with the KL in the loss), the algorithm's own
+options group and a sum over ranks::
+
+    estimator(traj, reward_kl_coef, options, global_sum) -> traj with advantages (and returns)
+
+Each is of a ``kind``: ``token`` estimators need a value per token (PPO's group,
+:class:`~rlkl_lightning.algorithms.options.PPOOptions`), ``group`` estimators one return per
+response in groups of ``k`` (:class:`~rlkl_lightning.algorithms.options.GroupOptions`). A new
+one is a function registered with :func:`register_advantage`, or any importable function named
+by its dotted path in the config (``group: {advantage: mypackage.my_advantage}``; docs/
+extending.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlkl_lightning.algorithms.advantages import gae, group_advantages, shape_rewards
+from rlkl_lightning.kl.estimators import sequence_kl
+from rlkl_lightning.masked import masked_whiten
+from rlkl_lightning.trajectory import Trajectory
+
+#: ``global_sum(x)``: ``x`` summed over every rank (``x`` itself in one process).
+GlobalSum = Callable[[Tensor], Tensor]
+AdvantageEstimator = Callable[[Trajectory, float, Any, GlobalSum], Trajectory]
+KINDS = ("token", "group")
+
+_REGISTRY: dict[str, tuple[str, AdvantageEstimator]] = {}
+
+
+def register_advantage(name: str, kind: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Register an estimator under ``name`` for the algorithms of ``kind`` (a decorator)."""
+    if kind not in KINDS:
+        raise ValueError(f"register_advantage: `kind` must be one of {KINDS}, got {kind!r}")
+
+    def add(estimator: AdvantageEstimator) -> AdvantageEstimator:
+        _REGISTRY[name] = (kind, estimator)
+        return estimator
+
+    return add
+
+
+def advantage_names(kind: str) -> tuple[str, ...]:
+    """The registered estimators of ``kind``."""
+    return tuple(name for name, (k, _) in _REGISTRY.items() if k == kind)
+
+
+def advantage_estimator(name: str, kind: str, option: str = "advantage") -> AdvantageEstimator:
+    """The estimator registered as ``name``, or the function at the dotted path ``name``.
+
+    Raises:
+        ValueError: Naming ``option`` and the registered estimators of ``kind``.
+    """
+    if name in _REGISTRY and _REGISTRY[name][0] == kind:
+        return _REGISTRY[name][1]
+    allowed = f"one of {advantage_names(kind)} or the dotted path of a function"
+    if name not in _REGISTRY and "." in str(name):
+        module, _, attribute = str(name).rpartition(".")
+        try:
+            found = getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"`{option}` must be {allowed}, got {name!r} ({error})") from None
+        if callable(found):
+            return found
+    raise ValueError(f"`{option}` must be {allowed}, got {name!r}")
+
+
+@register_advantage("gae", "token")
+def gae_advantages(traj: Trajectory, kl_coef: float, options: Any, global_sum: GlobalSum):
+    """KL-shaped per-token rewards, GAE, and whitened advantages (PPO).
+
+    ``r_t = -kl_coef * kl_t`` plus the score on the last response token (Ziegler et al. 2019,
+    arXiv 1909.08593, eq. 2), GAE (Schulman et al. 2016, arXiv 1506.02438) with ``gamma`` and
+    ``lam``, optionally rewards whitened first (``whiten_rewards``).
+    """
+    mask = traj.response_mask
+    rewards = shape_rewards(traj.scores, traj.kl, kl_coef, mask)
+    if options.whiten_rewards:
+        rewards = masked_whiten(rewards, mask, shift_mean=False)
+    advantages, returns = gae(rewards, traj.values, mask, options.gamma, options.lam)
+    return traj._replace(advantages=masked_whiten(advantages, mask), returns=returns)
+
+
+def _group_estimator(method: str) -> AdvantageEstimator:
+    def estimate(traj: Trajectory, kl_coef: float, options: Any, global_sum: GlobalSum):
+        mask = traj.response_mask
+        # With the KL in the reward, the return of a response is its score minus
+        # kl_coef x its KL in nats per sequence (Ziegler et al. 2019's R = r - beta KL).
+        returns = traj.scores - kl_coef * sequence_kl(traj.kl, mask)
+        k, scale = options.responses_per_prompt, options.scale_rewards
+        batch_std = batch_std_of(returns, global_sum) if scale == "batch" else None
+        advantages = group_advantages(returns, k, method, scale=scale, batch_std=batch_std)
+        return traj._replace(advantages=advantages[:, None] * mask)
+
+    estimate.__doc__ = (
+        f"Sequence returns, ``{method}`` group advantages "
+        "(:func:`~rlkl_lightning.algorithms.advantages.group_advantages`), the same advantage "
+        "on every token of a response."
+    )
+    return estimate
+
+
+register_advantage("rloo", "group")(_group_estimator("rloo"))
+register_advantage("grpo", "group")(_group_estimator("grpo"))
+
+
+def batch_std_of(returns: Tensor, global_sum: GlobalSum) -> Tensor:
+    """The sample standard deviation of every rank's returns (two passes, one per sum)."""
+    r = returns.to(torch.float64)
+    count_sum = global_sum(torch.stack([r.new_tensor(r.numel()), r.sum()]))
+    mean = count_sum[1] / count_sum[0]
+    squares = global_sum(((r - mean) ** 2).sum())
+    return (squares / (count_sum[0] - 1)).sqrt()

@@ -1,0 +1,114 @@
+"""The policy objective every algorithm uses: surrogate, entropy bonus, KL term, aggregation.
+
+One (micro-)minibatch's loss is, in this order of summation::
+
+    loss = surrogate [+ the algorithm's own term, e.g. PPO's vf_coef x value loss]
+           - ent_coef x entropy            (with ent_coef > 0)
+           + kl_coef x kl_loss             (with kl.placement = "loss")
+
+* the surrogate is PPO's clipped one (Schulman et al. 2017, arXiv 1707.06347, eq. 7) with a
+  per-token or per-sequence ratio (GSPO, arXiv 2507.18071) and clip-higher (DAPO, arXiv
+  2503.14476): :func:`~rlkl_lightning.algorithms.losses.policy_loss`;
+* the KL term is :func:`~rlkl_lightning.kl.loss.kl_loss` (docs/kl.md, "Where the KL goes");
+* every per-token term is made one number by ``reduce``, the loss aggregation
+  (:mod:`rlkl_lightning.algorithms.aggregation`).
+
+An algorithm supplies only its advantages (in the minibatch) and, where it has one, its own
+term (:data:`ExtraTerm`), which is added right after the surrogate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from rlkl_lightning import metric_keys as keys
+from rlkl_lightning.algorithms.losses import entropy_from_logits, policy_loss
+from rlkl_lightning.algorithms.options import KLPenalty, Objective
+from rlkl_lightning.algorithms.update import Reduce
+from rlkl_lightning.kl.loss import kl_loss
+from rlkl_lightning.masked import masked_mean
+from rlkl_lightning.models.logprobs import Defer, TokenScores, score_tokens
+from rlkl_lightning.trajectory import Trajectory
+
+#: An algorithm's own loss term, computed from the policy's scores of the minibatch:
+#: ``extra(new) -> (term, stats)``; ``term`` is added to the surrogate as it is.
+ExtraTerm = Callable[[TokenScores], tuple[Tensor, dict[str, Tensor]]]
+
+
+class PolicyObjective:
+    """The loss of a (micro-)minibatch from its advantages, for any algorithm.
+
+    Args:
+        options: The ``objective`` group (clips, ratio, aggregation, entropy bonus).
+        kl: The ``kl`` group (placement, loss estimator, weight cap, trust region).
+        temperature: The sampling temperature the log-probs are taken at.
+    """
+
+    def __init__(self, options: Objective, kl: KLPenalty, temperature: float) -> None:
+        self.options = options
+        self.kl = kl
+        self.temperature = temperature
+
+    def __call__(
+        self,
+        policy: nn.Module,
+        minibatch: Trajectory,
+        kl_coef: float,
+        reduce: Reduce = masked_mean,
+        defer: Defer | None = None,
+        extra: ExtraTerm | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss and its detached statistics (``loss/*``, ``policy/*``).
+
+        Args:
+            policy: The policy (its forward pass carries the gradient).
+            minibatch: Supplies the sequences, the rollout and reference log-probs, the
+                advantages and the mask.
+            kl_coef: Beta, for the KL term of the loss.
+            reduce: The loss aggregation.
+            defer: Where the fused head may hand its weight gradient off (a helper thread's).
+            extra: The algorithm's own term (PPO's value loss), added after the surrogate.
+        """
+        opts, mb = self.options, minibatch
+        # Without an entropy bonus no [B, R, V] logits are needed: the fused head (logprobs.py).
+        new = score_tokens(policy, mb, self.temperature, bool(opts.ent_coef), defer)
+        mask = mb.response_mask
+        pg_loss, pg_stats = policy_loss(
+            new.logprobs,
+            mb.logprobs,
+            mb.advantages,
+            mask,
+            opts.cliprange,
+            reduce,
+            opts.cliprange_high,
+            opts.importance_ratio,
+        )
+        stats = {keys.LOSS_POLICY: pg_loss.detach()}
+        loss = pg_loss
+        if extra is not None:
+            term, extra_stats = extra(new)
+            loss = loss + term
+            stats.update(extra_stats)
+        stats[keys.APPROX_KL] = pg_stats.approx_kl
+        stats[keys.CLIPFRAC] = pg_stats.clipfrac
+        if opts.ent_coef:
+            entropy = reduce(entropy_from_logits(new.logits), mask)
+            loss = loss - opts.ent_coef * entropy
+            stats[keys.LOSS_ENTROPY_BONUS] = entropy.detach()
+        if self.kl.placement == "loss":
+            term = kl_loss(
+                new.logprobs,
+                mb.logprobs,
+                mb.ref_logprobs,
+                mask,
+                self.kl.loss_estimator,
+                self.kl.loss_weight_clip,
+                reduce,
+                self.kl.trust_region,
+            )
+            stats[keys.LOSS_KL] = term.detach()
+            loss = loss + kl_coef * term
+        stats[keys.LOSS_TOTAL] = loss.detach()
+        return loss, stats

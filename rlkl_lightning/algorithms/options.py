@@ -1,0 +1,490 @@
+"""The options of the RL modules, in typed groups: each group validates itself, naming its field.
+
+:class:`~rlkl_lightning.algorithms.pipeline.RLPipeline` takes the model objects (policy,
+tokenizer, reference, reward, gold reward) and these groups; PPO adds :class:`PPOOptions`,
+RLOO/GRPO :class:`GroupOptions`. In a YAML config each group is one block under
+``model.init_args`` (``sampling: {top_p: 0.9}``); on the command line a field is
+``--model.init_args.sampling.top_p=0.9``. A group's error names its field as
+``group.field``; the command line adds the path above it. The rules that join two groups (or a
+group and a loaded model) live with the pipeline (``RLPipeline._check_joint``).
+
+Groups are frozen: a module's options do not change under it. To run with another value,
+build the group again (``dataclasses.replace(module.sampling, top_p=0.9)``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from rlkl_lightning.algorithms.advantage_estimators import advantage_names
+from rlkl_lightning.algorithms.advantages import GROUP_SCALES
+from rlkl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS
+from rlkl_lightning.algorithms.losses import IMPORTANCE_RATIOS
+from rlkl_lightning.kl.estimators import KL_ESTIMATORS
+from rlkl_lightning.kl.loss import KL_LOSS_ESTIMATORS, KL_PLACEMENTS
+from rlkl_lightning.perf.onednn import check_cpu_matmul
+
+LR_SCHEDULES = ("constant", "linear")
+
+
+def _finite_above(low: float, strict: bool = True):
+    return lambda x: _number(x) and math.isfinite(x) and (x > low if strict else x >= low)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _int_at_least(low: int):
+    return lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _none_or_positive(x: Any) -> bool:
+    return x is None or (_number(x) and math.isfinite(x) and x > 0)
+
+
+def _boolean(x: Any) -> bool:
+    return isinstance(x, bool)
+
+
+def _one_of(allowed: tuple[str, ...]):
+    return lambda x: x in allowed
+
+
+class _Group:
+    """Validation shared by the groups: ``RULES`` of ``(field, predicate, allowed)``."""
+
+    group: ClassVar[str]
+    RULES: ClassVar[tuple[tuple[str, Any, str], ...]] = ()
+
+    def __post_init__(self) -> None:
+        for name, ok, allowed in self.RULES:
+            value = getattr(self, name)
+            if not ok(value):
+                raise ValueError(f"`{self.group}.{name}` must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Sampling(_Group):
+    """How responses are sampled (the rollout).
+
+    Args:
+        max_prompt_tokens: prompts are truncated on the left to this many tokens.
+        max_new_tokens: response length limit (tokens).
+        temperature: sampling temperature; log-probs are computed at the same temperature.
+        top_k: sample among the top-k tokens only (0 = all). Anything but 0 makes the samples
+            come from a truncated distribution, so the KL estimates are biased; keep 0 for
+            KL-controlled runs.
+        top_p: nucleus sampling (1.0 = off); same caveat as ``top_k``.
+        stop_at_eos: stop each response at its first EOS (False: always ``max_new_tokens``).
+    """
+
+    group: ClassVar[str] = "sampling"
+    RULES: ClassVar = (
+        ("max_prompt_tokens", _int_at_least(1), "an integer >= 1"),
+        ("max_new_tokens", _int_at_least(1), "an integer >= 1"),
+        ("temperature", _finite_above(0), "a finite number > 0"),
+        ("top_k", _int_at_least(0), "an integer >= 0 (0 = off)"),
+        ("top_p", lambda x: _number(x) and 0 < x <= 1, "in (0, 1]"),
+        ("stop_at_eos", _boolean, "True or False"),
+    )
+
+    max_prompt_tokens: int = 64
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_at_eos: bool = True
+
+    @property
+    def truncated(self) -> bool:
+        """Whether ``top_k``/``top_p`` cut the sampling distribution (biased KL estimates)."""
+        return bool(self.top_k) or self.top_p < 1
+
+
+@dataclass(frozen=True)
+class Optimization(_Group):
+    """The update loop and the optimizer (AdamW).
+
+    Args:
+        ppo_epochs: passes over each batch of rollouts.
+        num_minibatches: minibatches per pass (one optimizer step each).
+        grad_accum_steps: micro-batches per minibatch, when a minibatch does not fit in memory.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        lr_schedule: ``constant`` or ``linear`` (decay to 0 over the training batches).
+        warmup_batches: linear warm-up length in batches.
+        max_grad_norm: gradient-norm clip (None: no clip).
+    """
+
+    group: ClassVar[str] = "optimization"
+    RULES: ClassVar = (
+        ("ppo_epochs", _int_at_least(1), "an integer >= 1"),
+        ("num_minibatches", _int_at_least(1), "an integer >= 1"),
+        ("grad_accum_steps", _int_at_least(1), "an integer >= 1"),
+        ("lr", _finite_above(0), "a finite number > 0"),
+        ("weight_decay", _finite_above(0, strict=False), "a finite number >= 0"),
+        ("lr_schedule", _one_of(LR_SCHEDULES), f"one of {LR_SCHEDULES}"),
+        ("warmup_batches", _int_at_least(0), "an integer >= 0"),
+        ("max_grad_norm", _none_or_positive, "None or a number > 0"),
+    )
+
+    ppo_epochs: int = 4
+    num_minibatches: int = 4
+    grad_accum_steps: int = 1
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    warmup_batches: int = 0
+    max_grad_norm: float | None = 1.0
+
+
+@dataclass(frozen=True)
+class Objective(_Group):
+    """The policy objective every algorithm uses (:mod:`rlkl_lightning.algorithms.objective`).
+
+    Args:
+        cliprange: PPO's ratio clip epsilon (below 1, and above unless ``cliprange_high``).
+        cliprange_high: the clip epsilon above 1 (DAPO's clip-higher: larger than
+            ``cliprange``); None: ``cliprange``.
+        importance_ratio: ``token`` (PPO's ratio per token) or ``sequence`` (GSPO's: each
+            response's geometric mean of its token ratios, on all its tokens).
+        aggregation: how an optimizer step's per-token loss terms become its loss:
+            ``token_mean``, ``sequence_mean``, ``fixed_length`` (Dr. GRPO) or
+            ``batch_token_mean`` (DAPO); see :mod:`rlkl_lightning.algorithms.aggregation`.
+        ent_coef: weight of an entropy bonus (``- ent_coef x`` the aggregated per-token
+            entropy); 0: none, and no full-vocabulary logits in the update.
+    """
+
+    group: ClassVar[str] = "objective"
+    RULES: ClassVar = (
+        ("cliprange", _finite_above(0), "a finite number > 0"),
+        ("cliprange_high", _none_or_positive, "None or a finite number > 0"),
+        ("importance_ratio", _one_of(IMPORTANCE_RATIOS), f"one of {IMPORTANCE_RATIOS}"),
+        ("aggregation", _one_of(LOSS_AGGREGATIONS), f"one of {LOSS_AGGREGATIONS}"),
+        ("ent_coef", _finite_above(0, strict=False), "a finite number >= 0"),
+    )
+
+    cliprange: float = 0.2
+    cliprange_high: float | None = None
+    importance_ratio: str = "token"
+    aggregation: str = "token_mean"
+    ent_coef: float = 0.0
+
+
+@dataclass(frozen=True)
+class KLPenalty(_Group):
+    """Where and how the KL to the reference enters the update (docs/kl.md).
+
+    Args:
+        init_coef: beta before any controller update (a ``KLControllerCallback`` overwrites the
+            module's ``kl_coef`` at fit start with its controller's value).
+        estimator: the measured per-token KL: ``objective/kl`` (the controller's input) and,
+            with ``placement="reward"``, the penalty in the reward: ``k1``, ``k2``, ``k3`` or
+            ``exact`` (docs/kl.md, "Units and estimators").
+        placement: where ``kl_coef x KL`` enters the update: ``reward`` (subtracted from the
+            reward, reaching the policy through the policy-gradient term) or ``loss`` (added
+            to the loss as ``kl_coef x kl_loss``; the reward has no KL term); see
+            :mod:`rlkl_lightning.kl.loss` and docs/kl.md, "Where the KL goes".
+        loss_estimator: with ``placement="loss"``, the estimator that is differentiated:
+            ``k1``, ``k2`` or ``k3`` (``k2`` follows the per-token KL gradient on-policy).
+        loss_weight_clip: with ``placement="loss"``, the cap of the importance weights
+            ``pi / pi_old`` (detached) of the KL loss on samples from an earlier policy
+            (``>= 1``; None: no cap).
+        trust_region: leave tokens whose ``|log pi - log pi_ref|`` exceeds this out of the
+            KL penalty (in the reward: the rollout's log-ratio; in the loss: the current one);
+            ``objective/kl`` still measures every token. Biases the KL gradient (docs/kl.md,
+            "A per-token trust region"); None: off.
+    """
+
+    group: ClassVar[str] = "kl"
+    RULES: ClassVar = (
+        ("init_coef", _finite_above(0, strict=False), "a finite number >= 0"),
+        ("estimator", _one_of(KL_ESTIMATORS), f"one of {KL_ESTIMATORS}"),
+        ("placement", _one_of(KL_PLACEMENTS), f"one of {KL_PLACEMENTS}"),
+        ("loss_estimator", _one_of(KL_LOSS_ESTIMATORS), f"one of {KL_LOSS_ESTIMATORS}"),
+        (
+            "loss_weight_clip",
+            lambda x: x is None or _finite_above(1, strict=False)(x),
+            "None or a finite number >= 1",
+        ),
+        ("trust_region", _none_or_positive, "None or a number > 0"),
+    )
+
+    init_coef: float = 0.1
+    estimator: str = "k1"
+    placement: str = "reward"
+    loss_estimator: str = "k2"
+    loss_weight_clip: float | None = 2.0
+    trust_region: float | None = None
+
+
+@dataclass(frozen=True)
+class Models(_Group):
+    """How the policy, reference and value models are loaded and run.
+
+    Args:
+        trust_remote_code: run code shipped with the policy, reference, value model or
+            tokenizer (their own modelling files); off, such a model is refused with an error.
+            Set it only for model directories and hub repositories you trust.
+        peft: train adapters instead of the policy's weights: the fields of a ``peft``
+            ``LoraConfig`` (``{r: 16, lora_alpha: 32, target_modules: [q_proj, v_proj]}``;
+            ``peft_type`` picks another adapter method) or a ``peft.PeftConfig``. Only the
+            adapters and the value head train (docs/bigger-models.md).
+        gradient_checkpointing: recompute the policy's activations in the backward pass
+            instead of storing them (less memory, about one more forward per update).
+        cpu_matmul: ``onednn``: the float32 CPU products of the policy, reference and value
+            models through oneDNN, faster where PyTorch's BLAS lacks AVX-512 kernels (AMD),
+            equal to ``default``'s to float32 rounding (:mod:`rlkl_lightning.perf.onednn`);
+            ``auto`` (default): ``onednn`` on an AMD processor, ``default`` elsewhere.
+    """
+
+    group: ClassVar[str] = "models"
+    RULES: ClassVar = (
+        ("trust_remote_code", _boolean, "True or False"),
+        ("gradient_checkpointing", _boolean, "True or False"),
+    )
+
+    trust_remote_code: bool = False
+    peft: dict[str, Any] | None = None
+    gradient_checkpointing: bool = False
+    cpu_matmul: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_cpu_matmul(self.cpu_matmul, "models.cpu_matmul")
+
+
+@dataclass(frozen=True)
+class Safeguards(_Group):
+    """What protects a run from a bad reward model or a run of bad batches.
+
+    Args:
+        score_clip: clip reward-model scores to ``[-score_clip, score_clip]`` (None: no clip).
+        max_skipped_in_a_row: stop the run with an error once this many batches in a row were
+            skipped (a reward model that always fails would otherwise burn the whole run);
+            None: never stop.
+    """
+
+    group: ClassVar[str] = "safeguards"
+    RULES: ClassVar = (
+        ("score_clip", _none_or_positive, "None or a number > 0"),
+        (
+            "max_skipped_in_a_row",
+            lambda x: x is None or _int_at_least(1)(x),
+            "None or an integer >= 1",
+        ),
+    )
+
+    score_clip: float | None = None
+    max_skipped_in_a_row: int | None = 20
+
+
+@dataclass(frozen=True)
+class Logging(_Group):
+    """What is logged beside the metrics every run logs (docs/metrics.md).
+
+    Args:
+        log_samples_every: write a table of sampled generations to TensorBoard every this many
+            batches (0: never).
+        num_logged_samples: rows in that table.
+        kl_token_threshold: log the per-token KL diagnostics (``kl_tokens/*``: the largest
+            per-token log-ratio and KL, upper quantiles, the largest per-sequence KL, and the
+            number of tokens with ``|log pi - log pi_ref|`` above this threshold) and name each
+            logged response's tokens of largest KL in the samples table; None: off.
+    """
+
+    group: ClassVar[str] = "logging"
+    RULES: ClassVar = (
+        ("log_samples_every", _int_at_least(0), "an integer >= 0 (0 = never)"),
+        ("num_logged_samples", _int_at_least(1), "an integer >= 1"),
+        ("kl_token_threshold", _none_or_positive, "None or a number > 0"),
+    )
+
+    log_samples_every: int = 50
+    num_logged_samples: int = 4
+    kl_token_threshold: float | None = None
+
+
+@dataclass(frozen=True)
+class PPOOptions(_Group):
+    """PPO's own options: the value function and GAE.
+
+    Args:
+        value_model: separate value model (a causal LM trunk plus a value head); by default the
+            value head sits on the policy trunk.
+        cliprange_value: value clip around the rollout-time values.
+        vf_coef: weight of the value loss.
+        gamma: discount.
+        lam: GAE lambda.
+        whiten_rewards: scale shaped rewards to unit variance (over valid tokens) before GAE.
+        value_model_thread: run the separate value model's passes in a second thread, beside
+            the policy's, each with half of torch's threads (``value_thread.py``; one process
+            only). Faster on a CPU; the numbers are those of the plain path with that many
+            threads per network. None (default): on where it helps, i.e. with a separate
+            ``value_model``, one process on a CPU and at least 2 torch threads.
+    """
+
+    group: ClassVar[str] = "ppo"
+    RULES: ClassVar = (
+        ("cliprange_value", _finite_above(0), "a finite number > 0"),
+        ("vf_coef", _finite_above(0, strict=False), "a finite number >= 0"),
+        ("gamma", lambda x: _number(x) and 0 <= x <= 1, "in [0, 1]"),
+        ("lam", lambda x: _number(x) and 0 <= x <= 1, "in [0, 1]"),
+        ("whiten_rewards", _boolean, "True or False"),
+    )
+
+    value_model: str | None = None
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.1
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_rewards: bool = False
+    value_model_thread: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.value_model_thread and self.value_model is None:
+            raise ValueError(
+                "`ppo.value_model_thread` must be False or None without a separate "
+                "`ppo.value_model` (the value head shares the policy's passes), got True"
+            )
+
+
+@dataclass(frozen=True)
+class GroupOptions(_Group):
+    """RLOO's and GRPO's own options: the responses per prompt and the group advantages.
+
+    Args:
+        responses_per_prompt: ``k``, responses sampled per prompt (each prompt of a data
+            batch of ``b`` prompts is repeated ``k`` times: ``b * k`` responses per batch, the
+            samples the KL callbacks count).
+        advantage: ``rloo`` (leave-one-out baseline, unbiased) or ``grpo`` (the group's mean
+            subtracted, then divided by its standard deviation).
+        scale_rewards: with ``advantage="grpo"``, what the centred returns are divided by:
+            ``group`` (the group's standard deviation), ``batch`` (that of the whole batch,
+            every rank's) or ``none`` (Dr. GRPO). ``rloo`` takes only ``group``.
+        mask_truncated_completions: leave the responses that end without EOS (cut at
+            ``max_new_tokens``) out of the update: their reward scored an unfinished text.
+        drop_zero_std_groups: leave the groups whose scores are all equal out of the update.
+            One process only. The KL callbacks still count, and ``objective/kl`` still
+            measures, every response of the batch (docs/callbacks.md).
+    """
+
+    group: ClassVar[str] = "group"
+    RULES: ClassVar = (
+        ("responses_per_prompt", _int_at_least(2), "an integer >= 2"),
+        (
+            "advantage",
+            lambda x: x in advantage_names("group") or "." in str(x),
+            f"one of {advantage_names('group')} or the dotted path of a function",
+        ),
+        ("scale_rewards", _one_of(GROUP_SCALES), f"one of {GROUP_SCALES}"),
+        ("mask_truncated_completions", _boolean, "True or False"),
+        ("drop_zero_std_groups", _boolean, "True or False"),
+    )
+
+    responses_per_prompt: int = 4
+    advantage: str = "rloo"
+    scale_rewards: str = "group"
+    mask_truncated_completions: bool = False
+    drop_zero_std_groups: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.advantage == "rloo" and self.scale_rewards != "group":
+            raise ValueError(
+                "`group.scale_rewards` must be 'group' with advantage='rloo' (the leave-one-out "
+                f"baseline never divides), got {self.scale_rewards!r}"
+            )
+
+
+def as_group(cls: type, value: Any, name: str) -> Any:
+    """``value`` as the group ``cls``: an instance as it is, a mapping as its fields.
+
+    Raises:
+        ValueError: For a field the group does not have (naming the group's fields) or a value
+            of another type.
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"`{name}` has no option {unknown[0]!r}; its options are {sorted(known)}"
+            )
+        return cls(**value)
+    raise ValueError(
+        f"`{name}` must be a {cls.__name__} or a mapping of its options, got {value!r}"
+    )
+
+
+#: The pipeline's groups: the constructor argument -> its class.
+PIPELINE_GROUPS: dict[str, type[_Group]] = {
+    "sampling": Sampling,
+    "optimization": Optimization,
+    "objective": Objective,
+    "kl": KLPenalty,
+    "models": Models,
+    "safeguards": Safeguards,
+    "logging": Logging,
+}
+
+#: Every group of the modules: the pipeline's and the algorithms' own.
+MODULE_GROUPS: dict[str, type[_Group]] = {
+    **PIPELINE_GROUPS,
+    "ppo": PPOOptions,
+    "group": GroupOptions,
+}
+
+#: The flat options of the modules before the groups (0.1.0) whose name changed in their group.
+_RENAMED = {
+    "init_kl_coef": "kl.init_coef",
+    "kl_estimator": "kl.estimator",
+    "kl_placement": "kl.placement",
+    "kl_loss_estimator": "kl.loss_estimator",
+    "kl_loss_weight_clip": "kl.loss_weight_clip",
+    "kl_trust_region": "kl.trust_region",
+    "loss_aggregation": "objective.aggregation",
+}
+
+
+def _flat_keys() -> dict[str, str]:
+    moved = {
+        f.name: f"{name}.{f.name}"
+        for name, cls in MODULE_GROUPS.items()
+        for f in fields(cls)
+    }
+    moved.update(_RENAMED)
+    return moved
+
+
+#: Every flat option of 0.1.0 -> its place in the groups (``"top_p" -> "sampling.top_p"``).
+FLAT_KEYS: dict[str, str] = _flat_keys()
+
+
+def moved_option(name: str) -> str | None:
+    """Where a flat option of 0.1.0 lives now (``"top_p" -> "sampling.top_p"``), or None."""
+    return FLAT_KEYS.get(name)
+
+
+def nest_flat_options(flat: dict[str, Any]) -> dict[str, Any]:
+    """A 0.1.0 checkpoint's flat hyperparameters as the groups' nested ones.
+
+    Options that are not flat options of 0.1.0 (the model objects, a group already nested)
+    are kept as they are.
+    """
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        place = FLAT_KEYS.get(key)
+        if place is None or isinstance(value, dict) and key in PIPELINE_GROUPS:
+            nested[key] = value
+            continue
+        group, _, name = place.partition(".")
+        nested.setdefault(group, {})[name] = value
+    return nested
