@@ -2,14 +2,15 @@ r"""GRPO throughput: seconds per GRPO iteration of rlkl_lightning, optionally ag
 
 One iteration samples ``batch`` completions (``batch / generations`` prompts x ``generations``
 completions each), scores them with the reward model and the reference, and takes ``epochs x
-minibatches`` optimizer steps. Ours: ``RLOOModule(advantage="grpo", scale_rewards="group",
-loss_aggregation="batch_token_mean", kl_placement="loss", kl_loss_estimator="k3")`` with beta
-fixed. TRL 1.16.0: ``GRPOTrainer`` with ``use_vllm=False`` (transformers' ``generate``),
-``beta`` the same, ``use_bias_correction_kl=False``, ``loss_type="bnpo"``,
-``scale_rewards="group"``, ``num_generations`` = generations, ``steps_per_generation`` =
-minibatches, ``num_iterations`` = epochs, ``epsilon=0.2``, no gradient checkpointing, the
-same sampling settings and exactly ``response`` sampled tokens (no early stop). TRL also
-computes the full-vocabulary entropy in every loss pass: that is its work, counted in its time.
+minibatches`` optimizer steps. Ours: ``RLOOModule`` with ``group={"advantage": "grpo",
+"scale_rewards": "group"}``, ``objective={"aggregation": "batch_token_mean"}`` and
+``kl={"placement": "loss", "loss_estimator": "k3"}``, beta fixed. TRL 1.16.0:
+``GRPOTrainer`` with ``use_vllm=False`` (transformers' ``generate``), ``beta`` the same,
+``use_bias_correction_kl=False``, ``loss_type="bnpo"``, ``scale_rewards="group"``,
+``num_generations`` = generations, ``steps_per_generation`` = minibatches,
+``num_iterations`` = epochs, ``epsilon=0.2``, no gradient checkpointing, the same sampling
+settings and exactly ``response`` sampled tokens (no early stop). TRL also computes the
+full-vocabulary entropy in every loss pass: that is its work, counted in its time.
 
 The presets are ``ppo_throughput.py``'s (``bench_world.py``): ``gpt2-4x256`` (the CPU
 benchmark: 8 prompts x 4 completions x 32 tokens, 4 epochs x 4 minibatches = 16 optimizer
@@ -87,7 +88,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--cpu-matmul",
         choices=("auto", "default", "onednn"),
-        help="our side's cpu_matmul option (default: the library's own default)",
+        help="our side's models.cpu_matmul option (default: the library's own default)",
     )
     args = parser.parse_args(argv)
     check_common_arguments(parser, args)

@@ -88,16 +88,18 @@ def run_variant(args: argparse.Namespace) -> dict:
     module = PPOModule(
         policy=args.model_dir,
         reference=args.model_dir if args.variant.endswith("copy") and lora else None,
-        peft=LORA if lora else None,
         reward=FunctionReward(lambda prompt, response: float(len(response.split()))),
-        max_prompt_tokens=PROMPT_TOKENS,
-        max_new_tokens=args.new_tokens,
-        stop_at_eos=False,
-        ppo_epochs=1,
-        num_minibatches=2,
-        lr=1e-4,
-        log_samples_every=0,
-        gradient_checkpointing=args.gradient_checkpointing,
+        sampling={
+            "max_prompt_tokens": PROMPT_TOKENS,
+            "max_new_tokens": args.new_tokens,
+            "stop_at_eos": False,
+        },
+        optimization={"ppo_epochs": 1, "num_minibatches": 2, "lr": 1e-4},
+        logging={"log_samples_every": 0},
+        models={
+            "peft": LORA if lora else None,
+            "gradient_checkpointing": args.gradient_checkpointing,
+        },
     )
     params = list(module.parameters())
     reference = getattr(module.reference, "parameters", lambda: [])

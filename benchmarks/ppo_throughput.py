@@ -88,7 +88,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--cpu-matmul",
         choices=("auto", "default", "onednn"),
-        help="our side's cpu_matmul option (policy, reference, value and reward models); "
+        help="our side's models.cpu_matmul option (policy, reference, value models; and the "
+        "reward model's cpu_matmul); "
         "unset: the library's default, auto (oneDNN's float32 kernels on AMD, where they are "
         "twice as fast as MKL's)",
     )
@@ -97,7 +98,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_const",
         const=True,
         help="our separate-value side runs its value model in a second thread beside the "
-        "policy (PPOModule's value_model_thread option; unset: the library's default, which "
+        "policy (PPOModule's ppo.value_model_thread option; unset: the library's default, which "
         "turns it on with 2+ threads on a CPU)",
     )
     parser.add_argument(

@@ -45,10 +45,12 @@ def run_once(args: argparse.Namespace) -> dict:
     module = PPOModule(
         policy=args.model_dir,
         reward=FunctionReward(lambda prompt, response: float(len(response.split()))),
-        max_prompt_tokens=PROMPT_TOKENS,
-        max_new_tokens=args.new_tokens,
-        stop_at_eos=False,
-        log_samples_every=0,
+        sampling={
+            "max_prompt_tokens": PROMPT_TOKENS,
+            "max_new_tokens": args.new_tokens,
+            "stop_at_eos": False,
+        },
+        logging={"log_samples_every": 0},
     ).to(args.device)
     prompts = [" ".join(f"w{2 + (i * 7 + j) % 400}" for j in range(6)) for i in range(args.batch)]
     base_rss = rss_bytes()

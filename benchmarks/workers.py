@@ -148,7 +148,10 @@ def lightning_trainer(settings: dict, callbacks=()):
 
 
 def _our_options(world: Path, settings: dict, p) -> tuple[dict, object]:
-    """What both of our sides set alike: ``(keyword arguments, reward model)``."""
+    """What both of our sides set alike: ``(keyword arguments, reward model)``.
+
+    The option groups are dicts, so that a side adds its own fields to them.
+    """
     from lightning.pytorch import seed_everything
 
     from rlkl_lightning.rewards import SequenceClassifierReward
@@ -167,15 +170,11 @@ def _our_options(world: Path, settings: dict, p) -> tuple[dict, object]:
     options = dict(
         policy=str(world / "policy"),
         tokenizer=str(world / "tokenizer"),
-        init_kl_coef=KL_COEF,
-        max_new_tokens=p.response,
-        temperature=TEMPERATURE,
-        stop_at_eos=False,
-        ppo_epochs=p.epochs,
-        num_minibatches=p.minibatches,
-        lr=LR,
-        log_samples_every=0,
-        **matmul,
+        kl={"init_coef": KL_COEF},
+        sampling={"max_new_tokens": p.response, "temperature": TEMPERATURE, "stop_at_eos": False},
+        optimization={"ppo_epochs": p.epochs, "num_minibatches": p.minibatches, "lr": LR},
+        logging={"log_samples_every": 0},
+        models=matmul,
     )
     return options, reward
 
@@ -189,12 +188,14 @@ def ours(world: Path, settings: dict, separate_value: bool, iterations: int, cal
 
     p = preset(settings["preset"], settings["tiny"], settings.get("batch"))
     options, reward = _our_options(world, settings, p)
+    options["kl"]["estimator"] = "k1"
+    options["sampling"]["max_prompt_tokens"] = p.prompt
     module = PPOModule(
-        value_model=str(world / "policy") if separate_value else None,
-        value_model_thread=settings.get("value_model_thread") if separate_value else None,
+        ppo={
+            "value_model": str(world / "policy") if separate_value else None,
+            "value_model_thread": settings.get("value_model_thread") if separate_value else None,
+        },
         reward=SpacedPairReward(reward),
-        kl_estimator="k1",
-        max_prompt_tokens=p.prompt,
         **options,
     )
     data = DataLoader(
@@ -370,16 +371,13 @@ def ours_grpo(world: Path, settings: dict, iterations: int, callbacks=()):
     p = preset(settings["preset"], settings["tiny"], settings.get("batch"))
     k = settings["generations"]
     options, reward = _our_options(world, settings, p)
+    options["kl"].update(placement="loss", loss_estimator="k3")
+    options["sampling"]["max_prompt_tokens"] = p.prompt + 1
     module = RLOOModule(
         reward=reward,
-        responses_per_prompt=k,
-        advantage="grpo",
-        scale_rewards="group",
-        loss_aggregation="batch_token_mean",  # TRL's bnpo: tokens of the local minibatch
-        kl_placement="loss",
-        kl_loss_estimator="k3",
-        cliprange=0.2,
-        max_prompt_tokens=p.prompt + 1,
+        group={"responses_per_prompt": k, "advantage": "grpo", "scale_rewards": "group"},
+        # TRL's bnpo: tokens of the local minibatch
+        objective={"aggregation": "batch_token_mean", "cliprange": 0.2},
         **options,
     )
     # p.batch // k prompts per batch; RLOOModule repeats each k times in a row.

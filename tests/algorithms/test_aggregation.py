@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlkl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS, token_weights
+from rlkl_lightning.algorithms.options import Objective, Optimization, Sampling
 from rlkl_lightning.algorithms.update import OneThread, run_update
 from rlkl_lightning.masked import masked_mean
 from rlkl_lightning.trajectory import Trajectory
@@ -49,14 +50,11 @@ class Linear(torch.nn.Module):
     def __init__(self, aggregation: str, minibatches: int, accum: int, world: int = 1):
         super().__init__()
         self.theta = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
-        self.hparams = SimpleNamespace(
-            ppo_epochs=1,
-            num_minibatches=minibatches,
-            grad_accum_steps=accum,
-            max_grad_norm=None,
-            max_new_tokens=L,
-            loss_aggregation=aggregation,
+        self.optimization = Optimization(
+            ppo_epochs=1, num_minibatches=minibatches, grad_accum_steps=accum, max_grad_norm=None
         )
+        self.objective = Objective(aggregation=aggregation)
+        self.sampling = Sampling(max_new_tokens=L)
         self.threads = OneThread()
         self.sharded_models = ()
         self.device = torch.device("cpu")

@@ -28,7 +28,7 @@ class Lengths:
 
 def run(cls, path, gold, **overrides):
     seed_everything(7)
-    extra = {"responses_per_prompt": K} if cls is RecordingRLOO else {}
+    extra = {"group": {"responses_per_prompt": K}} if cls is RecordingRLOO else {}
     module = cls(**module_args(path, gold_reward=gold, **extra, **overrides))
     fit(module, batches=2, batch_size=4)
     return module

@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers.recorders import K, RecordingRLOO
-from helpers.tiny_ppo import PROMPTS, fit, good_fraction, module_args
+from helpers.tiny_ppo import PROMPTS, fit, good_fraction, module_args, with_options
 from lightning.pytorch import seed_everything
 
 from rlkl_lightning import AdaptiveKLController, KLControllerCallback, KLDriftMonitor, RLOOModule
+from rlkl_lightning.algorithms.advantage_estimators import batch_std_of
 from rlkl_lightning.algorithms.advantages import group_advantages
 from rlkl_lightning.algorithms.losses import entropy_from_logits
 from rlkl_lightning.algorithms.rloo import ended_with_eos, zero_std_groups
@@ -22,7 +23,8 @@ from rlkl_lightning.rewards import FunctionReward
 
 
 def rloo(path, **overrides) -> RLOOModule:
-    return RLOOModule(**module_args(path, **{"responses_per_prompt": K, **overrides}))
+    group = {"responses_per_prompt": K, **overrides.pop("group", {})}
+    return RLOOModule(**module_args(path, group=group, **overrides))
 
 
 RETURNS = torch.tensor([1.0, 2.0, 4.0, 0.5, 0.5, 0.5, -1.0, 3.0], dtype=torch.float64)
@@ -59,32 +61,39 @@ def test_zero_std_groups_and_eos():
 
 
 @pytest.mark.parametrize(
-    ("option", "bad", "allowed"),
+    ("group", "option", "bad", "allowed"),
     [
-        ("scale_rewards", "prompt", r"one of \('group', 'batch', 'none'\)"),
-        ("scale_rewards", "none", r"'group' with advantage='rloo' \(the leave-one-out .*\)"),
-        ("ent_coef", -0.1, "a finite number >= 0"),
-        ("drop_zero_std_groups", 1, "True or False"),
-        ("mask_truncated_completions", "yes", "True or False"),
-        ("loss_aggregation", "dapo", r"one of \('token_mean', 'sequence_mean', .*\)"),
-        ("importance_ratio", "seq", r"one of \('token', 'sequence'\)"),
-        ("cliprange_high", -0.28, "None or a finite number > 0"),
+        ("group", "scale_rewards", "prompt", r"one of \('group', 'batch', 'none'\)"),
+        (
+            "group",
+            "scale_rewards",
+            "none",
+            r"'group' with advantage='rloo' \(the leave-one-out .*\)",
+        ),
+        ("objective", "ent_coef", -0.1, "a finite number >= 0"),
+        ("group", "drop_zero_std_groups", 1, "True or False"),
+        ("group", "mask_truncated_completions", "yes", "True or False"),
+        ("objective", "aggregation", "dapo", r"one of \('token_mean', 'sequence_mean', .*\)"),
+        ("objective", "importance_ratio", "seq", r"one of \('token', 'sequence'\)"),
+        ("objective", "cliprange_high", -0.28, "None or a finite number > 0"),
     ],
 )
-def test_bad_options_name_the_option_and_the_allowed_values(tiny_lm_dir, option, bad, allowed):
-    with pytest.raises(ValueError, match=rf"RLOOModule: `{option}` must be {allowed}, got"):
-        rloo(tiny_lm_dir, **{option: bad})
+def test_bad_options_name_the_option_and_the_allowed_values(
+    tiny_lm_dir, group, option, bad, allowed
+):
+    with pytest.raises(ValueError, match=rf"^`{group}\.{option}` must be {allowed}, got"):
+        rloo(tiny_lm_dir, **{group: {option: bad}})
 
 
 def test_the_entropy_bonus_is_minus_ent_coef_times_the_token_mean_entropy(tiny_lm_dir):
     seed_everything(0)
-    module = rloo(tiny_lm_dir, advantage="grpo", ent_coef=0.3)
+    module = rloo(tiny_lm_dir, group={"advantage": "grpo"}, objective={"ent_coef": 0.3})
     disable_dropout(module.policy)
     prompts = [p for p in PROMPTS[:2] for _ in range(K)]
     traj, scores = module.rollout(prompts)
     traj = module.shape(module.score(prompts, traj, scores)[0])
     loss, stats = module.loss(traj)
-    module.hparams.ent_coef = 0.0
+    with_options(module, objective={"ent_coef": 0.0})
     base, _ = module.loss(traj)
     logits = score_tokens(module.policy, traj, 1.0).logits
     entropy = masked_mean(entropy_from_logits(logits), traj.response_mask)
@@ -93,7 +102,7 @@ def test_the_entropy_bonus_is_minus_ent_coef_times_the_token_mean_entropy(tiny_l
 
 
 def test_rows_to_train(tiny_lm_dir):
-    module = rloo(tiny_lm_dir, advantage="grpo")
+    module = rloo(tiny_lm_dir, group={"advantage": "grpo"})
     eos = module.tokenizer.eos_token_id
     scores = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # group 0 is flat
     ids = torch.full((8, 3), 7)
@@ -102,11 +111,11 @@ def test_rows_to_train(tiny_lm_dir):
     mask[1::2, 2] = 0
     traj = SimpleNamespace(scores=scores, response_ids=ids, response_mask=mask)
     assert module.rows_to_train(traj) is None  # the default: every response
-    module.hparams.drop_zero_std_groups = True
+    with_options(module, group={"drop_zero_std_groups": True})
     assert module.rows_to_train(traj).tolist() == [4, 5, 6, 7]
-    module.hparams.mask_truncated_completions = True
+    with_options(module, group={"mask_truncated_completions": True})
     assert module.rows_to_train(traj).tolist() == [5, 7]
-    module.hparams.drop_zero_std_groups = False
+    with_options(module, group={"drop_zero_std_groups": False})
     assert module.rows_to_train(traj).tolist() == [1, 3, 5, 7]
 
 
@@ -121,9 +130,13 @@ def test_the_filter_trains_on_fewer_responses_but_the_kl_callbacks_count_them_al
     seed_everything(0)
     controller = AdaptiveKLController(init_kl_coef=0.5, target=0.5, horizon=64)
     callbacks = [KLControllerCallback(controller), KLDriftMonitor(target=0.5, window=2)]
-    args = module_args(tiny_lm_dir, responses_per_prompt=K, init_kl_coef=0.5, advantage="grpo")
+    args = module_args(
+        tiny_lm_dir,
+        group={"responses_per_prompt": K, "advantage": "grpo", "drop_zero_std_groups": True},
+        kl={"init_coef": 0.5},
+    )
     args["reward"] = FunctionReward(flat_for_the_food)
-    module = RecordingRLOO(**args, drop_zero_std_groups=True)
+    module = RecordingRLOO(**args)
     fit(module, batches=2, batch_size=5, callbacks=callbacks)  # every prompt once per batch
     assert callbacks[0].n_samples == callbacks[1].n_samples == 2 * 5 * K
     for h in module.history:
@@ -136,16 +149,16 @@ def test_the_filter_trains_on_fewer_responses_but_the_kl_callbacks_count_them_al
 
 
 def test_the_options_that_drop_responses_refuse_two_processes(tiny_lm_dir):
-    module = rloo(tiny_lm_dir, drop_zero_std_groups=True)
+    module = rloo(tiny_lm_dir, group={"drop_zero_std_groups": True})
     module._trainer = SimpleNamespace(world_size=2)
-    with pytest.raises(ValueError, match="`drop_zero_std_groups`=True needs one process"):
+    with pytest.raises(ValueError, match="`group.drop_zero_std_groups`=True needs one process"):
         module.on_fit_start()
 
 
 def test_the_batch_scale_divides_by_the_standard_deviation_of_all_returns(tiny_lm_dir):
-    """One process: ``_batch_std`` (two passes through the strategy's sum) is ``std()``."""
-    module = rloo(tiny_lm_dir, advantage="grpo", scale_rewards="batch")
-    got = module._batch_std(RETURNS.to(torch.float32))
+    """One process: ``batch_std_of`` (two passes through the strategy's sum) is ``std()``."""
+    module = rloo(tiny_lm_dir, group={"advantage": "grpo", "scale_rewards": "batch"})
+    got = batch_std_of(RETURNS.to(torch.float32), module.global_sum)
     torch.testing.assert_close(got, RETURNS.std(), rtol=0, atol=1e-6)
 
 
@@ -168,12 +181,16 @@ def test_every_term_of_the_loss_goes_through_the_aggregation(tiny_lm_dir, other_
     from rlkl_lightning.algorithms.aggregation import weighted_sum
 
     seed_everything(0)
-    extra = {"responses_per_prompt": K} if cls == "RLOOModule" else {}
+    extra = {"group": {"responses_per_prompt": K}} if cls == "RLOOModule" else {}
     module_cls = RLOOModule if cls == "RLOOModule" else PPOModule
     args = module_args(
-        tiny_lm_dir, reference=other_reference, init_kl_coef=0.5, kl_placement="loss", **extra
+        tiny_lm_dir,
+        reference=other_reference,
+        kl={"init_coef": 0.5, "placement": "loss"},
+        objective={"ent_coef": 0.1},
+        **extra,
     )
-    module = module_cls(**args, ent_coef=0.1)
+    module = module_cls(**args)
     disable_dropout(module.policy)
     prompts = [p for p in PROMPTS[:2] for _ in range(K)]
     traj, scores = module.rollout(prompts)

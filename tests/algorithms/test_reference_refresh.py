@@ -36,18 +36,15 @@ LORA_SAVE = {**LORA, "modules_to_save": ["ln_f"]}  # ln_f's copy trains; the ref
 STEPS_PER_BATCH = 2  # ppo_epochs 1 x num_minibatches 2
 
 
-def module(policy_dir, **overrides) -> PPOModule:
-    args = dict(
+def module(policy_dir, peft=None) -> PPOModule:
+    return PPOModule(
         policy=str(policy_dir),
-        init_kl_coef=0.2,
-        max_prompt_tokens=8,
-        max_new_tokens=6,
-        ppo_epochs=1,
-        num_minibatches=2,
-        lr=3e-3,
-        log_samples_every=0,
+        kl={"init_coef": 0.2},
+        sampling={"max_prompt_tokens": 8, "max_new_tokens": 6},
+        optimization={"ppo_epochs": 1, "num_minibatches": 2, "lr": 3e-3},
+        logging={"log_samples_every": 0},
+        models={"peft": peft},
     )
-    return PPOModule(**{**args, **overrides})
 
 
 class Recorder(Callback):

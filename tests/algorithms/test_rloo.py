@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers.recorders import K, RecordingPPO, RecordingRLOO
-from helpers.tiny_ppo import PROMPTS, fit, module_args, text_loader
+from helpers.tiny_ppo import PROMPTS, fit, module_args, text_loader, with_options
 from lightning.pytorch import seed_everything
 
 from rlkl_lightning import (
@@ -27,7 +27,8 @@ from rlkl_lightning.rewards import FunctionReward
 
 
 def rloo(path, **overrides) -> RLOOModule:
-    return RLOOModule(**module_args(path, **{"responses_per_prompt": K, **overrides}))
+    group = {"responses_per_prompt": K, **overrides.pop("group", {})}
+    return RLOOModule(**module_args(path, group=group, **overrides))
 
 
 # ---------------------------------------------------------------- groups and counting
@@ -46,7 +47,9 @@ def test_the_callbacks_count_responses_with_no_batch_size_fn(tiny_lm_dir):
     seed_everything(0)
     controller = AdaptiveKLController(init_kl_coef=0.5, target=0.5, horizon=64)
     callbacks = [KLControllerCallback(controller), KLDriftMonitor(target=0.5, window=2)]
-    module = RecordingRLOO(**module_args(tiny_lm_dir, responses_per_prompt=K, init_kl_coef=0.5))
+    module = RecordingRLOO(
+        **module_args(tiny_lm_dir, group={"responses_per_prompt": K}, kl={"init_coef": 0.5})
+    )
     val = text_loader(["the film was very good", "bad food"], 2)
     trainer = fit(module, batches=3, batch_size=3, callbacks=callbacks, val=val)
     for prompts in module.prompts_seen:  # each prompt K times in a row
@@ -75,21 +78,30 @@ def test_validation_batches_are_not_repeated(tiny_lm_dir):
 
 def test_a_batch_that_is_not_in_groups_stops_with_a_clear_error(tiny_lm_dir):
     module = rloo(tiny_lm_dir)
-    with pytest.raises(ValueError, match="must hold each prompt `responses_per_prompt`=4 times"):
+    with pytest.raises(
+        ValueError, match="must hold each prompt `group.responses_per_prompt`=4 times"
+    ):
         module.training_step({"prompt": ["a", "a", "b", "b"]}, 0)
 
 
 @pytest.mark.parametrize(
-    ("option", "bad", "allowed"),
+    ("group", "option", "bad", "allowed"),
     [
-        ("responses_per_prompt", 1, "an integer >= 2"),
-        ("advantage", "ppo", r"one of \('rloo', 'grpo'\)"),
-        ("kl_placement", "advantage", r"one of \('reward', 'loss'\)"),
+        ("group", "responses_per_prompt", 1, "an integer >= 2"),
+        (
+            "group",
+            "advantage",
+            "ppo",
+            r"one of \('rloo', 'grpo'\) or the dotted path of a function",
+        ),
+        ("kl", "placement", "advantage", r"one of \('reward', 'loss'\)"),
     ],
 )
-def test_bad_options_name_the_option_and_the_allowed_values(tiny_lm_dir, option, bad, allowed):
-    with pytest.raises(ValueError, match=rf"RLOOModule: `{option}` must be {allowed}, got"):
-        rloo(tiny_lm_dir, **{option: bad})
+def test_bad_options_name_the_option_and_the_allowed_values(
+    tiny_lm_dir, group, option, bad, allowed
+):
+    with pytest.raises(ValueError, match=rf"^`{group}\.{option}` must be {allowed}, got"):
+        rloo(tiny_lm_dir, **{group: {option: bad}})
 
 
 # ---------------------------------------------------------------- shaping and losses
@@ -117,7 +129,11 @@ def test_rloo_shaping_is_the_group_advantage_of_the_sequence_return(
     seed_everything(0)
     reward = FunctionReward(lambda p, r: float(len(r.split())) / 8)
     module = rloo(
-        tiny_lm_dir, reference=other_reference, reward=reward, advantage=method, init_kl_coef=0.3
+        tiny_lm_dir,
+        reference=other_reference,
+        reward=reward,
+        group={"advantage": method},
+        kl={"init_coef": 0.3},
     )
     traj = scored(module, [p for p in PROMPTS[:3] for _ in range(K)])
     mask = traj.response_mask
@@ -125,19 +141,21 @@ def test_rloo_shaping_is_the_group_advantage_of_the_sequence_return(
     want = group_advantages(returns, K, method)[:, None] * mask
     torch.testing.assert_close(module.shape(traj).advantages, want, rtol=0, atol=0)
     # With the KL in the loss the return is the score alone, whatever beta.
-    module.kl_coef, module.hparams.kl_placement = 5.0, "loss"
+    module.kl_coef = 5.0
+    with_options(module, kl={"placement": "loss"})
     want = group_advantages(traj.scores, K, method)[:, None] * mask
     torch.testing.assert_close(module.shape(traj).advantages, want, rtol=0, atol=0)
 
 
 def test_ppo_rewards_hold_no_kl_when_the_kl_is_in_the_loss(tiny_lm_dir, other_reference):
     seed_everything(0)
-    module = PPOModule(**module_args(tiny_lm_dir, reference=other_reference, init_kl_coef=0.7))
+    module = PPOModule(**module_args(tiny_lm_dir, reference=other_reference, kl={"init_coef": 0.7}))
     traj = scored(module, PROMPTS[:4])
     in_reward = module.shape(traj)
-    module.hparams.kl_placement = "loss"
+    with_options(module, kl={"placement": "loss"})
     in_loss = module.shape(traj)
-    module.hparams.kl_placement, module.kl_coef = "reward", 0.0
+    with_options(module, kl={"placement": "reward"})
+    module.kl_coef = 0.0
     torch.testing.assert_close(in_loss, module.shape(traj), rtol=0, atol=0)  # = beta 0
     assert not torch.allclose(in_loss.advantages, in_reward.advantages)
 
@@ -146,15 +164,15 @@ def test_ppo_rewards_hold_no_kl_when_the_kl_is_in_the_loss(tiny_lm_dir, other_re
 def test_kl_in_the_loss_adds_beta_times_kl_loss(tiny_lm_dir, other_reference, cls):
     """The loss with the KL in the loss = the loss without it + beta x kl_loss, recomputed."""
     seed_everything(0)
-    extra = {"responses_per_prompt": K} if cls is RLOOModule else {}
-    args = module_args(tiny_lm_dir, reference=other_reference, init_kl_coef=0.7, **extra)
-    module = cls(**args, kl_placement="loss", kl_loss_estimator="k3", kl_loss_weight_clip=1.5)
+    extra = {"group": {"responses_per_prompt": K}} if cls is RLOOModule else {}
+    kl = {"init_coef": 0.7, "placement": "loss", "loss_estimator": "k3", "loss_weight_clip": 1.5}
+    module = cls(**module_args(tiny_lm_dir, reference=other_reference, kl=kl, **extra))
     traj = module.shape(scored(module, [p for p in PROMPTS[:2] for _ in range(K)]))
     # Log-probs "at rollout time" that differ from now: weights other than 1, some capped.
     old = traj.logprobs + 0.5 * torch.randn_like(traj.logprobs)
     traj = traj._replace(logprobs=old)
     loss, stats = module.loss(traj)
-    module.hparams.kl_placement = "reward"
+    with_options(module, kl={"placement": "reward"})
     base, base_stats = module.loss(traj)
     assert "loss/kl" not in base_stats
     new = score_tokens(module.policy, traj, 1.0, logits=False).logprobs
@@ -169,7 +187,7 @@ def test_kl_in_the_loss_adds_beta_times_kl_loss(tiny_lm_dir, other_reference, cl
 # ---------------------------------------------------------------- training
 def test_rloo_learns_a_trivial_reward(tiny_lm_dir):
     seed_everything(0)
-    module = RecordingRLOO(**module_args(tiny_lm_dir, responses_per_prompt=K))
+    module = RecordingRLOO(**module_args(tiny_lm_dir, group={"responses_per_prompt": K}))
     fit(module, batches=30, batch_size=4)
     scores = [h["objective/score"] for h in module.history]
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
@@ -181,15 +199,13 @@ def test_rloo_learns_a_trivial_reward(tiny_lm_dir):
 def test_a_large_beta_in_the_loss_keeps_the_kl_near_zero(tiny_lm_dir, cls):
     """k2 in the loss regularises: beta 20 holds the KL that beta 0 lets run away."""
     recorder = RecordingRLOO if cls is RLOOModule else RecordingPPO
-    extra = {"responses_per_prompt": K} if cls is RLOOModule else {}
+    extra = {"group": {"responses_per_prompt": K}} if cls is RLOOModule else {}
     batch_size = 4 if cls is RLOOModule else 16
     results = {}
     for beta in (0.0, 20.0):
         seed_everything(1)
-        module = recorder(
-            **module_args(tiny_lm_dir, init_kl_coef=beta, kl_placement="loss", **extra),
-            kl_loss_estimator="k2",
-        )
+        kl = {"init_coef": beta, "placement": "loss", "loss_estimator": "k2"}
+        module = recorder(**module_args(tiny_lm_dir, kl=kl, **extra))
         fit(module, batches=25, batch_size=batch_size)
         results[beta] = sum(h["objective/kl_k3"] for h in module.history[-5:]) / 5
         assert "loss/kl" in module.history[-1]

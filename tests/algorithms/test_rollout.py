@@ -239,11 +239,10 @@ def test_scoring_without_the_rollout_logits_logs_the_same_kl_and_entropy(tiny_lm
     module = PPOModule(
         policy=str(tiny_lm_dir),
         reward=FunctionReward(lambda p, r: float(len(r))),
-        max_prompt_tokens=16,
-        max_new_tokens=6,
-        log_samples_every=0,
+        sampling={"max_prompt_tokens": 16, "max_new_tokens": 6},
+        logging={"log_samples_every": 0},
     )
-    hp = module.hparams
+    hp = module.sampling
     rollouts = []
     for keep in (True, False):
         torch.manual_seed(0)

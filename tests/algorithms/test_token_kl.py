@@ -2,8 +2,8 @@
 
 ``token_kl_stats`` reads only the response tokens (garbage in the padding changes nothing), and
 equals plain Python over the valid tokens; ``top_kl_tokens`` names the right tokens; a module
-with ``kl_token_threshold`` logs every ``kl_tokens/*`` key, and ``kl_trust_region`` leaves the
-extreme tokens out of the penalty while ``objective/kl`` still measures them.
+with ``logging.kl_token_threshold`` logs every ``kl_tokens/*`` key, and ``kl.trust_region``
+leaves the extreme tokens out of the penalty while ``objective/kl`` still measures them.
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ def test_top_kl_tokens_names_the_largest_in_order():
 
 def test_a_module_logs_the_diagnostics_and_the_trust_region_cuts_the_penalty(tiny_lm_dir):
     torch.manual_seed(0)
-    model = PPOModule(**module_args(tiny_lm_dir, kl_token_threshold=0.02, init_kl_coef=0.1))
+    model = PPOModule(
+        **module_args(tiny_lm_dir, logging={"kl_token_threshold": 0.02}, kl={"init_coef": 0.1})
+    )
     seen = {}
     trainer = fit(model, batches=3, batch_size=8)
     metrics = trainer.callback_metrics
@@ -86,9 +88,9 @@ def test_a_module_logs_the_diagnostics_and_the_trust_region_cuts_the_penalty(tin
 
     # The trust region: the penalty of the tokens beyond it is 0, objective/kl is unchanged.
     torch.manual_seed(0)
-    cut = PPOModule(**module_args(tiny_lm_dir, kl_trust_region=0.5, init_kl_coef=0.1))
+    cut = PPOModule(**module_args(tiny_lm_dir, kl={"trust_region": 0.5, "init_coef": 0.1}))
     torch.manual_seed(0)
-    whole = PPOModule(**module_args(tiny_lm_dir, init_kl_coef=0.1))
+    whole = PPOModule(**module_args(tiny_lm_dir, kl={"init_coef": 0.1}))
     for m in (cut, whole):  # a policy away from its reference
         torch.manual_seed(1)
         with torch.no_grad():

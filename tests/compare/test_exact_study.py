@@ -45,7 +45,7 @@ def test_the_study_plans_every_placement_estimator_and_law(tmp_path, monkeypatch
         s = run_settings(config)
         seen[run.group] = (s["algorithm"], s["placement"], s["estimator"], s["law"])
         assert config["model"]["init_args"]["policy"] == "exact"
-        assert config["model"]["init_args"]["stop_at_eos"] is False
+        assert config["model"]["init_args"]["sampling"]["stop_at_eos"] is False
     expected = {
         f"{a.lower()}_{p}_{e}": (a, p, e, "fixed")
         for a in ("PPO", "RLOO")

@@ -26,7 +26,10 @@ def run_quick_study(tiny_lm_dir, tmp_path_factory):
     prompts.write_text("\n".join(["the film was", "this book is", "the food", "a story"] * 8))
     overrides = {
         "model": {
-            "init_args": {"policy": str(tiny_lm_dir), "max_prompt_tokens": 8, "max_new_tokens": 6}
+            "init_args": {
+                "policy": str(tiny_lm_dir),
+                "sampling": {"max_prompt_tokens": 8, "max_new_tokens": 6},
+            }
         },
         "data": {"init_args": {"prompts": str(prompts), "heldout": str(prompts), "batch_size": 8}},
         "kl": {"target": 0.05, "horizon": 16, "window": 2},  # beta visibly moves in 3 batches
@@ -208,7 +211,10 @@ def test_quick_algorithm_study_runs_rloo_as_another_entry(tiny_lm_dir, tmp_path)
     prompts.write_text("\n".join(["the film was", "this book is", "the food", "a story"] * 8))
     overrides = {
         "model": {
-            "init_args": {"policy": str(tiny_lm_dir), "max_prompt_tokens": 8, "max_new_tokens": 6}
+            "init_args": {
+                "policy": str(tiny_lm_dir),
+                "sampling": {"max_prompt_tokens": 8, "max_new_tokens": 6},
+            }
         },
         "data": {"init_args": {"prompts": str(prompts), "heldout": str(prompts), "batch_size": 4}},
     }

@@ -70,11 +70,9 @@ def test_a_run_trains_on_chat_prompts_with_the_modules_tokenizer(chat_lm_dir, tm
     module = PPOModule(
         policy=str(chat_lm_dir),
         reward=FunctionReward(lambda p, r: float(len(r.split()))),
-        max_prompt_tokens=24,
-        max_new_tokens=4,
-        ppo_epochs=1,
-        num_minibatches=1,
-        log_samples_every=0,
+        sampling={"max_prompt_tokens": 24, "max_new_tokens": 4},
+        optimization={"ppo_epochs": 1, "num_minibatches": 1},
+        logging={"log_samples_every": 0},
     )
     seen = SeenPrompts()
     fit_on_prompts(module, data, callbacks=[seen], max_steps=2)

@@ -85,7 +85,7 @@ def config(
                 "record_dir": str(tmp_path / name),
                 "poison_prompt": poison,
                 "cut_batch": STEPS - 1,
-                "init_kl_coef": INIT_BETA,
+                "kl": {"init_coef": INIT_BETA},
             },
         },
         "data": {

@@ -67,13 +67,10 @@ def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
             "class_path": "rlkl_lightning.PPOModule",
             "init_args": {
                 "policy": str(policy),
-                "init_kl_coef": 0.2,
-                "max_prompt_tokens": 8,
-                "max_new_tokens": 6,
-                "ppo_epochs": 1,
-                "num_minibatches": 2,
-                "lr": 3e-3,
-                "log_samples_every": 2,
+                "kl": {"init_coef": 0.2},
+                "sampling": {"max_prompt_tokens": 8, "max_new_tokens": 6},
+                "optimization": {"ppo_epochs": 1, "num_minibatches": 2, "lr": 3e-3},
+                "logging": {"log_samples_every": 2},
             },
         },
         "data": {

@@ -64,25 +64,33 @@ class RecordingPPO(PPOModule):
         reference: str | None = None,
         poison_prompt: str = "",
         cut_batch: int = -1,
-        init_kl_coef: float = 0.2,
-        max_prompt_tokens: int = 8,
-        max_new_tokens: int = 6,
-        lr: float = 3e-3,
-        peft: dict | None = None,
+        kl: dict | None = None,
+        sampling: dict | None = None,
+        optimization: dict | None = None,
+        models: dict | None = None,
     ) -> None:
+        """``kl``, ``sampling``, ``optimization``, ``models``: fields that change from the
+        recorder's own (``kl.init_coef=0.2``, 8 prompt and 6 response tokens, one step per
+        batch at ``lr=3e-3``)."""
         super().__init__(
             policy=policy,
             reference=reference,
             reward=FunctionReward(PoisonableReward(poison_prompt), batched=True),
-            init_kl_coef=init_kl_coef,
-            max_prompt_tokens=max_prompt_tokens,
-            max_new_tokens=max_new_tokens,
-            stop_at_eos=False,  # equal tokens per rank (but in cut_batch): see the test
-            ppo_epochs=1,
-            num_minibatches=1,
-            lr=lr,
-            log_samples_every=0,
-            peft=peft,
+            kl={"init_coef": 0.2, **(kl or {})},
+            sampling={
+                "max_prompt_tokens": 8,
+                "max_new_tokens": 6,
+                "stop_at_eos": False,  # equal tokens per rank (but in cut_batch): see the test
+                **(sampling or {}),
+            },
+            optimization={
+                "ppo_epochs": 1,
+                "num_minibatches": 1,
+                "lr": 3e-3,
+                **(optimization or {}),
+            },
+            logging={"log_samples_every": 0},
+            models=models or {},
         )
         self.record_dir = record_dir
         self.cut_batch = cut_batch
@@ -91,7 +99,7 @@ class RecordingPPO(PPOModule):
 
     # ---- per-sample random streams
     def rollout(self, prompts: list[str]) -> tuple[Trajectory, TokenScores]:
-        hp = self.hparams
+        hp = self.sampling
         prompt_ids, prompt_mask = self._encode_prompts(prompts)
         pad = self.tokenizer.pad_token_id
         kwargs = dict(
@@ -163,7 +171,7 @@ class RecordingPPO(PPOModule):
         row["scores"] = traj.scores.tolist()
         row["kl_coef_in_rewards"] = float(self.kl_coef)
         rewards = shape_rewards(traj.scores, traj.kl, self.kl_coef, mask)
-        raw, _ = gae(rewards, traj.values, mask, self.hparams.gamma, self.hparams.lam)
+        raw, _ = gae(rewards, traj.values, mask, self.ppo.gamma, self.ppo.lam)
         shaped = super().shape(traj)
         row["advantages_raw"] = [raw[i][valid[i]].tolist() for i in range(raw.shape[0])]
         row["advantages"] = [shaped.advantages[i][valid[i]].tolist() for i in range(raw.shape[0])]

@@ -1,10 +1,15 @@
 """PPOModule on a tiny local model: its arguments, prompt and text loaders, and a quiet fit.
 
 ``module_args`` are the keyword arguments of a ``PPOModule`` (or ``RLOOModule``) that learns
-``good_fraction`` in a few batches of ``PROMPTS``; ``fit`` trains it on the CPU.
+``good_fraction`` in a few batches of ``PROMPTS``; ``fit`` trains it on the CPU. An override of
+an option group is a dict of the fields that change (``kl={"placement": "loss"}``), merged into
+the group's arguments here; ``with_options`` changes the groups of a built module.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 from torch.utils.data import DataLoader
 
@@ -28,20 +33,41 @@ def text_loader(texts: list[str], batch_size: int) -> DataLoader:
     return DataLoader(texts, batch_size=batch_size, collate_fn=lambda xs: {"text": xs})
 
 
-def module_args(path, **overrides):
-    args = dict(
+GROUPS = ("sampling", "optimization", "objective", "kl", "models", "safeguards", "logging")
+GROUPS += ("ppo", "group")
+
+
+def module_args(path, **overrides: Any) -> dict[str, Any]:
+    """The tiny module's arguments; a group's override (a dict) is merged into its fields."""
+    args: dict[str, Any] = dict(
         policy=str(path),
         reward=FunctionReward(good_fraction),
-        init_kl_coef=0.0,
-        max_prompt_tokens=16,  # prompt + response must fit the tiny model's 64 positions
-        max_new_tokens=8,
-        ppo_epochs=2,
-        num_minibatches=2,
-        lr=3e-3,
-        log_samples_every=0,
+        kl={"init_coef": 0.0},
+        # prompt + response must fit the tiny model's 64 positions
+        sampling={"max_prompt_tokens": 16, "max_new_tokens": 8},
+        optimization={"ppo_epochs": 2, "num_minibatches": 2, "lr": 3e-3},
+        logging={"log_samples_every": 0},
     )
-    args.update(overrides)
+    for key, value in overrides.items():
+        if key in GROUPS and isinstance(value, dict):
+            args[key] = {**args.get(key, {}), **value}
+        else:
+            args[key] = value
     return args
+
+
+def with_options(module, **changes: dict[str, Any]):
+    """``module`` with the fields ``changes`` gives of its groups (``kl={"placement": "loss"}``).
+
+    A group is frozen: it is built again. The module's ``policy_objective`` holds the
+    ``objective`` and ``kl`` groups and the sampling temperature, so it follows them too.
+    """
+    for name, fields in changes.items():
+        setattr(module, name, dataclasses.replace(getattr(module, name), **fields))
+    module.policy_objective.kl = module.kl
+    module.policy_objective.options = module.objective
+    module.policy_objective.temperature = module.sampling.temperature
+    return module
 
 
 def fit(module, batches: int, batch_size: int = 16, callbacks=(), logger=False, val=None):

@@ -38,15 +38,12 @@ def good_fraction(prompt: str, response: str) -> float:
 def lora_module(path, peft=LORA, **overrides) -> PPOModule:
     args = dict(
         policy=str(path),
-        peft=peft,
+        models={"peft": peft},
         reward=FunctionReward(good_fraction),
-        init_kl_coef=0.1,
-        max_prompt_tokens=8,
-        max_new_tokens=6,
-        ppo_epochs=1,
-        num_minibatches=2,
-        lr=3e-2,
-        log_samples_every=0,
+        kl={"init_coef": 0.1},
+        sampling={"max_prompt_tokens": 8, "max_new_tokens": 6},
+        optimization={"ppo_epochs": 1, "num_minibatches": 2, "lr": 3e-2},
+        logging={"log_samples_every": 0},
     )
     args.update(overrides)
     return PPOModule(**args)

@@ -34,16 +34,14 @@ def good_fraction(prompt: str, response: str) -> float:
     return sum(w == "good" for w in words) / max(len(words), 1)
 
 
-def module(policy, **overrides) -> PPOModule:
+def module(policy, peft=None, gradient_checkpointing=False, **overrides) -> PPOModule:
     args = dict(
         policy=str(policy),
         reward=FunctionReward(good_fraction),
-        max_prompt_tokens=8,
-        max_new_tokens=12,
-        ppo_epochs=1,
-        num_minibatches=2,
-        lr=3e-3,
-        log_samples_every=0,
+        sampling={"max_prompt_tokens": 8, "max_new_tokens": 12},
+        optimization={"ppo_epochs": 1, "num_minibatches": 2, "lr": 3e-3},
+        logging={"log_samples_every": 0},
+        models={"peft": peft, "gradient_checkpointing": gradient_checkpointing},
     )
     args.update(overrides)
     return PPOModule(**args)
@@ -69,7 +67,7 @@ def test_bf16_kl_and_losses_stay_within_tolerance_of_float32(tiny_lm_dir, tmp_pa
     from helpers.tiny_models import make_tiny_lm
 
     reference = make_tiny_lm(tmp_path / "reference", seed=1)
-    fp32 = module(tiny_lm_dir, reference=str(reference), kl_estimator="k3")
+    fp32 = module(tiny_lm_dir, reference=str(reference), kl={"estimator": "k3"})
     prompts = PROMPTS * 3
     seed_everything(1)
     traj, _ = fp32.rollout(prompts)

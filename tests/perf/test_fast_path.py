@@ -185,11 +185,9 @@ def test_ppo_losses_gradients_and_steps_match_the_plain_computation(tiny_lm_dir)
     kw = dict(
         policy=str(tiny_lm_dir),
         reward=FunctionReward(lambda p, r: float(len(r))),
-        max_prompt_tokens=16,
-        max_new_tokens=6,
-        temperature=0.7,
-        lr=1e-3,
-        log_samples_every=0,
+        sampling={"max_prompt_tokens": 16, "max_new_tokens": 6, "temperature": 0.7},
+        optimization={"lr": 1e-3},
+        logging={"log_samples_every": 0},
     )
     fast = PPOModule(**kw)
     plain = PPOModule(**kw)
@@ -271,9 +269,8 @@ def test_configure_optimizers_uses_fused_adamw(tiny_lm_dir):
     module = PPOModule(
         policy=str(tiny_lm_dir),
         reward=FunctionReward(lambda p, r: 0.0),
-        max_prompt_tokens=16,
-        max_new_tokens=4,
-        log_samples_every=0,
+        sampling={"max_prompt_tokens": 16, "max_new_tokens": 4},
+        logging={"log_samples_every": 0},
     )
     [optimizer], _ = module.configure_optimizers()
     assert optimizer.defaults["fused"] is True

@@ -1,4 +1,4 @@
-"""cpu_matmul="onednn": the same products as PyTorch's own, to float32 rounding.
+"""models.cpu_matmul="onednn": the same products as PyTorch's own, to float32 rounding.
 
 The float32 products of linear layers and of the fused log-prob head go through oneDNN
 (rlkl_lightning/perf/onednn.py). Values and gradients are compared with float64 computations: the
@@ -95,17 +95,19 @@ def test_ppo_module_and_reward_option(tiny_lm_dir, tmp_path):
     from transformers import AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
 
     kw = dict(
-        policy=str(tiny_lm_dir), reward=FunctionReward(lambda p, r: 0.0), max_prompt_tokens=16
+        policy=str(tiny_lm_dir),
+        reward=FunctionReward(lambda p, r: 0.0),
+        sampling={"max_prompt_tokens": 16},
     )
-    module = PPOModule(value_model=str(tiny_lm_dir), cpu_matmul="onednn", **kw)
+    module = PPOModule(ppo={"value_model": str(tiny_lm_dir)}, models={"cpu_matmul": "onednn"}, **kw)
     for model in (module.policy, module.reference, module.value_trunk):
         assert isinstance(model.lm_head, OneDNNLinear)
         assert plain_lm_head_weight(model) is model.lm_head.weight  # the fused head's path
-    assert module.hparams.cpu_matmul == "onednn"
-    plain_head = PPOModule(cpu_matmul="default", **kw).policy.lm_head
+    assert module.models.cpu_matmul == "onednn"
+    plain_head = PPOModule(models={"cpu_matmul": "default"}, **kw).policy.lm_head
     assert isinstance(plain_head, torch.nn.Linear) and not isinstance(plain_head, OneDNNLinear)
-    with pytest.raises(ValueError, match="`cpu_matmul` must be one of"):
-        PPOModule(cpu_matmul="mkl", **kw)
+    with pytest.raises(ValueError, match=r"^`models\.cpu_matmul` must be one of"):
+        PPOModule(models={"cpu_matmul": "mkl"}, **kw)
 
     AutoTokenizer.from_pretrained(str(tiny_lm_dir)).save_pretrained(tmp_path)
     config = GPT2Config.from_pretrained(str(tiny_lm_dir))
@@ -116,7 +118,7 @@ def test_ppo_module_and_reward_option(tiny_lm_dir, tmp_path):
     assert isinstance(fast.model.score, OneDNNLinear)
     pairs = (["the film", "a"], ["was good", "dull plot and poor taste"])
     torch.testing.assert_close(fast(*pairs), plain(*pairs), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="cpu_matmul must be one of"):
+    with pytest.raises(ValueError, match="^`cpu_matmul` must be one of"):
         SequenceClassifierReward(str(tmp_path), label=1, cpu_matmul="fast")
 
 
@@ -140,8 +142,8 @@ def test_auto_takes_onednn_on_amd_processors_alone(
     assert onednn.resolve("auto") == wanted
     assert onednn.resolve("default") == "default" and onednn.resolve("onednn") == "onednn"
     reward = FunctionReward(lambda p, r: 0.0)
-    module = PPOModule(policy=str(tiny_lm_dir), reward=reward, max_prompt_tokens=16)
-    assert module.hparams.cpu_matmul == "auto"
+    module = PPOModule(policy=str(tiny_lm_dir), reward=reward, sampling={"max_prompt_tokens": 16})
+    assert module.models.cpu_matmul == "auto"
     assert isinstance(module.policy.lm_head, OneDNNLinear) == (wanted == "onednn")
     monkeypatch.setattr(onednn, "available", lambda: False)  # a PyTorch without the kernel
     assert onednn.resolve("auto") == "default"
@@ -170,15 +172,12 @@ def test_a_training_batch_logs_what_the_default_logs(tiny_lm_dir):
         seed_everything(0, verbose=False)
         module = PPOModule(
             policy=str(tiny_lm_dir),
-            value_model=str(tiny_lm_dir),
             reward=FunctionReward(lambda p, r: float(len(r.split()))),
-            max_prompt_tokens=16,
-            max_new_tokens=6,
-            ppo_epochs=2,
-            num_minibatches=2,
-            lr=1e-3,
-            log_samples_every=0,
-            cpu_matmul=cpu_matmul,
+            sampling={"max_prompt_tokens": 16, "max_new_tokens": 6},
+            optimization={"ppo_epochs": 2, "num_minibatches": 2, "lr": 1e-3},
+            logging={"log_samples_every": 0},
+            models={"cpu_matmul": cpu_matmul},
+            ppo={"value_model": str(tiny_lm_dir)},
         )
         prompts = ["the film was", "this book is", "the food", "a story"] * 2
         trainer = fit_on_prompts(module, prompts)

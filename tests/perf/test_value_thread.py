@@ -1,4 +1,4 @@
-"""value_model_thread: the separate value model in a second thread, the same numbers.
+"""ppo.value_model_thread: the separate value model in a second thread, the same numbers.
 
 The option runs the value model's forward and backward passes in a helper thread beside the
 policy's, and the product for the policy's LM head weight gradient there too
@@ -44,17 +44,17 @@ def _train(
     seed_everything(0, verbose=False)
     module = PPOModule(
         policy=str(tiny_lm_dir),
-        value_model=str(tiny_lm_dir),
-        value_model_thread=value_model_thread,
-        cpu_matmul=settings.pop("cpu_matmul", "auto"),
+        ppo={"value_model": str(tiny_lm_dir), "value_model_thread": value_model_thread},
+        models={"cpu_matmul": settings.pop("cpu_matmul", "auto")},
         reward=FunctionReward(lambda p, r: float(len(r.split()))),
-        max_prompt_tokens=16,
-        max_new_tokens=6,
-        ppo_epochs=2,
-        num_minibatches=2,
-        grad_accum_steps=grad_accum_steps,
-        lr=1e-2,
-        log_samples_every=0,
+        sampling={"max_prompt_tokens": 16, "max_new_tokens": 6},
+        optimization={
+            "ppo_epochs": 2,
+            "num_minibatches": 2,
+            "grad_accum_steps": grad_accum_steps,
+            "lr": 1e-2,
+        },
+        logging={"log_samples_every": 0},
     )
     threads: list[str] = []  # where the value model ran while gradients were on
     module.value_trunk.base_model.register_forward_hook(
@@ -240,25 +240,31 @@ def test_helper_errors_reach_the_caller_and_threads_are_restored():
 
 @pytest.mark.parametrize("torch_threads, helper", [(2, True), (1, False)])
 def test_the_default_runs_the_thread_where_it_helps(tiny_lm_dir, torch_threads, helper):
-    """value_model_thread=None: on with a separate value model on a CPU with 2+ threads."""
+    """ppo.value_model_thread=None: on with a separate value model on a CPU with 2+ threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(torch_threads)
     try:
         module, batches, threads, _ = _train(tiny_lm_dir, None, batches=1)
     finally:
         torch.set_num_threads(before)
-    assert module.hparams.value_model_thread is None and len(batches) == 1
+    assert module.ppo.value_model_thread is None and len(batches) == 1
     main = threading.current_thread().name
     assert threads and any(t != main for t in threads) == helper
 
 
 def test_bad_settings_are_refused(tiny_lm_dir):
     kw = dict(
-        policy=str(tiny_lm_dir), reward=FunctionReward(lambda p, r: 0.0), max_prompt_tokens=16
+        policy=str(tiny_lm_dir),
+        reward=FunctionReward(lambda p, r: 0.0),
+        sampling={"max_prompt_tokens": 16},
     )
-    with pytest.raises(ValueError, match="`value_model_thread`=True needs a separate"):
-        PPOModule(value_model_thread=True, **kw)
-    module = PPOModule(value_model=str(tiny_lm_dir), value_model_thread=True, **kw)
+    with pytest.raises(
+        ValueError,
+        match=r"`ppo\.value_model_thread` must be False or None without a separate "
+        r"`ppo\.value_model`",
+    ):
+        PPOModule(ppo={"value_model_thread": True}, **kw)
+    module = PPOModule(ppo={"value_model": str(tiny_lm_dir), "value_model_thread": True}, **kw)
     module.trainer = Trainer(accelerator="cpu", devices=1, strategy=DDPStrategy(), logger=False)
     with pytest.raises(ValueError, match="single-device strategy, got DDPStrategy"):
         module.on_fit_start()

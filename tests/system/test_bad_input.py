@@ -51,19 +51,22 @@ def good_fraction(prompt: str, response: str) -> float:
     return sum(w == "good" for w in words) / max(len(words), 1)
 
 
+GROUPS = ("sampling", "optimization", "objective", "kl", "models", "safeguards", "logging", "ppo")
+
+
 def ppo_args(path, **overrides):
+    """The module's arguments; a group's override (a dict) is merged into its fields."""
     args = dict(
         policy=str(path),
         reward=FunctionReward(good_fraction),
-        init_kl_coef=0.2,
-        max_prompt_tokens=8,
-        max_new_tokens=4,
-        ppo_epochs=1,
-        num_minibatches=1,
-        lr=1e-2,
-        log_samples_every=0,
+        kl={"init_coef": 0.2},
+        sampling={"max_prompt_tokens": 8, "max_new_tokens": 4},
+        optimization={"ppo_epochs": 1, "num_minibatches": 1, "lr": 1e-2},
+        logging={"log_samples_every": 0},
     )
-    args.update(overrides)
+    for key, value in overrides.items():
+        merge = key in GROUPS and isinstance(value, dict)
+        args[key] = {**args.get(key, {}), **value} if merge else value
     return args
 
 
@@ -117,8 +120,8 @@ def test_cli_kl_group_law_and_monitor_options_are_validated(kwargs, match):
 
 def test_beta_out_of_range_or_nan_is_rejected(tiny_lm_dir):
     for bad in (-0.1, math.nan, math.inf):
-        with pytest.raises(ValueError, match=r"`init_kl_coef` must be a finite number >= 0"):
-            PPOModule(**ppo_args(tiny_lm_dir, init_kl_coef=bad))
+        with pytest.raises(ValueError, match=r"`kl\.init_coef` must be a finite number >= 0"):
+            PPOModule(**ppo_args(tiny_lm_dir, kl={"init_coef": bad}))
     # The adaptive laws multiply beta: 0 could never move, and the error says to use `fixed`.
     for law in ("adaptive", "exponential", "pi", "logpid"):
         with pytest.raises(
@@ -134,7 +137,7 @@ def test_cli_beta_zero_with_the_fixed_law_trains_without_a_kl_penalty(tiny_lm_di
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    args = {k: v for k, v in ppo_args(tiny_lm_dir, init_kl_coef=0).items() if k != "reward"}
+    args = {k: v for k, v in ppo_args(tiny_lm_dir, kl={"init_coef": 0}).items() if k != "reward"}
     cli = main(
         ["fit", "--model=rlkl_lightning.PPOModule", f"--model.init_args={yaml.safe_dump(args)}"]
         + ["--data=rlkl_lightning.data.PromptDataModule", f"--data.prompts={prompts}"]
@@ -150,39 +153,42 @@ def test_cli_beta_zero_with_the_fixed_law_trains_without_a_kl_penalty(tiny_lm_di
 
 def test_unknown_estimator_names_the_allowed_ones(tiny_lm_dir):
     with pytest.raises(
-        ValueError, match=r"`kl_estimator` must be one of \('k1', 'k2', 'k3', 'exact'\), got 'k4'"
+        ValueError, match=r"`kl\.estimator` must be one of \('k1', 'k2', 'k3', 'exact'\), got 'k4'"
     ):
-        PPOModule(**ppo_args(tiny_lm_dir, kl_estimator="k4"))
+        PPOModule(**ppo_args(tiny_lm_dir, kl={"estimator": "k4"}))
 
 
 @pytest.mark.parametrize(
     ("option", "bad", "allowed"),
     [
-        ("ppo_epochs", 0, "an integer >= 1"),
-        ("num_minibatches", 1.5, "an integer >= 1"),
-        ("lr", math.nan, "a finite number > 0"),
-        ("temperature", 0.0, "a finite number > 0"),
-        ("top_p", 0.0, r"in \(0, 1\]"),
-        ("gamma", 1.5, r"in \[0, 1\]"),
-        ("cliprange", -0.2, "a finite number > 0"),
-        ("max_grad_norm", 0.0, "None or a number > 0"),
-        ("lr_schedule", "cosine", r"one of \('constant', 'linear'\)"),
-        ("max_skipped_in_a_row", 0, "None or an integer >= 1"),
-        ("kl_placement", "both", r"one of \('reward', 'loss'\)"),
-        ("kl_loss_estimator", "exact", r"one of \('k1', 'k2', 'k3'\)"),
-        ("kl_loss_weight_clip", 0.5, "None or a finite number >= 1"),
-        ("kl_token_threshold", 0.0, "None or a number > 0"),
-        ("kl_trust_region", math.inf, "None or a number > 0"),
+        ("optimization.ppo_epochs", 0, "an integer >= 1"),
+        ("optimization.num_minibatches", 1.5, "an integer >= 1"),
+        ("optimization.lr", math.nan, "a finite number > 0"),
+        ("sampling.temperature", 0.0, "a finite number > 0"),
+        ("sampling.top_p", 0.0, r"in \(0, 1\]"),
+        ("ppo.gamma", 1.5, r"in \[0, 1\]"),
+        ("objective.cliprange", -0.2, "a finite number > 0"),
+        ("optimization.max_grad_norm", 0.0, "None or a number > 0"),
+        ("optimization.lr_schedule", "cosine", r"one of \('constant', 'linear'\)"),
+        ("safeguards.max_skipped_in_a_row", 0, "None or an integer >= 1"),
+        ("kl.placement", "both", r"one of \('reward', 'loss'\)"),
+        ("kl.loss_estimator", "exact", r"one of \('k1', 'k2', 'k3'\)"),
+        ("kl.loss_weight_clip", 0.5, "None or a finite number >= 1"),
+        ("logging.kl_token_threshold", 0.0, "None or a number > 0"),
+        ("kl.trust_region", math.inf, "None or a number > 0"),
     ],
 )
 def test_ppo_options_name_the_option_and_allowed_values(tiny_lm_dir, option, bad, allowed):
-    with pytest.raises(ValueError, match=rf"`{option}` must be {allowed}, got"):
-        PPOModule(**ppo_args(tiny_lm_dir, **{option: bad}))
+    group, field = option.split(".")
+    with pytest.raises(ValueError, match=rf"`{re.escape(option)}` must be {allowed}, got"):
+        PPOModule(**ppo_args(tiny_lm_dir, **{group: {field: bad}}))
 
 
 def test_truncated_sampling_warns_that_the_kl_is_biased(tiny_lm_dir):
-    with pytest.warns(RuntimeWarning, match="`top_k`/`top_p` truncate the sampling"):
-        PPOModule(**ppo_args(tiny_lm_dir, top_k=5))
+    with pytest.warns(
+        RuntimeWarning, match=r"`sampling\.top_k`/`sampling\.top_p` truncate the sampling"
+    ):
+        PPOModule(**ppo_args(tiny_lm_dir, sampling={"top_k": 5}))
 
 
 class LogsKL(LightningModule):
@@ -238,8 +244,8 @@ def test_missing_model_path_names_the_option(tiny_lm_dir, tmp_path):
         PPOModule(**ppo_args(missing))
     with pytest.raises(ValueError, match=r"`reference`: model path .* does not exist; allowed:"):
         PPOModule(**ppo_args(tiny_lm_dir, reference=missing))
-    with pytest.raises(ValueError, match=r"`value_model`: model path .* does not exist"):
-        PPOModule(**ppo_args(tiny_lm_dir, value_model=missing))
+    with pytest.raises(ValueError, match=r"`ppo\.value_model`: model path .* does not exist"):
+        PPOModule(**ppo_args(tiny_lm_dir, ppo={"value_model": missing}))
     with pytest.raises(ValueError, match=r"`tokenizer`: .*no_such_model' does not exist"):
         PPOModule(**ppo_args(tiny_lm_dir, tokenizer=missing))
 
@@ -283,17 +289,17 @@ def test_max_new_tokens_that_do_not_fit_the_context(tiny_lm_dir):
         match=r"`max_prompt_tokens` \(60\) \+ `max_new_tokens` \(8\) = 68 tokens do not fit the "
         r"policy's context of 64 positions; lower them so that their sum is <= 64",
     ):
-        PPOModule(**ppo_args(tiny_lm_dir, max_prompt_tokens=60, max_new_tokens=8))
+        PPOModule(**ppo_args(tiny_lm_dir, sampling={"max_prompt_tokens": 60, "max_new_tokens": 8}))
 
 
 def test_prompts_longer_than_max_prompt_tokens_are_cut_on_the_left_and_warn(tiny_lm_dir):
     seed_everything(0)
-    module = PPOModule(**ppo_args(tiny_lm_dir, max_prompt_tokens=3))
+    module = PPOModule(**ppo_args(tiny_lm_dir, sampling={"max_prompt_tokens": 3}))
     long_prompts = ["the film was very good and the plot was nice", "a story"]
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         fit(module, 2, prompts=long_prompts)
-    cut = [w for w in record if "longer than `max_prompt_tokens`=3" in str(w.message)]
+    cut = [w for w in record if "longer than `sampling.max_prompt_tokens`=3" in str(w.message)]
     assert len(cut) == 1 and cut[0].category is RuntimeWarning  # warned once
     assert module.batches_seen == 2 and module.skipped_batches == 0
     ids, mask = module._encode_prompts(long_prompts)
@@ -437,14 +443,16 @@ def test_non_finite_batch_is_skipped_with_weights_and_beta_kept(tiny_lm_dir, fau
 
 def test_a_run_whose_batches_are_all_skipped_stops_with_an_error(tiny_lm_dir):
     always_nan = FunctionReward(lambda prompts, responses: [math.nan] * len(prompts), True)
-    module = PPOModule(**ppo_args(tiny_lm_dir, reward=always_nan, max_skipped_in_a_row=3))
+    module = PPOModule(
+        **ppo_args(tiny_lm_dir, reward=always_nan, safeguards={"max_skipped_in_a_row": 3})
+    )
     before = {k: v.clone() for k, v in module.policy.state_dict().items()}
     with (
         pytest.warns(RuntimeWarning, match="skipping batch 1"),
         pytest.raises(
             RuntimeError,
             match=r"3 batches in a row were skipped, the last because the reward model failed"
-            r".*`max_skipped_in_a_row`=3",
+            r".*`safeguards\.max_skipped_in_a_row`=3",
         ),
     ):
         fit(module, 10)
@@ -460,7 +468,9 @@ def test_skips_that_alternate_with_trained_batches_never_stop_the_run(tiny_lm_di
         return [math.nan if len(calls) % 2 else 0.5] * len(prompts)
 
     reward = FunctionReward(every_other, batched=True)
-    module = PPOModule(**ppo_args(tiny_lm_dir, reward=reward, max_skipped_in_a_row=2))
+    module = PPOModule(
+        **ppo_args(tiny_lm_dir, reward=reward, safeguards={"max_skipped_in_a_row": 2})
+    )
     with pytest.warns(RuntimeWarning, match="skipping batch"):
         fit(module, 6)
     assert (module.batches_seen, module.skipped_batches, module.skipped_in_a_row) == (3, 3, 0)

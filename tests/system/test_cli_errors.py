@@ -16,9 +16,9 @@ SHIPPED = "configs/ppo_adaptive.yaml"
 
 
 def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
-    option = "--model.init_args.init_kl_coef=nan"  # was 55 lines of usage and a validator note
+    option = "--model.init_args.kl.init_coef=nan"  # was 55 lines of usage and a validator note
     message = (
-        "`model.init_args.init_kl_coef` must be a finite number (NaN and inf are refused), got nan"
+        "`model.init_args.kl.init_coef` must be a finite number (NaN and inf are refused), got nan"
     )
     status, output = train_py(
         ["fit", "--config", SHIPPED, option, f"--trainer.logger.init_args.save_dir={tmp_path}"]
@@ -37,8 +37,9 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
         (["--kl.target=-inf"], "`kl.target` must be a finite number (NaN and inf are refused)"),
         (["--kl.horizon=inf"], "`kl.horizon` must be a finite number (NaN and inf are refused)"),
         (
-            ["--model.init_args.lr=nan"],
-            "`model.init_args.lr` must be a finite number (NaN and inf are refused), got nan",
+            ["--model.init_args.optimization.lr=nan"],
+            "`model.init_args.optimization.lr` must be a finite number (NaN and inf are refused), "
+            "got nan",
         ),
         (
             ["--data.init_args.batch_size=inf"],
@@ -52,8 +53,18 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
         (["--kl.controller=pid"], "`kl.controller` must be one of ('fixed', 'adaptive',"),
         (["--kl.unit=nats"], "`kl.unit` must be one of ('sequence', 'token'), got 'nats'"),
         (["--kl.target=0"], "`kl.target` must be a finite number > 0, got 0.0"),
-        (["--model.init_args.max_new_tokens=0"], "PPOModule: `max_new_tokens` must be"),
-        (["--model.init_args.kl_estimator=k4"], "PPOModule: `kl_estimator` must be one of"),
+        (
+            ["--model.init_args.sampling.max_new_tokens=0"],
+            "`model.init_args.sampling.max_new_tokens` must be an integer >= 1, got 0",
+        ),
+        (
+            ["--model.init_args.kl.estimator=k4"],
+            "`model.init_args.kl.estimator` must be one of ('k1', 'k2', 'k3', 'exact'), got 'k4'",
+        ),
+        (  # a flat option of 0.1.0 names its place in the groups
+            ["--model.init_args.init_kl_coef=0.3"],
+            "`model.init_args.init_kl_coef` is now `model.init_args.kl.init_coef`",
+        ),
         (["--data.init_args.batch_size=0"], "PromptDataModule: `batch_size` must be >= 1 or None"),
         (["--model.init_args.policy=/no/such/model"], "`policy`: model path '/no/such/model'"),
         (["--model.init_args.polcy=x"], "`model` (rlkl_lightning.PPOModule): Option 'polcy'"),

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from rlkl_lightning import RLOOModule
 from rlkl_lightning.cli import main
 from rlkl_lightning.defaults import defaults_of
 from rlkl_lightning.kl.controllers import KL_LAWS
@@ -57,14 +58,25 @@ def _defaults(target) -> dict[str, Any]:
     return {name: d for name, d in found.items() if d is not inspect.Parameter.empty}
 
 
+def _fields(group: Any) -> dict[str, Any]:
+    """The fields of an option group (a dataclass instance) with their values."""
+    return {f.name: getattr(group, f.name) for f in dataclasses.fields(group)}
+
+
 def _restated(args: dict, defaults: dict[str, Any], where: str) -> list[str]:
-    """``where + name: value`` for every argument equal to its default (into nested classes)."""
+    """``where + name: value`` for every argument equal to its default (into nested classes
+    and into the modules' option groups, whose defaults are the default group's fields)."""
     found = []
     for name, value in args.items():
+        default = defaults.get(name)
+        group = dataclasses.is_dataclass(default) and not isinstance(default, type)
         if isinstance(value, dict) and "class_path" in value:
             module, _, cls = value["class_path"].rpartition(".")
             target = getattr(importlib.import_module(module), cls)
-            found += _restated(value.get("init_args") or {}, _defaults(target), f"{where}{name}.")
+            inner = _fields(default) if group and type(default) is target else _defaults(target)
+            found += _restated(value.get("init_args") or {}, inner, f"{where}{name}.")
+        elif isinstance(value, dict) and group:  # a group written as a block of its fields
+            found += _restated(value, _fields(default), f"{where}{name}.")
         elif name in defaults and value == defaults[name]:
             found.append(f"{where}{name}: {value!r}")
     return found
@@ -115,18 +127,19 @@ def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeyp
     prompts.write_text("\n".join(["the film was", "this book is", "the food", "a story"] * 4))
     cli = main(
         ["fit", "--config", str(ROOT / "configs" / name)]
-        + [f"--model.policy={tiny_lm_dir}", "--model.max_prompt_tokens=8"]
-        + ["--model.max_new_tokens=6", "--model.log_samples_every=1"]
+        + [f"--model.policy={tiny_lm_dir}", "--model.sampling.max_prompt_tokens=8"]
+        + ["--model.sampling.max_new_tokens=6", "--model.logging.log_samples_every=1"]
         + [f"--data.prompts={prompts}", f"--data.heldout={prompts}", "--data.batch_size=4"]
         + ["--trainer.max_steps=32", "--trainer.val_check_interval=2"]
         + [f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}"]
     )
     config = yaml.safe_load((ROOT / "configs" / name).read_text())
+    options = config["model"]["init_args"]
     module = cli.model
     assert module.batches_seen == 2  # max_steps = 2 batches x 16 optimizer steps
     controller, monitor = cli.trainer.callbacks[:2]
     # The callbacks count responses: 4 prompts per batch, times RLOO's responses per prompt.
-    per_prompt = getattr(module.hparams, "responses_per_prompt", 1)
+    per_prompt = module.group.responses_per_prompt if isinstance(module, RLOOModule) else 1
     assert controller.n_samples == monitor.n_samples == module.samples_seen == 2 * 4 * per_prompt
     assert monitor.target == config["kl"]["target"]  # given once, shared
     law = controller.controller
@@ -134,21 +147,21 @@ def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeyp
     for gain in ("k", "kp", "ki", "horizon"):  # the config's gains reach the law
         assert getattr(law, gain, None) == config["kl"].get(gain, getattr(law, gain, None))
     if config["kl"]["controller"] == "fixed":
-        assert module.kl_coef == module.hparams.init_kl_coef
+        assert module.kl_coef == module.kl.init_coef
     else:
         assert controller.controller.target == monitor.target
-        assert module.kl_coef != module.hparams.init_kl_coef
+        assert module.kl_coef != module.kl.init_coef
     tags = scalar_tags(tmp_path / "runs")
     for tag in ("objective/kl", "objective/kl_coef", "objective/score", "kl_monitor/target"):
         assert tag in tags
     assert {"val/perplexity", "val/perplexity_ref", "text:samples/text_summary"} <= tags
-    assert ("loss/kl" in tags) == (config["model"]["init_args"].get("kl_placement") == "loss")
-    grpo = config["model"]["init_args"].get("advantage") == "grpo"
+    assert ("loss/kl" in tags) == (options.get("kl", {}).get("placement") == "loss")
+    grpo = options.get("group", {}).get("advantage") == "grpo"
     assert ("objective/frac_reward_zero_std" in tags) == grpo
     refreshes = "reference/refreshes" in tags  # logged with a ReferenceRefresh callback
     assert refreshes == (name == "ppo_reference_reset.yaml")
-    diagnostics = "kl_tokens/max_kl" in tags  # logged with kl_token_threshold
-    assert diagnostics == ("kl_token_threshold" in config["model"]["init_args"])
+    diagnostics = "kl_tokens/max_kl" in tags  # logged with logging.kl_token_threshold
+    assert diagnostics == ("kl_token_threshold" in options.get("logging", {}))
 
 
 def test_sft_config_trains_and_exports_a_loadable_model(tiny_lm_dir, tmp_path, monkeypatch):
@@ -191,8 +204,9 @@ def test_lora_bf16_config_parses_and_its_peft_and_chat_settings_build(capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     model, data = printed["model"]["init_args"], printed["data"]["init_args"]
     assert model["policy"] == "Qwen/Qwen2.5-0.5B-Instruct"
-    assert model["gradient_checkpointing"] is True
-    lora = peft_config(model["peft"])  # the YAML's fields make a valid LoraConfig
+    models = model["models"].get("init_args", model["models"])  # the group's fields
+    assert models["gradient_checkpointing"] is True
+    lora = peft_config(models["peft"])  # the YAML's fields make a valid LoraConfig
     assert type(lora).__name__ == "LoraConfig" and lora.r == 16
     assert data["chat_template"] is True and data["system_prompt"]
     assert printed["trainer"]["precision"] == "bf16-mixed"
@@ -242,8 +256,8 @@ def test_a_reward_named_by_class_path_in_the_config_is_the_one_used(
     }
     cli = main(
         ["fit", "--config", str(ROOT / "configs" / "ppo_fixed.yaml")]
-        + [f"--model.policy={tiny_lm_dir}", "--model.max_prompt_tokens=8"]
-        + ["--model.max_new_tokens=4", f"--model.reward={yaml.safe_dump(reward)}"]
+        + [f"--model.policy={tiny_lm_dir}", "--model.sampling.max_prompt_tokens=8"]
+        + ["--model.sampling.max_new_tokens=4", f"--model.reward={yaml.safe_dump(reward)}"]
         + [f"--data.prompts={prompts}", "--data.heldout=null", "--data.batch_size=4"]
         + ["--trainer.max_steps=16", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     )

@@ -26,7 +26,7 @@ def lora_config(tmp_path, lm, prompts, name, poison, batch):
     cfg = yaml.safe_load(path.read_text())
     args = cfg["model"]["init_args"]
     del args["reference"]
-    args["peft"] = LORA
+    args["models"] = {"peft": LORA}
     path.write_text(yaml.safe_dump(cfg))
     return path
 

@@ -38,7 +38,7 @@ def fsdp_config(tmp_path, lms, prompts, name, poison, devices, accelerator, stra
     cfg = yaml.safe_load(path.read_text())
     cfg["trainer"].update(accelerator=accelerator, devices=devices)
     if peft is not None:  # the reference is the policy with its adapters off
-        cfg["model"]["init_args"]["peft"] = peft
+        cfg["model"]["init_args"]["models"] = {"peft": peft}
         del cfg["model"]["init_args"]["reference"]
     if strategy is not None:
         cfg["trainer"]["strategy"] = strategy

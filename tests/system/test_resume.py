@@ -43,21 +43,19 @@ def prompts_file(tmp_path):
 
 
 #: Responses per prompt of the RLOO runs (RLOO with the KL in the loss: the other code paths).
-RLOO = {"responses_per_prompt": 2, "kl_placement": "loss"}
+RLOO = {"group": {"responses_per_prompt": 2}, "kl": {"placement": "loss"}}
 
 
 def module(policy_dir, algorithm: str = "ppo") -> PPOModule | RLOOModule:
-    cls, extra = (RLOOModule, RLOO) if algorithm == "rloo" else (PPOModule, {})
+    rloo = algorithm == "rloo"
+    cls, group = (RLOOModule, RLOO["group"]) if rloo else (PPOModule, None)
     return cls(
-        **extra,
         policy=str(policy_dir),
-        init_kl_coef=0.2,
-        max_prompt_tokens=8,
-        max_new_tokens=6,
-        ppo_epochs=PPO_EPOCHS,
-        num_minibatches=MINIBATCHES,
-        lr=3e-3,
-        log_samples_every=0,
+        kl={"init_coef": 0.2, **(RLOO["kl"] if rloo else {})},
+        sampling={"max_prompt_tokens": 8, "max_new_tokens": 6},
+        optimization={"ppo_epochs": PPO_EPOCHS, "num_minibatches": MINIBATCHES, "lr": 3e-3},
+        logging={"log_samples_every": 0},
+        **({"group": group} if rloo else {}),
     )
 
 
@@ -143,7 +141,7 @@ def assert_same_tensors(a: dict, b: dict) -> None:
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_run(
     tiny_lm_dir, prompts_file, tmp_path, algorithm
 ):
-    samples = BATCH * (RLOO["responses_per_prompt"] if algorithm == "rloo" else 1)
+    samples = BATCH * (RLOO["group"]["responses_per_prompt"] if algorithm == "rloo" else 1)
     _, full, full_ctl, full_mon, full_rec = run(
         tiny_lm_dir, prompts_file, tmp_path / "full", algorithm=algorithm
     )
@@ -275,13 +273,14 @@ def cli_config(tmp_path, policy_dir, prompts_file, name: str) -> str:
             "class_path": "rlkl_lightning.PPOModule",
             "init_args": {
                 "policy": str(policy_dir),
-                "init_kl_coef": 0.2,
-                "max_prompt_tokens": 8,
-                "max_new_tokens": 6,
-                "ppo_epochs": PPO_EPOCHS,
-                "num_minibatches": MINIBATCHES,
-                "lr": 3e-3,
-                "log_samples_every": 0,
+                "kl": {"init_coef": 0.2},
+                "sampling": {"max_prompt_tokens": 8, "max_new_tokens": 6},
+                "optimization": {
+                    "ppo_epochs": PPO_EPOCHS,
+                    "num_minibatches": MINIBATCHES,
+                    "lr": 3e-3,
+                },
+                "logging": {"log_samples_every": 0},
             },
         },
         "data": {

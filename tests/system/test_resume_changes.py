@@ -46,8 +46,8 @@ def resume(config, *args) -> list[str]:
         (["--kl.controller=fixed"], ["kl.controller: 'adaptive' -> 'fixed'"]),
         (["--data.init_args.batch_size=2"], ["data.init_args.batch_size: 4 -> 2"]),
         (
-            ["--kl.target=2", "--model.init_args.max_new_tokens=3"],
-            ["kl.target: 1.0 -> 2.0", "model.init_args.max_new_tokens: 4 -> 3"],
+            ["--kl.target=2", "--model.init_args.sampling.max_new_tokens=3"],
+            ["kl.target: 1.0 -> 2.0", "model.init_args.sampling.max_new_tokens: 4 -> 3"],
         ),
     ],
 )

@@ -52,16 +52,18 @@ def _datasets_cache(tmp_path, monkeypatch):
 
 
 def ppo_args(policy, **overrides) -> dict:
+    """The module's arguments; a group's override (a dict) is merged into its fields."""
     args = dict(
         policy=str(policy),
-        init_kl_coef=0.2,
-        max_prompt_tokens=8,
-        max_new_tokens=4,
-        ppo_epochs=1,
-        num_minibatches=1,
-        log_samples_every=0,
+        kl={"init_coef": 0.2},
+        sampling={"max_prompt_tokens": 8, "max_new_tokens": 4},
+        optimization={"ppo_epochs": 1, "num_minibatches": 1},
+        logging={"log_samples_every": 0},
     )
-    return {**args, **overrides}
+    for key, value in overrides.items():
+        merge = isinstance(value, dict) and isinstance(args.get(key), dict)
+        args[key] = {**args[key], **value} if merge else value
+    return args
 
 
 def reward(prompt: str, response: str) -> float:
@@ -165,14 +167,16 @@ def test_cli_takes_no_settings_from_a_checkpoint(tiny_lm_dir, good_checkpoint, t
     checkpoint = torch.load(good_checkpoint, weights_only=True)
     checkpoint["hyper_parameters"] = {
         "_class_path": "rlkl_lightning.PPOModule",
-        **ppo_args(tiny_lm_dir, max_new_tokens=3, trust_remote_code=True),
+        **ppo_args(tiny_lm_dir, sampling={"max_new_tokens": 3}, models={"trust_remote_code": True}),
     }
     forged = tmp_path / "forged.ckpt"
     torch.save(checkpoint, forged)
     config = tiny_cli_config(tiny_lm_dir, tmp_path)
     run = cli.main(["fit", "--config", str(config), "--ckpt_path", str(forged)])
-    assert run.model.hparams.max_new_tokens == 4  # the config's
-    assert run.model.hparams.trust_remote_code is False
+    assert run.model.sampling.max_new_tokens == 4  # the config's
+    assert run.model.models.trust_remote_code is False
+    assert run.model.hparams["sampling"]["max_new_tokens"] == 4  # and so is the record
+    assert run.model.hparams["models"]["trust_remote_code"] is False
     assert run.model.batches_seen == 2  # resumed after the checkpoint's batch
 
 
@@ -220,14 +224,18 @@ def test_checkpoints_of_modules_given_paths_and_numpy_numbers_load_weights_only(
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     module = PPOModule(
-        **ppo_args(Path(tiny_lm_dir), reward=FunctionReward(reward), lr=np.float64(1e-3))
+        **ppo_args(
+            Path(tiny_lm_dir),
+            reward=FunctionReward(reward),
+            optimization={"lr": np.float64(1e-3)},
+        )
     )
     data = PromptDataModule(prompts=prompts, heldout=None, batch_size=BATCH)
     assert data.hparams.prompts == str(prompts)  # plain already: any module's checkpoint loads
     trainer(tmp_path / "ppo").fit(module, data)
     checkpoint = torch.load(tmp_path / "ppo" / "last.ckpt", weights_only=True)
     assert checkpoint["hyper_parameters"]["policy"] == str(tiny_lm_dir)
-    assert type(checkpoint["hyper_parameters"]["lr"]) is float
+    assert type(checkpoint["hyper_parameters"]["optimization"]["lr"]) is float
     assert checkpoint["datamodule_hyper_parameters"]["prompts"] == str(prompts)
 
     sft = SFTModule(
@@ -291,13 +299,19 @@ def test_trust_remote_code_is_passed_only_when_set(tiny_lm_dir, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(spy))
     path = str(tiny_lm_dir)
-    PPOModule(**ppo_args(path, reference=path, value_model=path))
+    PPOModule(**ppo_args(path, reference=path, ppo={"value_model": path}))
     assert seen == [(False, True)] * 3  # policy, reference, value model
     seen.clear()
-    PPOModule(**ppo_args(path, reference=path, value_model=path, trust_remote_code=True))
+    PPOModule(
+        **ppo_args(
+            path, reference=path, ppo={"value_model": path}, models={"trust_remote_code": True}
+        )
+    )
     assert seen == [(True, True)] * 3
-    with pytest.raises(ValueError, match=r"`trust_remote_code` must be True or False, got 'no'"):
-        PPOModule(**ppo_args(path, trust_remote_code="no"))
+    with pytest.raises(
+        ValueError, match=r"`models\.trust_remote_code` must be True or False, got 'no'"
+    ):
+        PPOModule(**ppo_args(path, models={"trust_remote_code": "no"}))
 
 
 def test_weights_come_from_safetensors_and_a_pickled_bin_runs_no_code(tiny_lm_dir, tmp_path):

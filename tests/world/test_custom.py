@@ -183,7 +183,7 @@ def test_world_holds_splits_prompts_tokenizer_model_and_study_settings(world, so
     study = yaml.safe_load((world.root / "study.yaml").read_text())
     assert study["model"]["init_args"]["policy"] == "./model"
     assert study["data"]["init_args"] == {"prompts": "./prompts.jsonl", "heldout": "./test.jsonl"}
-    assert 3 <= study["model"]["init_args"]["max_prompt_tokens"] <= 32
+    assert 3 <= study["model"]["init_args"]["sampling"]["max_prompt_tokens"] <= 32
 
 
 def test_second_build_is_a_cache_hit(world, sources, cache, monkeypatch):
@@ -342,8 +342,9 @@ def test_a_study_run_on_the_world_trains(world, tmp_path, monkeypatch):
     runs = {"adaptive": str(ROOT / "configs" / "ppo_adaptive.yaml")}
     (run,) = plan_runs(StudyConfig(runs=runs, seeds=1, batches=1, world=str(world.root)), tmp_path)
     cli = main(
-        ["fit", "--config", str(run.config), "--model.max_new_tokens=4", "--model.ppo_epochs=1"]
-        + ["--model.num_minibatches=1", "--data.batch_size=4", "--data.num_heldout=4"]
+        ["fit", "--config", str(run.config), "--model.sampling.max_new_tokens=4"]
+        + ["--model.optimization.ppo_epochs=1", "--model.optimization.num_minibatches=1"]
+        + ["--data.batch_size=4", "--data.num_heldout=4"]
         + ["--trainer.max_steps=1", "--trainer.val_check_interval=1"]
     )
     assert cli.model.batches_seen == 1
