@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-__all__ = [
+__all__ = [  # noqa: F822 (KL_LAWS comes from __getattr__)
     "KL_LAWS",
     "AdaptiveKLController",
     "ExponentialKLController",
@@ -45,7 +45,15 @@ __all__ = [
     "PIKLController",
 ]
 
-KL_LAWS = ("fixed", "adaptive", "exponential", "pi", "logpid")
+
+def __getattr__(name: str) -> Any:
+    # KL_LAWS: the names of the registered laws (rlkl_lightning.kl.laws, which builds each
+    # law's controller from the `kl` group). Imported on first use: the laws import this file.
+    if name == "KL_LAWS":
+        from rlkl_lightning.kl.laws import law_names
+
+        return law_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @runtime_checkable
