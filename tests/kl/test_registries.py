@@ -253,3 +253,18 @@ def test_the_docs_list_the_registered_laws():
     assert tuple(re.findall(r"`([a-z]+)`", sentence)) == KL_LAWS
     extending = (ROOT / "docs" / "extending.md").read_text()
     assert all(f"`{name}`" in extending for name in KL_LAWS)
+
+
+def test_the_ddp_means_read_a_plugged_estimators_kl_by_its_option():
+    from types import SimpleNamespace
+
+    from rlkl_lightning.algorithms.metrics import _global_sample_means
+
+    traj = SimpleNamespace(scores=torch.tensor([1.0, 0.0]), response_mask=torch.ones(2, 3))
+    diagnostics = {f"kl_{name}": torch.tensor([0.5, 1.5]) for name in KL_ESTIMATORS}
+    diagnostics["kl_user_kl.k4"] = torch.tensor([2.0, 4.0])
+    means = _global_sample_means(traj, diagnostics, "user_kl.k4", 0.1, lambda x: x)
+    assert float(means["objective/kl"]) == 3.0
+    assert "objective/kl_user_kl.k4" not in means  # read, not logged apart
+    registered = _global_sample_means(traj, diagnostics, "k2", 0.1, lambda x: x)
+    assert float(registered["objective/kl"]) == float(registered["objective/kl_k2"]) == 1.0
