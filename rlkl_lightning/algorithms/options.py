@@ -23,8 +23,8 @@ from rlkl_lightning.algorithms.advantage_estimators import advantage_names
 from rlkl_lightning.algorithms.advantages import GROUP_SCALES
 from rlkl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS
 from rlkl_lightning.algorithms.losses import IMPORTANCE_RATIOS
-from rlkl_lightning.kl.estimators import KL_ESTIMATORS
-from rlkl_lightning.kl.loss import KL_LOSS_ESTIMATORS, KL_PLACEMENTS
+from rlkl_lightning.kl.estimators import kl_estimator
+from rlkl_lightning.kl.loss import KL_PLACEMENTS
 from rlkl_lightning.perf.onednn import check_cpu_matmul
 
 LR_SCHEDULES = ("constant", "linear")
@@ -184,7 +184,8 @@ class KLPenalty(_Group):
             module's ``kl_coef`` at fit start with its controller's value).
         estimator: the measured per-token KL: ``objective/kl`` (the controller's input) and,
             with ``placement="reward"``, the penalty in the reward: ``k1``, ``k2``, ``k3`` or
-            ``exact`` (docs/kl.md, "Units and estimators").
+            ``exact`` (docs/kl.md, "Units and estimators"), or the dotted path of your own
+            estimator (docs/extending.md).
         placement: where ``kl_coef x KL`` enters the update: ``reward`` (subtracted from the
             reward, reaching the policy through the policy-gradient term) or ``loss`` (added
             to the loss as ``kl_coef x kl_loss``; the reward has no KL term); see
@@ -203,9 +204,7 @@ class KLPenalty(_Group):
     group: ClassVar[str] = "kl"
     RULES: ClassVar = (
         ("init_coef", _finite_above(0, strict=False), "a finite number >= 0"),
-        ("estimator", _one_of(KL_ESTIMATORS), f"one of {KL_ESTIMATORS}"),
         ("placement", _one_of(KL_PLACEMENTS), f"one of {KL_PLACEMENTS}"),
-        ("loss_estimator", _one_of(KL_LOSS_ESTIMATORS), f"one of {KL_LOSS_ESTIMATORS}"),
         (
             "loss_weight_clip",
             lambda x: x is None or _finite_above(1, strict=False)(x),
@@ -220,6 +219,12 @@ class KLPenalty(_Group):
     loss_estimator: str = "k2"
     loss_weight_clip: float | None = 2.0
     trust_region: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Registered names or the dotted path of a user's own estimator (docs/extending.md).
+        kl_estimator(self.estimator, "kl.estimator", role="reward")
+        kl_estimator(self.loss_estimator, "kl.loss_estimator", role="loss")
 
 
 @dataclass(frozen=True)

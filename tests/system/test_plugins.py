@@ -122,7 +122,6 @@ def test_a_plugged_law_sets_beta(plugins, tiny_lm_dir):
     assert betas[1] / betas[0] in (pytest.approx(0.5), pytest.approx(2.0))
 
 
-@pytest.mark.xfail(strict=False, reason="needs the nested kl options")
 def test_a_plugged_estimator_is_the_measured_kl(plugins, tiny_lm_dir):
     logged, _ = _train(
         plugins, tiny_lm_dir, "k4", "--model.init_args.kl.estimator", "myplugins.k4_estimator"
