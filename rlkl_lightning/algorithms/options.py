@@ -54,21 +54,20 @@ def _one_of(allowed: tuple[str, ...]):
     return lambda x: x in allowed
 
 
-class _Group:
-    """Validation shared by the groups: ``RULES`` of ``(field, predicate, allowed)``."""
+def check_rules(options: Any) -> None:
+    """Apply a group's ``RULES``, ``(field, predicate, allowed)``, naming ``group.field``.
 
-    group: ClassVar[str]
-    RULES: ClassVar[tuple[tuple[str, Any, str], ...]] = ()
-
-    def __post_init__(self) -> None:
-        for name, ok, allowed in self.RULES:
-            value = getattr(self, name)
-            if not ok(value):
-                raise ValueError(f"`{self.group}.{name}` must be {allowed}, got {value!r}")
+    (A function, not a base class: the parser takes a dataclass with a base for a class that
+    a config may swap, and writes ``class_path`` blocks for it.)
+    """
+    for name, ok, allowed in options.RULES:
+        value = getattr(options, name)
+        if not ok(value):
+            raise ValueError(f"`{options.group}.{name}` must be {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
-class Sampling(_Group):
+class Sampling:
     """How responses are sampled (the rollout).
 
     Args:
@@ -104,9 +103,12 @@ class Sampling(_Group):
         """Whether ``top_k``/``top_p`` cut the sampling distribution (biased KL estimates)."""
         return bool(self.top_k) or self.top_p < 1
 
+    def __post_init__(self) -> None:
+        check_rules(self)
+
 
 @dataclass(frozen=True)
-class Optimization(_Group):
+class Optimization:
     """The update loop and the optimizer (AdamW).
 
     Args:
@@ -141,9 +143,12 @@ class Optimization(_Group):
     warmup_batches: int = 0
     max_grad_norm: float | None = 1.0
 
+    def __post_init__(self) -> None:
+        check_rules(self)
+
 
 @dataclass(frozen=True)
-class Objective(_Group):
+class Objective:
     """The policy objective every algorithm uses (:mod:`rlkl_lightning.algorithms.objective`).
 
     Args:
@@ -174,9 +179,12 @@ class Objective(_Group):
     aggregation: str = "token_mean"
     ent_coef: float = 0.0
 
+    def __post_init__(self) -> None:
+        check_rules(self)
+
 
 @dataclass(frozen=True)
-class KLPenalty(_Group):
+class KLPenalty:
     """Where and how the KL to the reference enters the update (docs/kl.md).
 
     Args:
@@ -221,14 +229,14 @@ class KLPenalty(_Group):
     trust_region: float | None = None
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        check_rules(self)
         # Registered names or the dotted path of a user's own estimator (docs/extending.md).
         kl_estimator(self.estimator, "kl.estimator", role="reward")
         kl_estimator(self.loss_estimator, "kl.loss_estimator", role="loss")
 
 
 @dataclass(frozen=True)
-class Models(_Group):
+class Models:
     """How the policy, reference and value models are loaded and run.
 
     Args:
@@ -259,12 +267,12 @@ class Models(_Group):
     cpu_matmul: str = "auto"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        check_rules(self)
         check_cpu_matmul(self.cpu_matmul, "models.cpu_matmul")
 
 
 @dataclass(frozen=True)
-class Safeguards(_Group):
+class Safeguards:
     """What protects a run from a bad reward model or a run of bad batches.
 
     Args:
@@ -287,9 +295,12 @@ class Safeguards(_Group):
     score_clip: float | None = None
     max_skipped_in_a_row: int | None = 20
 
+    def __post_init__(self) -> None:
+        check_rules(self)
+
 
 @dataclass(frozen=True)
-class Logging(_Group):
+class Logging:
     """What is logged beside the metrics every run logs (docs/metrics.md).
 
     Args:
@@ -313,9 +324,12 @@ class Logging(_Group):
     num_logged_samples: int = 4
     kl_token_threshold: float | None = None
 
+    def __post_init__(self) -> None:
+        check_rules(self)
+
 
 @dataclass(frozen=True)
-class PPOOptions(_Group):
+class PPOOptions:
     """PPO's own options: the value function and GAE.
 
     Args:
@@ -351,7 +365,7 @@ class PPOOptions(_Group):
     value_model_thread: bool | None = None
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        check_rules(self)
         if self.value_model_thread and self.value_model is None:
             raise ValueError(
                 "`ppo.value_model_thread` must be False or None without a separate "
@@ -360,7 +374,7 @@ class PPOOptions(_Group):
 
 
 @dataclass(frozen=True)
-class GroupOptions(_Group):
+class GroupOptions:
     """RLOO's and GRPO's own options: the responses per prompt and the group advantages.
 
     Args:
@@ -399,7 +413,7 @@ class GroupOptions(_Group):
     drop_zero_std_groups: bool = False
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        check_rules(self)
         if self.advantage == "rloo" and self.scale_rewards != "group":
             raise ValueError(
                 "`group.scale_rewards` must be 'group' with advantage='rloo' (the leave-one-out "
@@ -430,7 +444,7 @@ def as_group(cls: type, value: Any, name: str) -> Any:
 
 
 #: The pipeline's groups: the constructor argument -> its class.
-PIPELINE_GROUPS: dict[str, type[_Group]] = {
+PIPELINE_GROUPS: dict[str, type] = {
     "sampling": Sampling,
     "optimization": Optimization,
     "objective": Objective,
@@ -441,14 +455,14 @@ PIPELINE_GROUPS: dict[str, type[_Group]] = {
 }
 
 #: Every group of the modules: the pipeline's and the algorithms' own.
-MODULE_GROUPS: dict[str, type[_Group]] = {
+MODULE_GROUPS: dict[str, type] = {
     **PIPELINE_GROUPS,
     "ppo": PPOOptions,
     "group": GroupOptions,
 }
 
 #: The flat options of the modules before the groups (0.1.0) whose name changed in their group.
-_RENAMED = {
+RENAMED = {
     "init_kl_coef": "kl.init_coef",
     "kl_estimator": "kl.estimator",
     "kl_placement": "kl.placement",
@@ -460,12 +474,8 @@ _RENAMED = {
 
 
 def _flat_keys() -> dict[str, str]:
-    moved = {
-        f.name: f"{name}.{f.name}"
-        for name, cls in MODULE_GROUPS.items()
-        for f in fields(cls)
-    }
-    moved.update(_RENAMED)
+    moved = {f.name: f"{name}.{f.name}" for name, cls in MODULE_GROUPS.items() for f in fields(cls)}
+    moved.update(RENAMED)
     return moved
 
 
