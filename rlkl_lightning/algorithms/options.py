@@ -82,7 +82,7 @@ class Sampling:
     """
 
     group: ClassVar[str] = "sampling"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("max_prompt_tokens", _int_at_least(1), "an integer >= 1"),
         ("max_new_tokens", _int_at_least(1), "an integer >= 1"),
         ("temperature", _finite_above(0), "a finite number > 0"),
@@ -123,7 +123,7 @@ class Optimization:
     """
 
     group: ClassVar[str] = "optimization"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("ppo_epochs", _int_at_least(1), "an integer >= 1"),
         ("num_minibatches", _int_at_least(1), "an integer >= 1"),
         ("grad_accum_steps", _int_at_least(1), "an integer >= 1"),
@@ -165,7 +165,7 @@ class Objective:
     """
 
     group: ClassVar[str] = "objective"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("cliprange", _finite_above(0), "a finite number > 0"),
         ("cliprange_high", _none_or_positive, "None or a finite number > 0"),
         ("importance_ratio", _one_of(IMPORTANCE_RATIOS), f"one of {IMPORTANCE_RATIOS}"),
@@ -210,7 +210,7 @@ class KLPenalty:
     """
 
     group: ClassVar[str] = "kl"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("init_coef", _finite_above(0, strict=False), "a finite number >= 0"),
         ("placement", _one_of(KL_PLACEMENTS), f"one of {KL_PLACEMENTS}"),
         (
@@ -256,7 +256,7 @@ class Models:
     """
 
     group: ClassVar[str] = "models"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("trust_remote_code", _boolean, "True or False"),
         ("gradient_checkpointing", _boolean, "True or False"),
     )
@@ -283,7 +283,7 @@ class Safeguards:
     """
 
     group: ClassVar[str] = "safeguards"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("score_clip", _none_or_positive, "None or a number > 0"),
         (
             "max_skipped_in_a_row",
@@ -314,7 +314,7 @@ class Logging:
     """
 
     group: ClassVar[str] = "logging"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("log_samples_every", _int_at_least(0), "an integer >= 0 (0 = never)"),
         ("num_logged_samples", _int_at_least(1), "an integer >= 1"),
         ("kl_token_threshold", _none_or_positive, "None or a number > 0"),
@@ -348,7 +348,7 @@ class PPOOptions:
     """
 
     group: ClassVar[str] = "ppo"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("cliprange_value", _finite_above(0), "a finite number > 0"),
         ("vf_coef", _finite_above(0, strict=False), "a finite number >= 0"),
         ("gamma", lambda x: _number(x) and 0 <= x <= 1, "in [0, 1]"),
@@ -394,7 +394,7 @@ class GroupOptions:
     """
 
     group: ClassVar[str] = "group"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("responses_per_prompt", _int_at_least(2), "an integer >= 2"),
         (
             "advantage",

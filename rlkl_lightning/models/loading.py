@@ -267,11 +267,11 @@ def policy_and_reference(
     if peft is not None:
         from rlkl_lightning.models.lora import AdaptersOff, attach_adapters
 
-        own_reference = AdaptersOff(attach_adapters(model, peft))
+        own_reference = AdaptersOff(attach_adapters(model, peft, "models.peft"))
     else:
         own_reference = None if reference else frozen_copy(model)
     if gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model, "models.gradient_checkpointing")
     if reference:
         frozen = freeze(load_causal_lm(reference, option="reference", **trust))
         prepare(frozen)
