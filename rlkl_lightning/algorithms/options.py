@@ -15,6 +15,7 @@ build the group again (``dataclasses.replace(module.sampling, top_p=0.9)``).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -23,6 +24,7 @@ from rlkl_lightning.algorithms.advantage_estimators import advantage_names
 from rlkl_lightning.algorithms.advantages import GROUP_SCALES
 from rlkl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS
 from rlkl_lightning.algorithms.losses import IMPORTANCE_RATIOS
+from rlkl_lightning.checkpoints import plain
 from rlkl_lightning.kl.estimators import kl_estimator
 from rlkl_lightning.kl.loss import KL_PLACEMENTS
 from rlkl_lightning.perf.onednn import check_cpu_matmul
@@ -64,6 +66,10 @@ def check_rules(options: Any) -> None:
         value = getattr(options, name)
         if not ok(value):
             raise ValueError(f"`{options.group}.{name}` must be {allowed}, got {value!r}")
+    for f in fields(options):  # a numpy number would reach the optimizer and the checkpoint
+        value = getattr(options, f.name)
+        if isinstance(value, numbers.Number) and type(value) not in (bool, int, float):
+            object.__setattr__(options, f.name, plain(value))
 
 
 @dataclass(frozen=True)
