@@ -2,6 +2,10 @@
 
 The KL-control core (estimators, controllers, callbacks) imports only torch and
 Lightning; ``PPOModule``, ``RLOOModule`` and the default world load transformers lazily.
+
+Importing the package registers the worlds' model names (``"default"``, ``"exact"``) with
+:mod:`rlkl_lightning.models.named` (:mod:`rlkl_lightning.world.names`, standard library only
+until a name is resolved), so ``policy: default`` resolves wherever the package is used.
 """
 
 from importlib import import_module
@@ -24,7 +28,7 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> Any:
@@ -32,3 +36,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'rlkl_lightning' has no attribute {name!r}")
+
+
+# Last: the world imports from the package. The models never import the world; it registers.
+from rlkl_lightning.world import names as _world_names  # noqa: E402, F401

@@ -38,7 +38,7 @@ def export_policy(
     """
     from rlkl_lightning.models.loading import load_causal_lm, resolve_model_path
     from rlkl_lightning.models.lora import attach_adapters, load_trainable
-    from rlkl_lightning.world.tokenizer import pretrained_tokenizer
+    from rlkl_lightning.models.tokenizer import pretrained_tokenizer
 
     model = load_causal_lm(hparams["policy"], option="policy")
     state = {k.removeprefix("policy."): v for k, v in state_dict.items() if k.startswith("policy.")}

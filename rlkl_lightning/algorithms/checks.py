@@ -28,7 +28,8 @@ def check_context(owner: str, policy: nn.Module, max_prompt_tokens: int, max_new
     context = context_of(policy)
     if context and max_prompt_tokens + max_new_tokens > context:
         raise ValueError(
-            f"{owner}: `max_prompt_tokens` ({max_prompt_tokens}) + `max_new_tokens` "
+            f"{owner}: `sampling.max_prompt_tokens` ({max_prompt_tokens}) + "
+            f"`sampling.max_new_tokens` "
             f"({max_new_tokens}) = {max_prompt_tokens + max_new_tokens} tokens do not fit "
             f"the policy's context of {context} positions; lower them so that their sum is "
             f"<= {context}"

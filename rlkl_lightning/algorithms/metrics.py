@@ -37,7 +37,8 @@ def batch_metrics(
         diagnostics: Per-sequence KL ``[B]`` of every estimator (``kl_k1`` ... ``kl_exact``),
             the summed token entropy ``entropy_sum`` and, with a gold reward, its ``[B]``
             scores ``gold``, from the scoring phase.
-        kl_estimator: The estimator of ``objective/kl``.
+        kl_estimator: The estimator of ``objective/kl``: a registered name, or the option
+            string of a plugged one (its ``kl_<option>`` diagnostic is read, not logged apart).
         kl_coef: The beta the batch's rewards or losses used.
         clock: ``perf_counter`` times at the start, after rollout, after shaping, at the end.
         global_sum: Sums a tensor over all ranks (identity on one process).
@@ -83,6 +84,9 @@ def _global_sample_means(
 ) -> dict[str, Tensor]:
     """The per-sample means of :func:`batch_metrics` over the samples of all ranks (one sum)."""
     per_sample = {keys.kl_of(name): diagnostics[f"kl_{name}"] for name in KL_ESTIMATORS}
+    plugged = keys.kl_of(kl_estimator) not in per_sample  # a user's estimator by dotted path
+    if plugged:
+        per_sample[keys.kl_of(kl_estimator)] = diagnostics[f"kl_{kl_estimator}"]
     per_sample[keys.SCORE] = traj.scores
     per_sample[keys.RESPONSE_TOKENS] = traj.response_mask.sum(1)
     if "gold" in diagnostics:
@@ -92,7 +96,9 @@ def _global_sample_means(
     n = torch.tensor(float(traj.response_mask.shape[0]), dtype=torch.float64, device=device)
     *sums, total = global_sum(torch.stack([*local, n])).unbind()
     means = {key: value / total for key, value in zip(per_sample, sums, strict=True)}
-    means[keys.KL] = means[keys.kl_of(kl_estimator)]
+    means[keys.KL] = (
+        means.pop(keys.kl_of(kl_estimator)) if plugged else means[keys.kl_of(kl_estimator)]
+    )
     means[keys.NON_SCORE_REWARD] = -kl_coef * means[keys.KL]
     return means
 

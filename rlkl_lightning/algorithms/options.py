@@ -15,6 +15,7 @@ build the group again (``dataclasses.replace(module.sampling, top_p=0.9)``).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -23,8 +24,9 @@ from rlkl_lightning.algorithms.advantage_estimators import advantage_names
 from rlkl_lightning.algorithms.advantages import GROUP_SCALES
 from rlkl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS
 from rlkl_lightning.algorithms.losses import IMPORTANCE_RATIOS
-from rlkl_lightning.kl.estimators import KL_ESTIMATORS
-from rlkl_lightning.kl.loss import KL_LOSS_ESTIMATORS, KL_PLACEMENTS
+from rlkl_lightning.checkpoints import plain
+from rlkl_lightning.kl.estimators import kl_estimator
+from rlkl_lightning.kl.loss import KL_PLACEMENTS
 from rlkl_lightning.perf.onednn import check_cpu_matmul
 
 LR_SCHEDULES = ("constant", "linear")
@@ -54,21 +56,24 @@ def _one_of(allowed: tuple[str, ...]):
     return lambda x: x in allowed
 
 
-class _Group:
-    """Validation shared by the groups: ``RULES`` of ``(field, predicate, allowed)``."""
+def check_rules(options: Any) -> None:
+    """Apply a group's ``RULES``, ``(field, predicate, allowed)``, naming ``group.field``.
 
-    group: ClassVar[str]
-    RULES: ClassVar[tuple[tuple[str, Any, str], ...]] = ()
-
-    def __post_init__(self) -> None:
-        for name, ok, allowed in self.RULES:
-            value = getattr(self, name)
-            if not ok(value):
-                raise ValueError(f"`{self.group}.{name}` must be {allowed}, got {value!r}")
+    (A function, not a base class: the parser takes a dataclass with a base for a class that
+    a config may swap, and writes ``class_path`` blocks for it.)
+    """
+    for name, ok, allowed in options.RULES:
+        value = getattr(options, name)
+        if not ok(value):
+            raise ValueError(f"`{options.group}.{name}` must be {allowed}, got {value!r}")
+    for f in fields(options):  # a numpy number would reach the optimizer and the checkpoint
+        value = getattr(options, f.name)
+        if isinstance(value, numbers.Number) and type(value) not in (bool, int, float):
+            object.__setattr__(options, f.name, plain(value))
 
 
 @dataclass(frozen=True)
-class Sampling(_Group):
+class Sampling:
     """How responses are sampled (the rollout).
 
     Args:
@@ -83,7 +88,7 @@ class Sampling(_Group):
     """
 
     group: ClassVar[str] = "sampling"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("max_prompt_tokens", _int_at_least(1), "an integer >= 1"),
         ("max_new_tokens", _int_at_least(1), "an integer >= 1"),
         ("temperature", _finite_above(0), "a finite number > 0"),
@@ -104,9 +109,12 @@ class Sampling(_Group):
         """Whether ``top_k``/``top_p`` cut the sampling distribution (biased KL estimates)."""
         return bool(self.top_k) or self.top_p < 1
 
+    def __post_init__(self) -> None:
+        check_rules(self)
+
 
 @dataclass(frozen=True)
-class Optimization(_Group):
+class Optimization:
     """The update loop and the optimizer (AdamW).
 
     Args:
@@ -121,7 +129,7 @@ class Optimization(_Group):
     """
 
     group: ClassVar[str] = "optimization"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("ppo_epochs", _int_at_least(1), "an integer >= 1"),
         ("num_minibatches", _int_at_least(1), "an integer >= 1"),
         ("grad_accum_steps", _int_at_least(1), "an integer >= 1"),
@@ -141,9 +149,12 @@ class Optimization(_Group):
     warmup_batches: int = 0
     max_grad_norm: float | None = 1.0
 
+    def __post_init__(self) -> None:
+        check_rules(self)
+
 
 @dataclass(frozen=True)
-class Objective(_Group):
+class Objective:
     """The policy objective every algorithm uses (:mod:`rlkl_lightning.algorithms.objective`).
 
     Args:
@@ -160,7 +171,7 @@ class Objective(_Group):
     """
 
     group: ClassVar[str] = "objective"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("cliprange", _finite_above(0), "a finite number > 0"),
         ("cliprange_high", _none_or_positive, "None or a finite number > 0"),
         ("importance_ratio", _one_of(IMPORTANCE_RATIOS), f"one of {IMPORTANCE_RATIOS}"),
@@ -174,9 +185,12 @@ class Objective(_Group):
     aggregation: str = "token_mean"
     ent_coef: float = 0.0
 
+    def __post_init__(self) -> None:
+        check_rules(self)
+
 
 @dataclass(frozen=True)
-class KLPenalty(_Group):
+class KLPenalty:
     """Where and how the KL to the reference enters the update (docs/kl.md).
 
     Args:
@@ -184,7 +198,8 @@ class KLPenalty(_Group):
             module's ``kl_coef`` at fit start with its controller's value).
         estimator: the measured per-token KL: ``objective/kl`` (the controller's input) and,
             with ``placement="reward"``, the penalty in the reward: ``k1``, ``k2``, ``k3`` or
-            ``exact`` (docs/kl.md, "Units and estimators").
+            ``exact`` (docs/kl.md, "Units and estimators"), or the dotted path of your own
+            estimator (docs/extending.md).
         placement: where ``kl_coef x KL`` enters the update: ``reward`` (subtracted from the
             reward, reaching the policy through the policy-gradient term) or ``loss`` (added
             to the loss as ``kl_coef x kl_loss``; the reward has no KL term); see
@@ -201,11 +216,9 @@ class KLPenalty(_Group):
     """
 
     group: ClassVar[str] = "kl"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("init_coef", _finite_above(0, strict=False), "a finite number >= 0"),
-        ("estimator", _one_of(KL_ESTIMATORS), f"one of {KL_ESTIMATORS}"),
         ("placement", _one_of(KL_PLACEMENTS), f"one of {KL_PLACEMENTS}"),
-        ("loss_estimator", _one_of(KL_LOSS_ESTIMATORS), f"one of {KL_LOSS_ESTIMATORS}"),
         (
             "loss_weight_clip",
             lambda x: x is None or _finite_above(1, strict=False)(x),
@@ -221,9 +234,15 @@ class KLPenalty(_Group):
     loss_weight_clip: float | None = 2.0
     trust_region: float | None = None
 
+    def __post_init__(self) -> None:
+        check_rules(self)
+        # Registered names or the dotted path of a user's own estimator (docs/extending.md).
+        kl_estimator(self.estimator, "kl.estimator", role="reward")
+        kl_estimator(self.loss_estimator, "kl.loss_estimator", role="loss")
+
 
 @dataclass(frozen=True)
-class Models(_Group):
+class Models:
     """How the policy, reference and value models are loaded and run.
 
     Args:
@@ -243,7 +262,7 @@ class Models(_Group):
     """
 
     group: ClassVar[str] = "models"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("trust_remote_code", _boolean, "True or False"),
         ("gradient_checkpointing", _boolean, "True or False"),
     )
@@ -254,12 +273,12 @@ class Models(_Group):
     cpu_matmul: str = "auto"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        check_rules(self)
         check_cpu_matmul(self.cpu_matmul, "models.cpu_matmul")
 
 
 @dataclass(frozen=True)
-class Safeguards(_Group):
+class Safeguards:
     """What protects a run from a bad reward model or a run of bad batches.
 
     Args:
@@ -270,7 +289,7 @@ class Safeguards(_Group):
     """
 
     group: ClassVar[str] = "safeguards"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("score_clip", _none_or_positive, "None or a number > 0"),
         (
             "max_skipped_in_a_row",
@@ -282,9 +301,12 @@ class Safeguards(_Group):
     score_clip: float | None = None
     max_skipped_in_a_row: int | None = 20
 
+    def __post_init__(self) -> None:
+        check_rules(self)
+
 
 @dataclass(frozen=True)
-class Logging(_Group):
+class Logging:
     """What is logged beside the metrics every run logs (docs/metrics.md).
 
     Args:
@@ -298,7 +320,7 @@ class Logging(_Group):
     """
 
     group: ClassVar[str] = "logging"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("log_samples_every", _int_at_least(0), "an integer >= 0 (0 = never)"),
         ("num_logged_samples", _int_at_least(1), "an integer >= 1"),
         ("kl_token_threshold", _none_or_positive, "None or a number > 0"),
@@ -308,9 +330,12 @@ class Logging(_Group):
     num_logged_samples: int = 4
     kl_token_threshold: float | None = None
 
+    def __post_init__(self) -> None:
+        check_rules(self)
+
 
 @dataclass(frozen=True)
-class PPOOptions(_Group):
+class PPOOptions:
     """PPO's own options: the value function and GAE.
 
     Args:
@@ -329,7 +354,7 @@ class PPOOptions(_Group):
     """
 
     group: ClassVar[str] = "ppo"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("cliprange_value", _finite_above(0), "a finite number > 0"),
         ("vf_coef", _finite_above(0, strict=False), "a finite number >= 0"),
         ("gamma", lambda x: _number(x) and 0 <= x <= 1, "in [0, 1]"),
@@ -346,7 +371,7 @@ class PPOOptions(_Group):
     value_model_thread: bool | None = None
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        check_rules(self)
         if self.value_model_thread and self.value_model is None:
             raise ValueError(
                 "`ppo.value_model_thread` must be False or None without a separate "
@@ -355,7 +380,7 @@ class PPOOptions(_Group):
 
 
 @dataclass(frozen=True)
-class GroupOptions(_Group):
+class GroupOptions:
     """RLOO's and GRPO's own options: the responses per prompt and the group advantages.
 
     Args:
@@ -375,7 +400,7 @@ class GroupOptions(_Group):
     """
 
     group: ClassVar[str] = "group"
-    RULES: ClassVar = (
+    RULES: ClassVar[tuple] = (
         ("responses_per_prompt", _int_at_least(2), "an integer >= 2"),
         (
             "advantage",
@@ -394,7 +419,7 @@ class GroupOptions(_Group):
     drop_zero_std_groups: bool = False
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        check_rules(self)
         if self.advantage == "rloo" and self.scale_rewards != "group":
             raise ValueError(
                 "`group.scale_rewards` must be 'group' with advantage='rloo' (the leave-one-out "
@@ -425,7 +450,7 @@ def as_group(cls: type, value: Any, name: str) -> Any:
 
 
 #: The pipeline's groups: the constructor argument -> its class.
-PIPELINE_GROUPS: dict[str, type[_Group]] = {
+PIPELINE_GROUPS: dict[str, type] = {
     "sampling": Sampling,
     "optimization": Optimization,
     "objective": Objective,
@@ -436,14 +461,14 @@ PIPELINE_GROUPS: dict[str, type[_Group]] = {
 }
 
 #: Every group of the modules: the pipeline's and the algorithms' own.
-MODULE_GROUPS: dict[str, type[_Group]] = {
+MODULE_GROUPS: dict[str, type] = {
     **PIPELINE_GROUPS,
     "ppo": PPOOptions,
     "group": GroupOptions,
 }
 
 #: The flat options of the modules before the groups (0.1.0) whose name changed in their group.
-_RENAMED = {
+RENAMED = {
     "init_kl_coef": "kl.init_coef",
     "kl_estimator": "kl.estimator",
     "kl_placement": "kl.placement",
@@ -455,12 +480,8 @@ _RENAMED = {
 
 
 def _flat_keys() -> dict[str, str]:
-    moved = {
-        f.name: f"{name}.{f.name}"
-        for name, cls in MODULE_GROUPS.items()
-        for f in fields(cls)
-    }
-    moved.update(_RENAMED)
+    moved = {f.name: f"{name}.{f.name}" for name, cls in MODULE_GROUPS.items() for f in fields(cls)}
+    moved.update(RENAMED)
     return moved
 
 

@@ -376,9 +376,9 @@ class RLPipeline(LightningModule):
             for row, m in zip(ids, valid, strict=True)
         ]
         scores = self._reward_scores(prompts, responses)
-        per_token = {
-            name: klmod.per_token_kl(traj.logprobs, ref_logprobs, name)
-            for name in ("k1", "k2", "k3")
+        per_token = {  # every registered estimator with a formula, and a plugged one
+            name: estimator.per_token(traj.logprobs, ref_logprobs)
+            for name, estimator in klmod.sample_estimators(self.kl.estimator).items()
         }
         exact, entropy = self._logit_diagnostics(policy_scores, ref_logits)
         per_token["exact"] = exact

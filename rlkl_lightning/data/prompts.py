@@ -170,7 +170,7 @@ class PromptDataModule(LightningDataModule):
     def _chat_tokenizer(self):
         if self.hparams.chat_tokenizer is not None:
             from rlkl_lightning.models.loading import resolve_model_path
-            from rlkl_lightning.world.tokenizer import pretrained_tokenizer
+            from rlkl_lightning.models.tokenizer import pretrained_tokenizer
 
             name = resolve_model_path(self.hparams.chat_tokenizer, "chat_tokenizer")
             return pretrained_tokenizer(name, "chat_tokenizer")

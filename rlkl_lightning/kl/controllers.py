@@ -28,6 +28,7 @@ allowed range.
 
 from __future__ import annotations
 
+import importlib
 import math
 import operator
 import sys
@@ -35,7 +36,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-__all__ = [
+__all__ = [  # noqa: F822 (KL_LAWS comes from __getattr__, _LAZY)
     "KL_LAWS",
     "AdaptiveKLController",
     "ExponentialKLController",
@@ -45,7 +46,16 @@ __all__ = [
     "PIKLController",
 ]
 
-KL_LAWS = ("fixed", "adaptive", "exponential", "pi", "logpid")
+
+#: Names read on first use from the module that holds them: the registry of laws imports this
+#: file, so ``KL_LAWS`` (the registered laws' names) cannot be imported at the top.
+_LAZY = {"KL_LAWS": "rlkl_lightning.kl.laws"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @runtime_checkable

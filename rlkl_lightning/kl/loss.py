@@ -42,13 +42,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rlkl_lightning.kl.estimators import per_token_kl
+from rlkl_lightning.kl.estimators import Estimator, estimator_names, kl_estimator
 from rlkl_lightning.masked import masked_mean
 
 __all__ = ["KL_LOSS_ESTIMATORS", "KL_PLACEMENTS", "kl_loss", "kl_loss_weights"]
 
 KL_PLACEMENTS = ("reward", "loss")
-KL_LOSS_ESTIMATORS = ("k1", "k2", "k3")
+#: The registered estimators that declare ``loss=True`` (rlkl_lightning.kl.estimators).
+KL_LOSS_ESTIMATORS = estimator_names("loss")
 
 
 def kl_loss_weights(logprobs: Tensor, old_logprobs: Tensor, weight_clip: float | None) -> Tensor:
@@ -68,7 +69,7 @@ def kl_loss(
     old_logprobs: Tensor,
     ref_logprobs: Tensor,
     mask: Tensor,
-    estimator: str,
+    estimator: str | Estimator,
     weight_clip: float | None,
     reduce: Callable[[Tensor, Tensor], Tensor] = masked_mean,
     trust_region: float | None = None,
@@ -76,7 +77,8 @@ def kl_loss(
     """The KL term of the loss: ``masked_mean(w_t * k(l_t))``, differentiated through ``logprobs``.
 
     ``l_t = logprobs_t - ref_logprobs_t`` and ``k`` is ``estimator``'s per-token formula
-    (:func:`~rlkl_lightning.kl.estimators.per_token_kl`); ``w_t`` are :func:`kl_loss_weights`.
+    (:class:`~rlkl_lightning.kl.estimators.Estimator`, from the registry); ``w_t`` are
+    :func:`kl_loss_weights`.
     The mean is
     over all valid tokens, like the policy loss it is added to (times ``kl_coef``).
 
@@ -86,7 +88,8 @@ def kl_loss(
         ref_logprobs: ``[B, T]`` the same under the reference (detached).
         mask: ``[B, T]``, nonzero on valid response tokens.
         estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (see the module docstring for the gradient
-            each follows).
+            each follows), or any registered or plugged estimator (a dotted path) that
+            declares ``loss=True``.
         weight_clip: Cap of the importance weights, ``>= 1``; None: no cap.
         reduce: ``reduce(per_token, valid)`` to a scalar in place of the mean (the policy
             loss's aggregation, so the two terms are aggregated alike).
@@ -101,10 +104,7 @@ def kl_loss(
         ValueError: For an unknown estimator, a cap below 1, mismatched shapes, or no valid
             token.
     """
-    if estimator not in KL_LOSS_ESTIMATORS:
-        raise ValueError(
-            f"kl_loss: `estimator` must be one of {KL_LOSS_ESTIMATORS}, got {estimator!r}"
-        )
+    found = kl_estimator(estimator, "estimator", role="loss", owner="kl_loss")
     if weight_clip is not None and not (math.isfinite(weight_clip) and weight_clip >= 1):
         raise ValueError(f"kl_loss: `weight_clip` must be None or a number >= 1, got {weight_clip}")
     for name, other in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
@@ -117,7 +117,7 @@ def kl_loss(
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     # Padding is zeroed before exp(): garbage there can neither overflow nor send nan gradients.
     new, old, ref = (torch.where(valid, x, zero) for x in (logprobs, old_logprobs, ref_logprobs))
-    per_token = per_token_kl(new, ref.detach(), estimator)
+    per_token = found.per_token(new, ref.detach())
     if trust_region is not None:
         per_token = per_token * within_trust_region(new - ref, trust_region)
     return reduce(kl_loss_weights(new, old.detach(), weight_clip) * per_token, valid)

@@ -10,15 +10,13 @@ from lightning.pytorch import Callback
 from rlkl_lightning.defaults import default_of
 from rlkl_lightning.kl.controller_callback import UNIT_NAMES, KLControllerCallback
 from rlkl_lightning.kl.controllers import (
-    KL_LAWS,
     AdaptiveKLController,
     ExponentialKLController,
-    FixedKLController,
     KLController,
-    LogPIDKLController,
     PIKLController,
 )
 from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
+from rlkl_lightning.kl.laws import build_controller, control_law
 
 
 @dataclass
@@ -30,7 +28,10 @@ class KLSettings:
     Args:
         controller: the control law: ``fixed``, ``adaptive`` (Ziegler et al. 2019),
             ``exponential``, ``pi`` or ``logpid`` (a PID law on log KL whose defaults need no
-            per-world tuning; it takes only ``target`` and the bounds from this group).
+            per-world tuning; it takes only ``target`` and the bounds from this group), or
+            the dotted import path of your own law (``mypackage.module.MyLaw``, called as
+            ``MyLaw(init_kl_coef, target, min_kl_coef=..., max_kl_coef=...)`` with the bounds
+            only when set; docs/extending.md).
         target: target KL in ``unit``; drives the adaptive laws and the drift monitor (with a
             fixed beta it is only monitored).
         unit: ``sequence`` (nats per sequence, read from ``objective/kl``) or ``token``
@@ -73,8 +74,7 @@ class KLSettings:
     hold_after_refresh: int = default_of(KLControllerCallback, "hold_after_refresh")
 
     def __post_init__(self) -> None:
-        if self.controller not in KL_LAWS:
-            raise ValueError(f"`kl.controller` must be one of {KL_LAWS}, got {self.controller!r}")
+        control_law(self.controller, "kl.controller")  # an unknown name or path raises here
         if self.unit not in UNIT_NAMES:
             raise ValueError(f"`kl.unit` must be one of {tuple(UNIT_NAMES)}, got {self.unit!r}")
         if not (isinstance(self.target, int | float) and math.isfinite(self.target)) or (
@@ -89,18 +89,7 @@ class KLSettings:
             for name in ("min_kl_coef", "max_kl_coef")
             if (bound := getattr(self, name)) is not None  # None: the law's default
         }
-        match self.controller:
-            case "fixed":
-                return FixedKLController(init_kl_coef, **bounds)
-            case "adaptive":
-                return AdaptiveKLController(init_kl_coef, self.target, self.horizon, **bounds)
-            case "exponential":
-                return ExponentialKLController(init_kl_coef, self.target, self.k, **bounds)
-            case "pi":
-                return PIKLController(init_kl_coef, self.target, self.kp, self.ki, **bounds)
-            case "logpid":
-                return LogPIDKLController(init_kl_coef, self.target, **bounds)
-        raise AssertionError(f"no controller for law {self.controller!r}")  # see __post_init__
+        return build_controller(self.controller, self, init_kl_coef, "kl.controller", **bounds)
 
     def callbacks(self, init_kl_coef: float) -> list[Callback]:
         """The controller callback and the drift monitor for a module starting at this beta."""

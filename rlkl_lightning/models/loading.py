@@ -20,12 +20,16 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from rlkl_lightning.models.named import resolve_named_model
+from rlkl_lightning.models.tokenizer import pretrained_tokenizer
+
 
 def resolve_model_path(name_or_path: str, option: str = "policy") -> str:
-    """Map ``"default"`` and ``"exact"`` to their worlds' models (built on first use).
+    """Map a registered model name to its model (built on first use); a path passes through.
 
-    ``"default"`` is the default world's SFT model, ``"exact"`` the exact world's reference
-    (:mod:`rlkl_lightning.world.exact`); anything else passes through.
+    The names are those of :mod:`rlkl_lightning.models.named`: the world registers
+    ``"default"``, the default world's SFT model, and ``"exact"``, the exact world's reference
+    (:mod:`rlkl_lightning.world.names`); anything else passes through.
 
     Anything that is not an existing directory and does not look like a path (``.``, ``/``,
     ``~``) is taken as a Hugging Face hub name: one that is not cached while the hub cannot be
@@ -39,14 +43,9 @@ def resolve_model_path(name_or_path: str, option: str = "policy") -> str:
         ValueError: if a path-like name does not exist, or a hub name is neither cached nor
             reachable.
     """
-    if name_or_path == "default":
-        from rlkl_lightning.world import default_model_dir
-
-        return str(default_model_dir())
-    if name_or_path == "exact":
-        from rlkl_lightning.world.exact import exact_model_dir
-
-        return str(exact_model_dir())
+    named = resolve_named_model(name_or_path)
+    if named is not None:
+        return named
     expanded = os.path.expanduser(name_or_path)
     if os.path.isdir(expanded):
         return expanded
@@ -106,16 +105,14 @@ def _hub_unreachable(timeout: float = 3.0) -> str | None:
 def load_tokenizer(name_or_path: str, option: str = "tokenizer", trust_remote_code: bool = False):
     """Load a tokenizer for generation: left padding, and a pad token (warns when one is added).
 
-    Loaded with :func:`rlkl_lightning.world.tokenizer.pretrained_tokenizer`, the loader the
-    SFT uses too.
+    Loaded with :func:`rlkl_lightning.models.tokenizer.pretrained_tokenizer`, the loader the
+    world's SFT uses too.
 
     Args:
         name_or_path: ``"default"``, a local directory or a hub name.
         option: Name of the option that gave ``name_or_path``, for messages.
         trust_remote_code: Run tokenizer code shipped with the model (off: refused).
     """
-    from rlkl_lightning.world.tokenizer import pretrained_tokenizer
-
     path = resolve_model_path(name_or_path, option)
     tokenizer = pretrained_tokenizer(path, option, trust_remote_code)
     if tokenizer.pad_token is None:
@@ -270,11 +267,11 @@ def policy_and_reference(
     if peft is not None:
         from rlkl_lightning.models.lora import AdaptersOff, attach_adapters
 
-        own_reference = AdaptersOff(attach_adapters(model, peft))
+        own_reference = AdaptersOff(attach_adapters(model, peft, "models.peft"))
     else:
         own_reference = None if reference else frozen_copy(model)
     if gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model, "models.gradient_checkpointing")
     if reference:
         frozen = freeze(load_causal_lm(reference, option="reference", **trust))
         prepare(frozen)

@@ -1,4 +1,4 @@
-"""The separate value model in a second thread: ``PPOModule(value_model_thread=True)``.
+"""The separate value model in a second thread: ``PPOModule(ppo={"value_model_thread": True})``.
 
 Why: on a CPU a small model's step is in good part work that does not spread over threads
 (Python, element-wise passes over small tensors, copies); two independent networks side by

@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.kl import optimum as opt
-from rlkl_lightning.kl.estimators import per_token_kl
+from rlkl_lightning.kl.estimators import Estimator, kl_estimator
 from rlkl_lightning.world.cache import default_cache_dir
 
 #: The words of the vocabulary, in id order; the first ``vocab_size`` are used.
@@ -336,7 +336,7 @@ def placement_end_point(
     world: ExactWorld,
     beta: float,
     placement: str,
-    estimator: str,
+    estimator: str | Estimator,
     steps: int = 3000,
     lr: float = 0.05,
     whiten: bool = False,
@@ -358,14 +358,20 @@ def placement_end_point(
 
     Only ``k1`` in the reward ends at ``pi*`` (docs/kl.md, "Where the KL goes"); the others'
     end points are the yardsticks of where training with them can end at best.
+
+    ``estimator`` is any estimator of the registry with a per-token formula, or a user's own
+    by its dotted path (:func:`~rlkl_lightning.kl.estimators.kl_estimator`), that declares the
+    placement as a role (``loss=True`` for ``"loss"``); ``exact`` needs logits and is refused.
     """
     if placement not in ("reward", "loss"):
         raise ValueError(
             f"placement_end_point: `placement` must be reward or loss, got {placement!r}"
         )
-    if estimator not in ("k1", "k2", "k3"):
+    found = kl_estimator(estimator, "estimator", role=placement, owner="placement_end_point")
+    if found.needs_logits:
         raise ValueError(
-            f"placement_end_point: `estimator` must be one of ('k1', 'k2', 'k3'), got {estimator!r}"
+            f"placement_end_point: `estimator` {found.name!r} needs the logits; the exact "
+            "world enumerates estimators with a per-token formula of the log-ratio"
         )
     v = world.config.vocab_size
     ys = world.responses
@@ -378,7 +384,7 @@ def placement_end_point(
         tokens = torch.log_softmax(logits, -1)[rows, ys]
         logp = tokens.sum(-1)
         weights = logp.exp().detach()
-        penalty = per_token_kl(tokens, ref_tokens, estimator).sum(-1)
+        penalty = found.per_token(tokens, ref_tokens).sum(-1)
         returns = world.rewards
         if placement == "reward":  # held fixed, as a reward is
             returns = returns - beta * penalty.detach()

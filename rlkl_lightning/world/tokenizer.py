@@ -10,8 +10,9 @@ tokenizer with three special tokens:
 - ``<|pad|>``, with ``padding_side="left"`` saved in the tokenizer config, which is
   what batched generation needs (the SFT collate pads on the right by itself).
 
-:func:`pretrained_tokenizer` loads this or any saved or hub tokenizer as it was saved; the
-SFT (:func:`rlkl_lightning.world.sft.resolve_tokenizer`) and PPO
+:func:`~rlkl_lightning.models.tokenizer.pretrained_tokenizer` (kept importable from here) loads
+this or any saved or hub tokenizer as it was saved; the SFT
+(:func:`rlkl_lightning.world.sft.resolve_tokenizer`) and PPO
 (:func:`rlkl_lightning.models.loading.load_tokenizer`, which then sets it up for generation) both
 load through it.
 """
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+from rlkl_lightning.models.tokenizer import pretrained_tokenizer  # noqa: F401  (its old home)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -69,27 +72,3 @@ def train_tokenizer(
         padding_side="left",
         model_max_length=max_length,
     )
-
-
-def pretrained_tokenizer(
-    name_or_path: str, option: str = "tokenizer", trust_remote_code: bool = False
-):
-    """A tokenizer from a directory or the hub, as saved (``AutoTokenizer.from_pretrained``).
-
-    Args:
-        name_or_path: Local directory (``save_pretrained``) or hub name.
-        option: Name of the option that gave ``name_or_path``, for the error message.
-        trust_remote_code: Run tokenizer code shipped with it (off: such a tokenizer is
-            refused with an error, never a prompt).
-
-    Raises:
-        ValueError: If no tokenizer can be loaded from ``name_or_path``.
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as err:
-        raise ValueError(
-            f"`{option}`: could not load a tokenizer from {name_or_path!r}: {err}"
-        ) from err

@@ -135,7 +135,7 @@ def test_verbose_raises_with_the_traceback(tiny_lm_dir, tmp_path, monkeypatch):
 
 
 def test_an_error_that_is_not_a_users_mistake_keeps_its_traceback(tiny_lm_dir, tmp_path):
-    from rlkl_lightning import cli
+    from rlkl_lightning.cli import app as cli
 
     config = str(tiny_cli_config(tiny_lm_dir, tmp_path))
 

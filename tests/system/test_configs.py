@@ -101,7 +101,7 @@ def test_configs_write_no_default_again(config):
         found = _restated(sections, {}, "") + _restated(
             data["trainer"], _defaults(Trainer), "trainer"
         )
-        # The `kl` group (KLSettings in cli.py) stays explicit while its defaults are reworked.
+        # The `kl` group (KLSettings in cli/app.py) stays explicit while its defaults are reworked.
     assert not found, f"{config.name} repeats the defaults {found}"
 
 

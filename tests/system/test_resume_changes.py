@@ -16,7 +16,7 @@ from helpers.cli_runs import cli_error, tiny_cli_config
 
 from rlkl_lightning import KLControllerCallback, KLDriftMonitor
 from rlkl_lightning.cli import main
-from rlkl_lightning.run_settings import RunSettings
+from rlkl_lightning.cli.run_settings import RunSettings
 
 
 @pytest.fixture(scope="module")

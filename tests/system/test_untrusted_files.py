@@ -139,7 +139,7 @@ def test_a_checkpoint_whose_pickle_runs_code_is_refused_and_the_code_never_runs(
 def test_cli_refuses_a_checkpoint_whose_pickle_runs_code(
     tiny_lm_dir, good_checkpoint, tmp_path, monkeypatch, capfd
 ):
-    from rlkl_lightning import cli
+    from rlkl_lightning.cli import app as cli
 
     config = tiny_cli_config(tiny_lm_dir, tmp_path)
     marker = tmp_path / "marker"
@@ -162,7 +162,7 @@ def test_cli_refuses_a_checkpoint_whose_pickle_runs_code(
 
 def test_cli_takes_no_settings_from_a_checkpoint(tiny_lm_dir, good_checkpoint, tmp_path):
     """LightningCLI would rebuild the model from the checkpoint's hyperparameters."""
-    from rlkl_lightning import cli
+    from rlkl_lightning.cli import app as cli
 
     checkpoint = torch.load(good_checkpoint, weights_only=True)
     checkpoint["hyper_parameters"] = {

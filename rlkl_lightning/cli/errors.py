@@ -17,7 +17,7 @@ from argparse import ArgumentError
 
 from rlkl_lightning.algorithms.options import moved_option
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # rlkl_lightning/
 VERBOSE_ENV = "RLKL_VERBOSE"  # set to 1 (or pass --verbose) to see the traceback instead
 MAX_LINES = 12  # of one parser message; a longer one is cut with a note
 

@@ -2,7 +2,8 @@
 
 Beside Lightning's ``model``, ``data`` and ``trainer`` groups the CLI has a ``kl`` group: the
 KL target is given there once and shared by the controller and the drift monitor, whose
-callbacks the CLI adds to the trainer. The initial beta is the model's ``init_kl_coef``.
+callbacks the CLI adds to the trainer. The initial beta is the module's ``kl_coef`` when the
+trainer is built (``model.init_args.kl.init_coef`` for this package's modules).
 
 Checkpoints are not trusted (docs/checkpoints.md): every subcommand restores with
 ``weights_only=True``, ``--ckpt_path`` is checked before anything loads it, and no setting is
@@ -34,10 +35,10 @@ from rlkl_lightning.checkpoints import (
     first_resumed_step,
     newest_last_checkpoint,
 )
-from rlkl_lightning.cli_errors import VERBOSE_ENV, user_message
-from rlkl_lightning.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
+from rlkl_lightning.cli.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
+from rlkl_lightning.cli.errors import VERBOSE_ENV, user_message
+from rlkl_lightning.cli.run_settings import RunSettings, trajectory_settings
 from rlkl_lightning.kl.settings import KLSettings
-from rlkl_lightning.run_settings import RunSettings, trajectory_settings
 
 
 class RLKLCLI(LightningCLI):
@@ -57,10 +58,10 @@ class RLKLCLI(LightningCLI):
     * ``trainer.enable_checkpointing: false`` also drops the ``ModelCheckpoint`` callbacks a
       config lists (Lightning would refuse the combination);
     * the progress bar counts the batches of the run, and stock notes that do not apply to RL
-      runs are hidden (:mod:`rlkl_lightning.console`);
+      runs are hidden (:mod:`rlkl_lightning.cli.console`);
     * a resume whose settings change the trajectory (KL law, target, horizon, model, batch
       size, ...) is refused with the differences listed, unless ``--resume_with_changes true``
-      (:class:`~rlkl_lightning.run_settings.RunSettings`).
+      (:class:`~rlkl_lightning.cli.run_settings.RunSettings`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -117,7 +118,7 @@ class RLKLCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """Build the trainer, then put the KL callbacks first (checkpointing stays last).
 
-        Lightning's default progress bar is swapped for :class:`~rlkl_lightning.console.
+        Lightning's default progress bar is swapped for :class:`~rlkl_lightning.cli.console.
         RunProgressBar`; a progress bar given in ``trainer.callbacks`` is kept. Lightning's
         default ``CheckpointIO`` is swapped for :class:`~rlkl_lightning.checkpoints.
         AtomicCheckpointIO`.
@@ -179,7 +180,7 @@ class RLKLCLI(LightningCLI):
 
         The file Lightning will load (a path, or ``last`` once resolved) is checked before
         anything loads it, and the settings it was written with are compared with this run's
-        (:class:`~rlkl_lightning.run_settings.RunSettings`).
+        (:class:`~rlkl_lightning.cli.run_settings.RunSettings`).
         """
         path = self._get(self.config_init, "ckpt_path")
         if path == "last":
