@@ -185,8 +185,9 @@ RULES = [
     (
         "the algorithm files do not import speed-up code: the pipeline applies it in one place "
         "(and the options check `models.cpu_matmul` by perf's own rule)",
-        lambda m: _in(m, "algorithms")
-        and _short(m) not in ("algorithms.pipeline", "algorithms.options"),
+        lambda m: (
+            _in(m, "algorithms") and _short(m) not in ("algorithms.pipeline", "algorithms.options")
+        ),
         ("perf",),
         False,
     ),
