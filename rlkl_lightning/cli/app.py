@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from rlkl_lightning.algorithms.options import MODULE_GROUPS, moved_option
 from rlkl_lightning.checkpoints import (
     AtomicCheckpointIO,
     check_checkpoint,
@@ -298,6 +301,7 @@ def main(args: list[str] | None = None) -> RLKLCLI:
         message = None if verbose else user_message(error)
         if message is None:
             raise
+        message = with_option_paths(message)
         sys.stdout.flush()
         print(f"error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -321,6 +325,32 @@ def _cli(args: list[str] | None) -> RLKLCLI:
         save_config_kwargs={"overwrite": True},
         args=args,
     )
+
+
+_NOT_ACCEPTED = re.compile(
+    r"^`model` \([\w.]+\): Option '(?P<name>[A-Za-z_][A-Za-z0-9_]*)' is not accepted"
+)
+_GROUP_FIELD = re.compile(r"^`(?P<field>[a-z_]+\.[a-z_]+)`")
+
+
+def with_option_paths(message: str) -> str:
+    """A module option's message with its YAML path; an old flat option with its new place.
+
+    ``model.init_args.top_p`` (0.1.0) is ``model.init_args.sampling.top_p``; a group's own
+    error names ``sampling.top_p``, and the command line writes ``model.init_args.`` before it.
+    """
+    moved = _NOT_ACCEPTED.match(message)
+    if moved and moved_option(moved["name"]):
+        name = moved["name"]
+        return (
+            f"`model.init_args.{name}` is now `model.init_args.{moved_option(name)}`: the "
+            "modules' options come in groups since 0.2.0 (CHANGELOG.md, docs/options.md)"
+        )
+    found = _GROUP_FIELD.match(message)
+    fields_ = {f"{g}.{f.name}" for g, cls in MODULE_GROUPS.items() for f in fields(cls)}
+    if found and found["field"] in fields_:
+        return f"`model.init_args.{found['field']}`" + message[found.end() :]
+    return message
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ import re
 import traceback
 from argparse import ArgumentError
 
-from rlkl_lightning.algorithms.options import moved_option
-
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # rlkl_lightning/
 VERBOSE_ENV = "RLKL_VERBOSE"  # set to 1 (or pass --verbose) to see the traceback instead
 MAX_LINES = 12  # of one parser message; a longer one is cut with a note
@@ -33,8 +31,6 @@ _UNION_NOT_FINITE = re.compile(  # an Optional number: `float | None`, `int | No
 )
 _OUTER_KEY = re.compile(r"^Parser key \"(?P<key>[^\"]+)\":", re.MULTILINE)
 _CLASS_PROBLEM = re.compile(r"- Problem with given class_path '(?P<cls>[^']+)':\n(?P<body>.*)")
-_NOT_ACCEPTED = re.compile(r"Option '(?P<name>[A-Za-z_][A-Za-z0-9_]*)' is not accepted")
-_GROUP_FIELD = re.compile(r"^`(?P<field>[a-z_]+\.[a-z_]+)`")
 
 
 def raised_here(error: BaseException) -> bool:
@@ -70,13 +66,6 @@ def parser_message(message: str) -> str:
         return f"`{key}` must be {kind} (NaN and inf are refused), got {found['value']}"
     problem = _CLASS_PROBLEM.search(message)
     outer = _OUTER_KEY.match(message)
-    moved = _NOT_ACCEPTED.search(message)
-    if moved and outer and outer["key"] == "model" and moved_option(moved["name"]):
-        name = moved["name"]
-        return (
-            f"`model.init_args.{name}` is now `model.init_args.{moved_option(name)}`: the "
-            "modules' options come in groups since 0.2.0 (CHANGELOG.md, docs/options.md)"
-        )
     if problem and outer:
         body = [line.strip() for line in problem["body"].splitlines()]
         body = body[: next((i for i, x in enumerate(body) if x.startswith("- ")), len(body))]
@@ -93,24 +82,7 @@ def user_message(error: BaseException) -> str | None:
         return None  # a TypeError, KeyError, ... is a bug: its traceback is the useful output
     own = project_error(error)
     if own is not None:
-        return _with_model_path(str(own))
+        return str(own)
     if isinstance(error, ArgumentError):
         return parser_message(str(error))
     return None
-
-
-def _with_model_path(message: str) -> str:
-    """A module option group's error with its YAML path: ``model.init_args.sampling.top_p``."""
-    found = _GROUP_FIELD.match(message)
-    if found and found["field"] in _module_fields():
-        return f"`model.init_args.{found['field']}`" + message[found.end() :]
-    return message
-
-
-def _module_fields() -> set[str]:
-    """``group.field`` for every option of the modules' groups."""
-    from dataclasses import fields
-
-    from rlkl_lightning.algorithms.options import MODULE_GROUPS
-
-    return {f"{name}.{f.name}" for name, cls in MODULE_GROUPS.items() for f in fields(cls)}

@@ -258,11 +258,11 @@ def test_an_explicit_reference_is_kept_with_peft(tiny_lm_dir, tmp_path):
 @pytest.mark.parametrize(
     "peft, message",
     [
-        ({"r": 4, "no_such_field": 1}, "`peft`: not a valid LORA config"),
-        ({"r": 4, "inference_mode": True}, "`peft.inference_mode` must be false"),
-        ({"peft_type": "NOPE"}, r"`peft.peft_type` must be one of \[.*'LORA'"),
-        ({"r": 4, "target_modules": ["no_such_layer"]}, "`peft`: could not add adapters"),
-        ("lora", "`peft` must be a mapping of LoraConfig fields"),
+        ({"r": 4, "no_such_field": 1}, "`models.peft`: not a valid LORA config"),
+        ({"r": 4, "inference_mode": True}, "`models.peft.inference_mode` must be false"),
+        ({"peft_type": "NOPE"}, r"`models.peft.peft_type` must be one of \[.*'LORA'"),
+        ({"r": 4, "target_modules": ["no_such_layer"]}, "`models.peft`: could not add adapters"),
+        ("lora", "`models.peft` must be a mapping of LoraConfig fields"),
     ],
 )
 def test_bad_peft_settings_name_the_option(tiny_lm_dir, peft, message):

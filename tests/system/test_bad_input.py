@@ -286,8 +286,9 @@ def test_tokenizer_without_pad_token_uses_eos_and_warns(tiny_lm_dir, tmp_path):
 def test_max_new_tokens_that_do_not_fit_the_context(tiny_lm_dir):
     with pytest.raises(
         ValueError,
-        match=r"`max_prompt_tokens` \(60\) \+ `max_new_tokens` \(8\) = 68 tokens do not fit the "
-        r"policy's context of 64 positions; lower them so that their sum is <= 64",
+        match=r"`sampling.max_prompt_tokens` \(60\) \+ `sampling.max_new_tokens` \(8\) = 68 "
+        r"tokens do not fit the policy's context of 64 positions; lower them so that their sum "
+        r"is <= 64",
     ):
         PPOModule(**ppo_args(tiny_lm_dir, sampling={"max_prompt_tokens": 60, "max_new_tokens": 8}))
 

@@ -84,8 +84,12 @@ def _train(plugins, tiny_lm_dir, name: str, *extra: str):
     runs = plugins / "runs" / name
     code, out = train_py(
         ["fit", "--config", "configs/ppo_adaptive.yaml"]
-        + [f"--model.init_args.policy={tiny_lm_dir}", "--model.init_args.max_prompt_tokens=8"]
-        + ["--model.init_args.max_new_tokens=6", "--model.init_args.log_samples_every=0"]
+        + [
+            f"--model.init_args.policy={tiny_lm_dir}",
+            "--model.init_args.sampling.max_prompt_tokens=8",
+        ]
+        + ["--model.init_args.sampling.max_new_tokens=6"]
+        + ["--model.init_args.logging.log_samples_every=0"]
         + [f"--data.init_args.prompts={prompts}", "--data.init_args.heldout=null"]
         + ["--data.init_args.batch_size=4"]
         + ["--trainer.max_steps", "32", "--trainer.limit_val_batches", "0"]
