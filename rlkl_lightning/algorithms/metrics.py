@@ -131,10 +131,13 @@ def token_kl_stats(
     valid = mask.bool()
     ratio, kl = log_ratio[valid].abs().float(), token_kl[valid].float()
     if kl.numel() == 0:  # no response token on this rank
-        ratio = kl = torch.zeros(1, device=log_ratio.device)
+        ratio = kl = torch.zeros(1, dtype=torch.float32, device=log_ratio.device)
     seq_kl = (token_kl * mask).sum(-1).float()
     top = global_max(torch.stack([ratio.max(), kl.max(), seq_kl.max()]))
-    quantiles = torch.quantile(kl, torch.tensor([0.99, 0.999], device=kl.device))
+    # The levels in float32 like ``kl``: a ``*-true`` precision makes its own dtype the default
+    # (bf16, fp16, fp64), and quantile needs both in one dtype (and bf16/fp16 it refuses).
+    levels = torch.tensor([0.99, 0.999], dtype=kl.dtype, device=kl.device)
+    quantiles = torch.quantile(kl, levels)
     beyond = global_sum((ratio > threshold).sum().float())
     return {
         keys.TOKENS_MAX_LOG_RATIO: top[0],

@@ -48,6 +48,26 @@ def test_token_stats_equal_a_loop_over_the_valid_tokens():
     assert float(stats[keys.TOKENS_KL_Q999]) == pytest.approx(want[1], rel=1e-5)
 
 
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("empty", [False, True])
+def test_token_stats_do_not_depend_on_the_default_dtype(default, empty):
+    """A ``*-true`` precision makes its dtype the default: the quantiles must not mind (also on
+    a rank with no response token, whose stand-in zeros are made here)."""
+    log_ratio, mask, _ = _batch()
+    log_ratio = log_ratio.float()
+    mask = torch.zeros_like(mask) if empty else mask
+    kl = per_token_kl(log_ratio, torch.zeros_like(log_ratio), "k3") * mask
+    ident = lambda x: x  # noqa: E731
+    want = token_kl_stats(log_ratio, kl, mask, 4.0, ident, ident)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = token_kl_stats(log_ratio, kl, mask, 4.0, ident, ident)
+    finally:
+        torch.set_default_dtype(before)
+    assert {k: float(v) for k, v in got.items()} == {k: float(v) for k, v in want.items()}
+
+
 def test_top_kl_tokens_names_the_largest_in_order():
     class Tok:
         def decode(self, ids):
