@@ -220,7 +220,15 @@ def log_samples_table(
     gold: Tensor | None = None,
     top_kl: Callable[[int], list[str]] | None = None,
 ) -> None:
-    """Write :func:`samples_table` to the module's TensorBoard every ``log_samples_every`` batches.
+    """Write :func:`samples_table` to the module's TensorBoard, at the step of the batch's scalars.
+
+    The tables shown are of the first batch (what the starting policy writes) and of every
+    ``log_samples_every``-th trained batch after it (batches ``L, 2L, ...``, counted from 1).
+    So with a :class:`~rlkl_lightning.algorithms.reference_refresh.ReferenceRefresh` whose
+    ``every`` divides ``L``, a table shows the last batch before a refresh, whose KL has grown
+    since the last one, never the batch right after it (whose KL is ~0 with ``mode="hard"``).
+    The step is the one Lightning logs this batch's scalars at (0-based, skipped batches
+    included), so a table lines up with its batch's ``objective/*`` in TensorBoard.
 
     Args:
         module: The training module (its ``logging`` options, ``batches_seen`` and ``logger``).
@@ -231,7 +239,8 @@ def log_samples_table(
         top_kl: ``rows -> `` :func:`top_kl_tokens` of the first rows, for the KL column.
     """
     every = module.logging.log_samples_every
-    if not every or (module.batches_seen - 1) % every:
+    done = module.batches_seen  # this batch included
+    if not every or (done != 1 and done % every):
         return
     experiment = getattr(module.logger, "experiment", None)
     if experiment is None or not hasattr(experiment, "add_text"):
@@ -239,4 +248,7 @@ def log_samples_table(
     rows = module.logging.num_logged_samples
     tops = top_kl(rows) if top_kl is not None else None
     table = samples_table(prompts, responses, scores, rows, gold, tops)
-    experiment.add_text("samples", table, global_step=module.batches_seen)
+    # The step Lightning's logger connector gives this batch's scalars (it counts every batch,
+    # skipped ones too, and is restored on resume); ``batches_seen`` counts trained batches.
+    step = module.trainer.fit_loop.epoch_loop._batches_that_stepped
+    experiment.add_text("samples", table, global_step=step)
