@@ -35,8 +35,10 @@ def batch_metrics(
     Args:
         traj: The batch's trajectory (``scores``, ``kl`` and ``response_mask`` are read).
         diagnostics: Per-sequence KL ``[B]`` of every estimator (``kl_k1`` ... ``kl_exact``),
-            the summed token entropy ``entropy_sum`` and, with a gold reward, its ``[B]``
-            scores ``gold``, from the scoring phase.
+            the summed token entropy ``entropy_sum``, with a gold reward its ``[B]`` scores
+            ``gold``, and with ``kl.trust_region`` the ``[B]`` KL of the tokens inside it
+            (``penalized_kl``: the penalty applied) and the count of those outside
+            (``outside_tokens``), from the scoring phase.
         kl_estimator: The estimator of ``objective/kl``: a registered name, or the option
             string of a plugged one (its ``kl_<option>`` diagnostic is read, not logged apart).
         kl_coef: The beta the batch's rewards or losses used.
@@ -70,6 +72,10 @@ def batch_metrics(
         metrics[keys.kl_of(name)] = diagnostics[f"kl_{name}"].mean()
     if "gold" in diagnostics:
         metrics[keys.GOLD_SCORE] = diagnostics["gold"].mean()
+    if "penalized_kl" in diagnostics:  # kl.trust_region: the penalty applied, what it left out
+        metrics[keys.NON_SCORE_REWARD] = -kl_coef * diagnostics["penalized_kl"].mean()
+        outside = global_sum(diagnostics["outside_tokens"].to(all_tokens.dtype))
+        metrics[keys.TRUST_REGION_MASKED] = outside / all_tokens
     if distributed:
         metrics.update(_global_sample_means(traj, diagnostics, kl_estimator, kl_coef, global_sum))
     return metrics
@@ -91,6 +97,8 @@ def _global_sample_means(
     per_sample[keys.RESPONSE_TOKENS] = traj.response_mask.sum(1)
     if "gold" in diagnostics:
         per_sample[keys.GOLD_SCORE] = diagnostics["gold"]
+    if "penalized_kl" in diagnostics:
+        per_sample[keys.NON_SCORE_REWARD] = diagnostics["penalized_kl"]
     device = traj.response_mask.device
     local = [v.to(device=device, dtype=torch.float64).sum() for v in per_sample.values()]
     n = torch.tensor(float(traj.response_mask.shape[0]), dtype=torch.float64, device=device)
@@ -99,7 +107,7 @@ def _global_sample_means(
     means[keys.KL] = (
         means.pop(keys.kl_of(kl_estimator)) if plugged else means[keys.kl_of(kl_estimator)]
     )
-    means[keys.NON_SCORE_REWARD] = -kl_coef * means[keys.KL]
+    means[keys.NON_SCORE_REWARD] = -kl_coef * means.get(keys.NON_SCORE_REWARD, means[keys.KL])
     return means
 
 
