@@ -54,3 +54,14 @@ def test_a_flat_group_has_kl_advantages_with_the_kl_in_the_reward_and_the_docs_s
         flat = " ".join(text.split())
         assert "0 anyway" not in flat and "0 whatever the method" not in flat, where
         assert "c - beta" in flat, where  # the returns of a flat group, said
+
+
+def test_the_aggregation_docs_agree_on_ddp_and_name_gspos_aggregation():
+    from rlkl_lightning.algorithms import aggregation
+
+    module = " ".join(inspect.getdoc(aggregation).split())
+    page = " ".join((ROOT / "docs" / "pipeline.md").read_text().split())
+    for text in (module, page):  # token_mean under DDP: the mean of the ranks' token means
+        assert "the mean of the ranks' token means" in text
+    assert "the formula over the global minibatch: ``token_mean``" not in module
+    assert "| GSPO (Zheng et al. 2025) | `sequence_mean` |" in page
