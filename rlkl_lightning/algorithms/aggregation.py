@@ -16,10 +16,13 @@ every token of the batch alike. With ``batch_token_mean`` the
 normaliser ``N`` counts the whole batch, so each of ``num_minibatches`` steps carries about
 ``1/num_minibatches`` of a token mean's gradient (as TRL's ``dapo`` over its generation batch).
 
-Under DDP each rank's loss is scaled so that DDP's mean of the ranks' gradients is the formula
-over the global minibatch: ``token_mean`` and ``sequence_mean`` are means per rank (ranks hold
-equal numbers of responses), ``batch_token_mean`` divides by ``N / world_size`` with ``N``
-summed over the ranks.
+Under DDP, DDP averages the ranks' gradients. ``batch_token_mean`` divides by
+``N / world_size`` with ``N`` summed over the ranks, so that average is its formula over the
+global minibatch whatever each rank holds. ``sequence_mean`` and ``fixed_length`` divide by
+the rank's own ``n``: the average is the global formula when the ranks hold equal numbers of
+responses (the data module's even split). ``token_mean`` divides by the rank's own tokens, so
+the average is the mean of the ranks' token means, **not** the global token mean, whenever the
+ranks' token counts differ (docs/pipeline.md says the same).
 
 :func:`token_weights` gives each micro-batch's token weights ``w`` so that its share of the
 loss is ``sum w x`` (:func:`weighted_sum`); the shares of a minibatch's micro-batches add up to

@@ -35,8 +35,10 @@ def batch_metrics(
     Args:
         traj: The batch's trajectory (``scores``, ``kl`` and ``response_mask`` are read).
         diagnostics: Per-sequence KL ``[B]`` of every estimator (``kl_k1`` ... ``kl_exact``),
-            the summed token entropy ``entropy_sum`` and, with a gold reward, its ``[B]``
-            scores ``gold``, from the scoring phase.
+            the summed token entropy ``entropy_sum``, with a gold reward its ``[B]`` scores
+            ``gold``, and with ``kl.trust_region`` the ``[B]`` KL of the tokens inside it
+            (``penalized_kl``: the penalty applied) and the count of those outside
+            (``outside_tokens``), from the scoring phase.
         kl_estimator: The estimator of ``objective/kl``: a registered name, or the option
             string of a plugged one (its ``kl_<option>`` diagnostic is read, not logged apart).
         kl_coef: The beta the batch's rewards or losses used.
@@ -70,6 +72,10 @@ def batch_metrics(
         metrics[keys.kl_of(name)] = diagnostics[f"kl_{name}"].mean()
     if "gold" in diagnostics:
         metrics[keys.GOLD_SCORE] = diagnostics["gold"].mean()
+    if "penalized_kl" in diagnostics:  # kl.trust_region: the penalty applied, what it left out
+        metrics[keys.NON_SCORE_REWARD] = -kl_coef * diagnostics["penalized_kl"].mean()
+        outside = global_sum(diagnostics["outside_tokens"].to(all_tokens.dtype))
+        metrics[keys.TRUST_REGION_MASKED] = outside / all_tokens
     if distributed:
         metrics.update(_global_sample_means(traj, diagnostics, kl_estimator, kl_coef, global_sum))
     return metrics
@@ -91,6 +97,8 @@ def _global_sample_means(
     per_sample[keys.RESPONSE_TOKENS] = traj.response_mask.sum(1)
     if "gold" in diagnostics:
         per_sample[keys.GOLD_SCORE] = diagnostics["gold"]
+    if "penalized_kl" in diagnostics:
+        per_sample[keys.NON_SCORE_REWARD] = diagnostics["penalized_kl"]
     device = traj.response_mask.device
     local = [v.to(device=device, dtype=torch.float64).sum() for v in per_sample.values()]
     n = torch.tensor(float(traj.response_mask.shape[0]), dtype=torch.float64, device=device)
@@ -99,7 +107,7 @@ def _global_sample_means(
     means[keys.KL] = (
         means.pop(keys.kl_of(kl_estimator)) if plugged else means[keys.kl_of(kl_estimator)]
     )
-    means[keys.NON_SCORE_REWARD] = -kl_coef * means[keys.KL]
+    means[keys.NON_SCORE_REWARD] = -kl_coef * means.get(keys.NON_SCORE_REWARD, means[keys.KL])
     return means
 
 
@@ -131,10 +139,13 @@ def token_kl_stats(
     valid = mask.bool()
     ratio, kl = log_ratio[valid].abs().float(), token_kl[valid].float()
     if kl.numel() == 0:  # no response token on this rank
-        ratio = kl = torch.zeros(1, device=log_ratio.device)
+        ratio = kl = torch.zeros(1, dtype=torch.float32, device=log_ratio.device)
     seq_kl = (token_kl * mask).sum(-1).float()
     top = global_max(torch.stack([ratio.max(), kl.max(), seq_kl.max()]))
-    quantiles = torch.quantile(kl, torch.tensor([0.99, 0.999], device=kl.device))
+    # The levels in float32 like ``kl``: a ``*-true`` precision makes its own dtype the default
+    # (bf16, fp16, fp64), and quantile needs both in one dtype (and bf16/fp16 it refuses).
+    levels = torch.tensor([0.99, 0.999], dtype=kl.dtype, device=kl.device)
+    quantiles = torch.quantile(kl, levels)
     beyond = global_sum((ratio > threshold).sum().float())
     return {
         keys.TOKENS_MAX_LOG_RATIO: top[0],
@@ -217,7 +228,15 @@ def log_samples_table(
     gold: Tensor | None = None,
     top_kl: Callable[[int], list[str]] | None = None,
 ) -> None:
-    """Write :func:`samples_table` to the module's TensorBoard every ``log_samples_every`` batches.
+    """Write :func:`samples_table` to the module's TensorBoard, at the step of the batch's scalars.
+
+    The tables shown are of the first batch (what the starting policy writes) and of every
+    ``log_samples_every``-th trained batch after it (batches ``L, 2L, ...``, counted from 1).
+    So with a :class:`~rlkl_lightning.algorithms.reference_refresh.ReferenceRefresh` whose
+    ``every`` divides ``L``, a table shows the last batch before a refresh, whose KL has grown
+    since the last one, never the batch right after it (whose KL is ~0 with ``mode="hard"``).
+    The step is the one Lightning logs this batch's scalars at (0-based, skipped batches
+    included), so a table lines up with its batch's ``objective/*`` in TensorBoard.
 
     Args:
         module: The training module (its ``logging`` options, ``batches_seen`` and ``logger``).
@@ -228,7 +247,8 @@ def log_samples_table(
         top_kl: ``rows -> `` :func:`top_kl_tokens` of the first rows, for the KL column.
     """
     every = module.logging.log_samples_every
-    if not every or (module.batches_seen - 1) % every:
+    done = module.batches_seen  # this batch included
+    if not every or (done != 1 and done % every):
         return
     experiment = getattr(module.logger, "experiment", None)
     if experiment is None or not hasattr(experiment, "add_text"):
@@ -236,4 +256,7 @@ def log_samples_table(
     rows = module.logging.num_logged_samples
     tops = top_kl(rows) if top_kl is not None else None
     table = samples_table(prompts, responses, scores, rows, gold, tops)
-    experiment.add_text("samples", table, global_step=module.batches_seen)
+    # The step Lightning's logger connector gives this batch's scalars (it counts every batch,
+    # skipped ones too, and is restored on resume); ``batches_seen`` counts trained batches.
+    step = module.trainer.fit_loop.epoch_loop._batches_that_stepped
+    experiment.add_text("samples", table, global_step=step)

@@ -394,9 +394,13 @@ class GroupOptions:
             every rank's) or ``none`` (Dr. GRPO). ``rloo`` takes only ``group``.
         mask_truncated_completions: leave the responses that end without EOS (cut at
             ``max_new_tokens``) out of the update: their reward scored an unfinished text.
-        drop_zero_std_groups: leave the groups whose scores are all equal out of the update.
-            One process only. The KL callbacks still count, and ``objective/kl`` still
-            measures, every response of the batch (docs/callbacks.md).
+        drop_zero_std_groups: leave the groups whose scores (the reward model's, not the
+            returns) are all equal out of the update. With the KL in the reward their returns
+            ``c - beta * KL_i`` still differ, so their advantages are not 0 (with ``grpo``
+            and ``scale_rewards="group"`` of unit scale whatever beta): dropping them also
+            drops that push on the KL (docs/pipeline.md). One process only. The KL callbacks
+            still count, and ``objective/kl`` still measures, every response of the batch
+            (docs/callbacks.md).
     """
 
     group: ClassVar[str] = "group"

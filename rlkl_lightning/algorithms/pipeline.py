@@ -362,7 +362,8 @@ class RLPipeline(LightningModule):
             the policy's summed token entropy (``entropy_sum``, from the full logits that are
             dropped after this phase), with a ``gold_reward`` its scores (``gold``), and with
             ``kl_token_threshold`` the ``kl_tokens/*`` diagnostics and the ``[B, R]`` per-token
-            KL (``token_kl``).
+            KL (``token_kl``); with ``kl.trust_region`` the per-sequence KL of the tokens inside
+            it (``penalized_kl``, ``[B]``) and the count of those outside (``outside_tokens``).
         """
         mask = traj.response_mask
         with no_grad(self.reference):
@@ -388,7 +389,10 @@ class RLPipeline(LightningModule):
             diagnostics.update(self._token_kl_stats(per_token["k1"], kl, mask))
             diagnostics["token_kl"] = kl  # [B, R] for the samples table
         if self.kl.trust_region is not None:  # the penalty only; the measured KL is whole
-            kl = kl * within_trust_region(per_token["k1"], self.kl.trust_region)
+            inside = within_trust_region(per_token["k1"], self.kl.trust_region)
+            kl = kl * inside
+            diagnostics["penalized_kl"] = klmod.sequence_kl(kl, mask)  # [B], inside only
+            diagnostics["outside_tokens"] = masked_sum(1 - inside, mask)  # left out of it
         self.gate(
             not bool(torch.isfinite(diagnostics[f"kl_{self.kl.estimator}"]).all()),
             "the KL to the reference is not finite (on this or another rank)",

@@ -74,9 +74,12 @@ def ended_with_eos(traj: Trajectory, eos_token_id: int | None) -> Tensor:
 def zero_std_groups(scores: Tensor, k: int) -> Tensor:
     """``[n]`` True for each group of ``k`` consecutive scores that are all (close to) equal.
 
-    Such a group carries no reward signal: its advantages are 0 whatever the method (the KL in
-    the reward or the loss still differs between its responses). As TRL's
-    ``frac_reward_zero_std``: the group's standard deviation is within ``torch.isclose`` of 0.
+    Such a group carries no reward signal. Its advantages are 0 only without the KL in the
+    reward (the KL in the loss, or beta 0): with it, the returns ``c - beta * KL_i`` differ, and
+    the advantages are ``-beta * k/(k-1) * (KL_i - mean)`` (``rloo``) or, with ``grpo`` and
+    the group's scale, ``-(KL_i - mean) / std`` of the KL: of unit scale, about independent of
+    beta. The test is on the scores all the same (DAPO's filter, TRL's
+    ``frac_reward_zero_std``): the group's standard deviation is within ``torch.isclose`` of 0.
     """
     std = scores.view(-1, k).to(torch.float32).std(dim=1)
     return torch.isclose(std, torch.zeros_like(std))

@@ -16,6 +16,10 @@ its seeds of ``score_i - (a + b ln KL_i)``. Its standard error adds two independ
 seeds' scatter of the gaps (``sd / sqrt(m)`` over ``m`` seeds; none with one seed) and the
 frontier's own error at the law's mean ``ln KL`` (the fit's points are other runs). A gap
 beyond twice that error says the law lies above (or below) what fixed betas reach at its KL.
+With one seed the first part cannot be measured and is left out: the standard error is the
+frontier's alone and ignores the law's own seed-to-seed noise (comparable to the residual sd
+``s``), so two of them cover far less than 95% (about half when the two parts are alike); the
+report says so beside such a gap.
 """
 
 from __future__ import annotations

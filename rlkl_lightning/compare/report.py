@@ -339,7 +339,16 @@ def _frontier_lines(f: dict[str, Any]) -> list[str]:
         f"KL), least squares through {f['points']} fixed-beta runs (every seed a point; KL "
         f"{lo:.2f}-{hi:.2f}; residual sd {f['residual_sd']:.3f}). Each run's gap is its mean "
         "score minus the frontier at its own final KL, per seed; its standard error adds the "
-        "seeds' scatter of the gap and the frontier's error there.",
+        "seeds' scatter of the gap and the frontier's error there."
+        + (
+            " A run of one seed has no scatter to measure, so its SE is the frontier's error "
+            "alone and leaves out the run's own seed-to-seed noise (about the residual sd, "
+            f"{f['residual_sd']:.3f}, if it is like a fixed-beta run's): its 2 SE covers far "
+            "less than 95% of the gaps a rerun would give (about half where the two are alike)"
+            "; read its 'beyond 2 SE' as a hint, or run more seeds."
+            if any(d["seeds"] == 1 for d in f["gaps"].values())
+            else ""
+        ),
         "",
         "| run | final KL | gap to the frontier | 2 SE | beyond 2 SE | seeds "
         "| KL inside the fit's range |",

@@ -94,12 +94,14 @@ def describe(world) -> str:
     stats, report, s = world.corpus.stats, world.report, world.config
     n = stats["num_texts"]
     units = sorted(set(stats["units"].values()))
+    not_utf8 = sum(stats.get("not_utf8_lines", {}).values())  # absent in worlds built before
     lines = [
         f"world: {world.root}",
         f"  texts: {stats['read']:,} read ({', '.join(units) or 'rows'}), {stats['empty']:,} "
         f"empty, {stats['duplicates']:,} duplicates, {stats['truncated']:,} cut to "
         f"{s.max_chars:,} characters; {stats['kept']:,} kept"
-        + (f", subsampled to {stats['subsampled_to']:,}" if stats["subsampled_to"] else ""),
+        + (f", subsampled to {stats['subsampled_to']:,}" if stats["subsampled_to"] else "")
+        + (f"; {not_utf8:,} lines not UTF-8 (read as Windows-1252 or Latin-1)" if not_utf8 else ""),
         f"  splits: train {n['train']:,}, validation {n['validation']:,}, test {n['test']:,}; "
         f"{stats['num_prompts']:,} prompts of up to {stats['max_prompt_tokens']} tokens",
         f"  tokenizer {s.vocab_size:,} tokens; model {s.n_layer} layers x {s.n_embd} "

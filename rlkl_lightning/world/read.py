@@ -3,9 +3,10 @@
 What :func:`read_corpus` takes (each entry of ``sources``):
 
 * ``.txt``, or a file of any other suffix (rt-polarity's ``.pos``/``.neg``): plain UTF-8
-  text (a file that is not text is refused). ``unit="line"``: one text per line;
-  ``"paragraph"``: one text per paragraph (lines up to a blank line, joined with spaces:
-  hard-wrapped prose);
+  text (a file that is not text is refused; a line that is not UTF-8 is read as
+  Windows-1252 or Latin-1, line by line, with a warning that counts such lines).
+  ``unit="line"``: one text per line; ``"paragraph"``: one text per paragraph (lines up to
+  a blank line, joined with spaces: hard-wrapped prose);
   ``"auto"`` (the default) takes paragraphs when blank lines are frequent (at least 5 blocks,
   and one per :data:`LINES_PER_PARAGRAPH` non-blank lines: blank lines separate paragraphs),
   else lines (a one-text-per-line file with a few stray blank lines).
@@ -26,6 +27,7 @@ occurrence kept.
 
 from __future__ import annotations
 
+import codecs
 import re
 import unicodedata
 import warnings
@@ -67,7 +69,9 @@ def read_corpus(
 
     Returns:
         ``(texts, stats)``; ``stats`` counts ``read``, ``empty``, ``truncated``,
-        ``duplicates`` and ``kept`` texts and gives the unit taken for each ``.txt`` file.
+        ``duplicates`` and ``kept`` texts, gives the unit taken for each ``.txt`` file
+        (``units``) and, by file, the count of lines that were not UTF-8 and were read as
+        Windows-1252 or Latin-1 (``not_utf8_lines``; only files that had such lines).
 
     Raises:
         ValueError: A source is missing, not text, not UTF-8 or unparsable; a
@@ -83,11 +87,14 @@ def read_corpus(
         raise ValueError(f"{OWNER}: `--texts` names no file; give one or more files")
     raw: list[str] = []
     units: dict[str, str] = {}
+    not_utf8: dict[str, int] = {}
     for source in sources:
         for path in _expand(Path(source).expanduser()):
             suffix = path.suffix.lower()
             if path.is_file() and (suffix == ".txt" or suffix not in FILE_BUILDERS):
-                texts, units[str(path)] = _read_txt(path, unit)
+                texts, units[str(path)], fallen = _read_txt(path, unit)
+                if fallen:
+                    not_utf8[str(path)] = fallen
             else:
                 texts = load_texts(
                     str(path),
@@ -113,6 +120,7 @@ def read_corpus(
         "duplicates": len(non_empty) - len(kept),
         "kept": len(kept),
         "units": units,
+        "not_utf8_lines": not_utf8,
     }
     if not kept:
         raise ValueError(f"{OWNER}: `--texts` {sources} hold no non-empty text")
@@ -145,18 +153,20 @@ def _expand(path: Path) -> list[Path]:
     return [path]  # a file of another suffix is read as plain text (_read_txt checks it is)
 
 
-def _read_txt(path: Path, unit: str) -> tuple[list[str], str]:
-    """The texts of a plain text file, and the unit taken (``"line"`` or ``"paragraph"``).
+def _read_txt(path: Path, unit: str) -> tuple[list[str], str, int]:
+    """The texts of a plain text file, the unit taken and the count of lines not in UTF-8.
 
-    UTF-8 is expected; a file in a single-byte encoding (rt-polarity's ``.pos``/``.neg`` are
-    Latin-1) is read as Windows-1252, or Latin-1 where that fails, with a warning.
+    UTF-8 is expected. A file that is not UTF-8 throughout is decoded line by line: a line that
+    is valid UTF-8 is read as UTF-8, any other as Windows-1252, or Latin-1 where a byte has no
+    Windows-1252 character (rt-polarity's ``.pos``/``.neg`` are Latin-1), with a warning that
+    counts those lines and names the first. So one Latin-1 line in a UTF-8 file costs that
+    line only, not every other line's accents.
     """
-    encoding = "utf-8-sig"  # -sig: a leading BOM, as datasets
     try:
         check_text_file(path, OWNER, "--texts")
     except ValueError as error:
-        single = _single_byte_encoding(path) if "is not UTF-8 text" in str(error) else None
-        if single is None:
+        data = path.read_bytes() if "is not UTF-8 text" in str(error) else b"\0"
+        if b"\0" in data:  # binary, UTF-16, or another refusal
             if path.suffix.lower() == ".txt":
                 raise
             reason = str(error).partition(f"{str(path)!r} ")[2].partition("; allowed")[0]
@@ -166,15 +176,21 @@ def _read_txt(path: Path, unit: str) -> tuple[list[str], str]:
                 f"{sorted(set(FILE_BUILDERS) - {'.txt'})} tables, or a directory (of such "
                 "files, or written by datasets' save_to_disk)"
             ) from None
-        encoding = single
-        warnings.warn(
-            f"{OWNER}: `--texts` file {str(path)!r} is not UTF-8; read as {encoding} "
-            f"({str(error).partition('is not UTF-8 text: ')[2].partition('; allowed')[0]})",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    with open(path, encoding=encoding) as handle:  # universal newlines: CRLF, CR
-        lines = [line.strip() for line in handle]
+        lines, fallen = _decode_lines(data.removeprefix(codecs.BOM_UTF8))
+        if fallen:
+            warnings.warn(
+                f"{OWNER}: `--texts` file {str(path)!r} is not UTF-8 throughout: "
+                f"{len(fallen):,} of {len(lines):,} lines (the first: line {min(fallen)}) read "
+                f"as {' or '.join(sorted(set(fallen.values())))}, the others as UTF-8",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        lines = [line.strip() for line in lines]
+        n_fallen = len(fallen)
+    else:
+        with open(path, encoding="utf-8-sig") as handle:  # -sig: a BOM; universal newlines
+            lines = [line.strip() for line in handle]
+        n_fallen = 0
     blocks: list[list[str]] = [[]]
     for line in lines:
         if line:
@@ -187,17 +203,28 @@ def _read_txt(path: Path, unit: str) -> tuple[list[str], str]:
         frequent = len(blocks) >= max(MIN_PARAGRAPHS, n_lines / LINES_PER_PARAGRAPH)
         unit = "paragraph" if frequent and len(blocks) < n_lines else "line"
     if unit == "paragraph":
-        return [" ".join(b) for b in blocks], unit
-    return [line for b in blocks for line in b], unit
+        return [" ".join(b) for b in blocks], unit, n_fallen
+    return [line for b in blocks for line in b], unit, n_fallen
 
 
-def _single_byte_encoding(path: Path) -> str | None:
-    """``"cp1252"`` or ``"latin-1"`` for single-byte text; None if the file has NUL bytes."""
-    data = path.read_bytes()
-    if b"\0" in data:
-        return None  # binary, or UTF-16
-    try:
-        data.decode("cp1252")
-    except UnicodeDecodeError:
-        return "latin-1"  # decodes any byte
-    return "cp1252"
+def _decode_lines(data: bytes) -> tuple[list[str], dict[int, str]]:
+    """The lines of ``data`` (CRLF, CR or LF), each decoded on its own.
+
+    A line is decoded as UTF-8 if it is valid UTF-8, else as ``"cp1252"``, else as
+    ``"latin-1"`` (which decodes any byte).
+
+    Returns:
+        The decoded lines, and by 1-based line number the encoding of each line that was not
+        UTF-8.
+    """
+    lines, fallen = [], {}
+    for number, raw in enumerate(data.splitlines(), 1):
+        for encoding in ("utf-8", "cp1252", "latin-1"):
+            try:
+                lines.append(raw.decode(encoding))
+            except UnicodeDecodeError:
+                continue
+            if encoding != "utf-8":
+                fallen[number] = encoding
+            break
+    return lines, fallen

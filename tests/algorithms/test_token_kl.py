@@ -48,6 +48,26 @@ def test_token_stats_equal_a_loop_over_the_valid_tokens():
     assert float(stats[keys.TOKENS_KL_Q999]) == pytest.approx(want[1], rel=1e-5)
 
 
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("empty", [False, True])
+def test_token_stats_do_not_depend_on_the_default_dtype(default, empty):
+    """A ``*-true`` precision makes its dtype the default: the quantiles must not mind (also on
+    a rank with no response token, whose stand-in zeros are made here)."""
+    log_ratio, mask, _ = _batch()
+    log_ratio = log_ratio.float()
+    mask = torch.zeros_like(mask) if empty else mask
+    kl = per_token_kl(log_ratio, torch.zeros_like(log_ratio), "k3") * mask
+    ident = lambda x: x  # noqa: E731
+    want = token_kl_stats(log_ratio, kl, mask, 4.0, ident, ident)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = token_kl_stats(log_ratio, kl, mask, 4.0, ident, ident)
+    finally:
+        torch.set_default_dtype(before)
+    assert {k: float(v) for k, v in got.items()} == {k: float(v) for k, v in want.items()}
+
+
 def test_top_kl_tokens_names_the_largest_in_order():
     class Tok:
         def decode(self, ids):
@@ -109,3 +129,43 @@ def test_a_module_logs_the_diagnostics_and_the_trust_region_cuts_the_penalty(tin
     assert 0 < int(beyond.sum()) < int(traj_whole.response_mask.sum())
     assert torch.equal(traj_cut.kl[beyond], torch.zeros(int(beyond.sum())))
     assert torch.equal(traj_cut.kl[~beyond], traj_whole.kl[~beyond])
+
+
+class ScoreCapture(PPOModule):
+    """Keeps the last scored trajectory and diagnostics."""
+
+    def score(self, prompts, traj, policy_scores):
+        self.scored = super().score(prompts, traj, policy_scores)
+        return self.scored
+
+
+@pytest.mark.parametrize("trust_region", [None, 0.5])
+def test_the_trust_region_logs_what_it_left_out_and_the_penalty_it_applied(
+    tiny_lm_dir, trust_region
+):
+    """``objective/trust_region_masked`` is the fraction of response tokens left out of the
+    penalty, and ``objective/non_score_reward`` the penalty applied (the tokens inside); without
+    a trust region neither changes (no new key, ``-kl_coef * objective/kl`` as before)."""
+    torch.manual_seed(0)
+    kl = {"init_coef": 0.1, "trust_region": trust_region}
+    model = ScoreCapture(**module_args(tiny_lm_dir, kl=kl))
+    torch.manual_seed(1)
+    with torch.no_grad():  # a policy away from its reference
+        for p in model.policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    metrics = fit(model, batches=1, batch_size=8).callback_metrics
+    traj, _, _ = model.scored
+    mask = traj.response_mask.bool()
+    whole = float(metrics[keys.KL])
+    nsr = float(metrics[keys.NON_SCORE_REWARD])
+    if trust_region is None:
+        assert keys.TRUST_REGION_MASKED not in metrics
+        assert nsr == pytest.approx(-0.1 * whole, rel=1e-6)
+        return
+    outside = ((traj.logprobs - traj.ref_logprobs).abs() > trust_region) & mask
+    assert 0 < int(outside.sum()) < int(mask.sum())
+    masked = float(metrics[keys.TRUST_REGION_MASKED])
+    assert masked == pytest.approx(float(outside.sum() / mask.sum()), rel=1e-6)
+    applied = -0.1 * float((traj.kl * mask).sum(1).mean())  # traj.kl: inside tokens only
+    assert nsr == pytest.approx(applied, rel=1e-5)
+    assert abs(nsr - (-0.1 * whole)) > 1e-3  # the unmasked penalty is another number

@@ -110,3 +110,29 @@ def test_the_report_fits_the_fixed_groups_and_gives_every_other_group_its_gap():
     # Two fixed-beta points: no fit, the plot alone.
     del groups["fixed_0.03"]
     assert frontier_summary(groups) is None
+
+
+def test_with_one_seed_two_se_cover_far_less_and_the_report_says_so():
+    """One law seed: the SE is the frontier's alone, without the law's own noise (Monte Carlo:
+    9 fixed-beta points and the law, all with noise 0.02); the report says what it leaves out."""
+    rng = np.random.default_rng(3)
+    fixed_kl = np.repeat([2.0, 4.0, 8.3], 3)
+    covered, trials = 0, 2000
+    for _ in range(trials):
+        fit = fit_frontier(fixed_kl, A + B * np.log(fixed_kl) + 0.02 * rng.standard_normal(9))
+        law = A + B * math.log(6.0) + 0.01 + 0.02 * rng.standard_normal(1)
+        gap = frontier_gap(fit, [6.0], law)
+        covered += abs(gap["gap"] - 0.01) <= gap["two_se"]
+    assert 0.35 < covered / trials < 0.6  # about half (52% here), not 95%: the report says so
+    line = lambda k: A + B * math.log(k)  # noqa: E731
+    groups = {
+        "adaptive": _group(0.1, [6.0], [line(6.0) + 0.02]),
+        "fixed": _group(0.1, [4.0, 4.2], [line(4.0) + 0.01, line(4.2) - 0.01]),
+        "fixed_0.03": _group(0.03, [8.3], [line(8.3)]),
+    }
+    text = " ".join(_frontier_lines(frontier_summary(groups)[1]))
+    assert "A run of one seed has no scatter to measure" in text
+    assert "far less than 95%" in text
+    groups["adaptive"] = _group(0.1, [5.5, 6.0], [line(5.5) + 0.02, line(6.0) + 0.01])
+    text = " ".join(_frontier_lines(frontier_summary(groups)[1]))
+    assert "one seed" not in text  # said only where a gap has one seed

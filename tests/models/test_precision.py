@@ -174,3 +174,17 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny_lm_dir, p
     assert torch.equal(loss, loss_gc)
     assert grads.keys() == grads_gc.keys()
     assert all(torch.equal(grads[n], grads_gc[n]) for n in grads)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true", "64-true"])
+def test_the_per_token_kl_diagnostics_run_under_every_true_precision(tiny_lm_dir, precision):
+    """``logging.kl_token_threshold`` under a ``*-true`` precision, whose default dtype is the
+    run's: the quantile levels used to be built in it and ``torch.quantile`` refused them."""
+    seed_everything(0)
+    mod = module(tiny_lm_dir, logging={"log_samples_every": 0, "kl_token_threshold": 0.5})
+    trainer = fit(mod, precision=precision)
+    assert mod.batches_seen == 2 and mod.skipped_batches == 0
+    metrics = trainer.callback_metrics
+    tokens = {k: float(v) for k, v in metrics.items() if k.startswith("kl_tokens/")}
+    assert len(tokens) == 6 and all(torch.isfinite(torch.tensor(v)) for v in tokens.values())
+    assert tokens["kl_tokens/kl_q99"] <= tokens["kl_tokens/max_kl"]

@@ -437,9 +437,16 @@ def test_single_byte_text_is_read_with_a_warning_and_binary_is_still_refused(tmp
     pos, neg = tmp_path / "rt-polarity.pos", tmp_path / "rt-polarity.neg"
     pos.write_bytes("a caf\xe9 of a film .\nit\x92s fine .\n".encode("latin-1"))
     neg.write_bytes("na\xefve and dull .\n".encode("latin-1"))
-    with pytest.warns(RuntimeWarning, match=r"rt-polarity.pos' is not UTF-8; read as cp1252"):
-        texts, _ = read_corpus([str(pos), str(neg)])
+    with pytest.warns(RuntimeWarning) as record:
+        texts, stats = read_corpus([str(pos), str(neg)])
+    assert [str(w.message).split(f"{tmp_path}/")[1] for w in record] == [
+        "rt-polarity.pos' is not UTF-8 throughout: 2 of 2 lines (the first: line 1) read as "
+        "cp1252, the others as UTF-8",
+        "rt-polarity.neg' is not UTF-8 throughout: 1 of 1 lines (the first: line 1) read as "
+        "cp1252, the others as UTF-8",
+    ]
     assert texts == ["a café of a film .", "it’s fine .", "naïve and dull ."]
+    assert stats["not_utf8_lines"] == {str(pos): 2, str(neg): 1}
     undefined = tmp_path / "odd.txt"  # 0x81 has no character in cp1252: Latin-1 then
     undefined.write_bytes(b"caf\xe9 \x81 ok\n")
     with pytest.warns(RuntimeWarning, match="read as latin-1"):
@@ -448,3 +455,22 @@ def test_single_byte_text_is_read_with_a_warning_and_binary_is_still_refused(tmp
     binary.write_bytes(b"\xe9\x00\x01\x02 weights")
     with pytest.raises(ValueError, match=r"model.pos' is not plain text"):
         read_corpus([str(binary)])
+
+
+def test_one_latin1_line_in_a_utf8_file_costs_that_line_only(tmp_path):
+    """A UTF-8 file with one Latin-1 line: every other line is read as UTF-8, the count said.
+
+    The whole file used to be read as Windows-1252, so each UTF-8 ``é`` became ``Ã©``.
+    """
+    lines = [f"review {i}: un café très épicé, naïve et réussi" for i in range(400)]
+    path = tmp_path / "mixed.txt"
+    encoded = [line.encode("utf-8") for line in lines]
+    encoded[137] = lines[137].encode("latin-1")  # one line pasted from a Latin-1 file
+    path.write_bytes(b"\xef\xbb\xbf" + b"\r\n".join(encoded) + b"\r\n")  # BOM, CRLF
+    with pytest.warns(
+        RuntimeWarning, match=r"1 of 400 lines \(the first: line 138\) read as cp1252"
+    ):
+        texts, stats = read_corpus([str(path)], unit="line")
+    assert texts == lines  # the Latin-1 line decoded right too
+    assert not any("Ã" in text for text in texts)
+    assert stats["not_utf8_lines"] == {str(path): 1}
