@@ -151,7 +151,7 @@ def make_tokenizer(config: ExactWorldConfig):
 
 
 def make_reference(config: ExactWorldConfig):
-    """The reference GPT-2: seeded random weights of scale ``init_scale``, no dropout."""
+    """The reference GPT-2: seeded random float32 weights of scale ``init_scale``, no dropout."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(config.seed)
@@ -169,9 +169,16 @@ def make_reference(config: ExactWorldConfig):
         eos_token_id=None,
         pad_token_id=None,
     )
+    # In float32 whatever the default dtype (Lightning's 64-true sets it while a module is
+    # built, which may build the world first): another dtype draws other weights.
+    dtype = torch.get_default_dtype()
     with torch.random.fork_rng():
         torch.manual_seed(config.seed)
-        return GPT2LMHeadModel(model_config).eval()
+        torch.set_default_dtype(torch.float32)
+        try:
+            return GPT2LMHeadModel(model_config).eval()
+        finally:
+            torch.set_default_dtype(dtype)
 
 
 def build_exact_world(config: ExactWorldConfig | None = None, root: Path | None = None) -> Path:

@@ -155,6 +155,20 @@ def test_only_k1_in_the_reward_has_its_exact_end_point_at_the_optimum(world):
         placement_end_point(world, beta, "loss", "exact")
 
 
+def test_the_world_is_the_same_whatever_the_default_dtype(world, tmp_path):
+    """A world first built under another default dtype (Lightning's ``64-true`` sets it) is
+    built in float32 all the same: the cache holds one world per name."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        path = build_exact_world(root=tmp_path)
+    finally:
+        torch.set_default_dtype(before)
+    again = ExactWorld(root=tmp_path)
+    assert again.model_dir == path
+    torch.testing.assert_close(again.ref_logprobs, world.ref_logprobs, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["exact_ppo.yaml", "exact_rloo.yaml"])
 def test_the_configs_train_and_exact_metrics_log_the_final_policy_exactly(
     name, world, tmp_path, monkeypatch
