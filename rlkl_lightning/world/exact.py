@@ -347,6 +347,7 @@ def placement_end_point(
     steps: int = 3000,
     lr: float = 0.05,
     whiten: bool = False,
+    scale_kl: bool = False,
 ) -> Tensor:
     """Where a KL placement's expected gradient leads: ``[N]`` sequence log-probabilities.
 
@@ -360,8 +361,12 @@ def placement_end_point(
       held fixed (``k1``'s second term is 0: pure reward ascent, with no end point).
 
     With ``whiten``, the first term's advantages (returns minus their mean) are divided by their
-    standard deviation under ``pi``, as PPO whitens its advantages: the same end point with the
-    KL in the reward (a scale), another one with the KL in the loss, whose term is not scaled.
+    standard deviation ``sigma`` under ``pi``, as PPO whitens its advantages: the same end point
+    with the KL in the reward (a scale). With the KL in the loss and ``scale_kl`` (PPO since the
+    fix of issue 37), the KL term is divided by ``sigma`` too: the same end point again. Without
+    ``scale_kl`` (PPO before it), the KL term weighs ``beta x sigma`` against the raw reward,
+    ``sigma`` shrinks as the policy sharpens, and with ``k2`` the policy runs away to the top
+    response (docs/exact.md).
 
     Only ``k1`` in the reward ends at ``pi*`` (docs/kl.md, "Where the KL goes"); the others'
     end points are the yardsticks of where training with them can end at best.
@@ -396,11 +401,12 @@ def placement_end_point(
         if placement == "reward":  # held fixed, as a reward is
             returns = returns - beta * penalty.detach()
         advantages = returns - (weights * returns).sum()
+        sigma = 1.0
         if whiten:  # PPO's whitening: the advantages divided by their standard deviation
-            advantages = advantages / (weights * advantages**2).sum().sqrt().clamp_min(1e-12)
-        objective = (weights * logp * advantages).sum()
+            sigma = (weights * advantages**2).sum().sqrt().clamp_min(1e-12)
+        objective = (weights * logp * advantages / sigma).sum()
         if placement == "loss":
-            objective = objective - beta * (weights * penalty).sum()
+            objective = objective - beta * (weights * penalty).sum() / (sigma if scale_kl else 1)
         optimizer.zero_grad()
         (-objective).backward()
         optimizer.step()
