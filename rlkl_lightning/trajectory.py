@@ -2,7 +2,7 @@
 
 Shapes: ``B`` sequences, ``P`` prompt tokens (left padded), ``R`` response tokens (right
 padded after the first EOS). The rollout fills the first five fields, scoring the next four,
-and shaping the last two; minibatches are ``trajectory.select(rows)``.
+and shaping the last three; minibatches are ``trajectory.select(rows)``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ class Trajectory(NamedTuple):
         values: ``[B, R]`` value estimates at rollout time (None without a critic).
         advantages: ``[B, R]`` advantages (whitened where the algorithm whitens them).
         returns: ``[B, R]`` value targets (None without a critic).
+        kl_scale: ``[B]`` what the KL term of the loss is divided by, per sequence (detached):
+            the scale the algorithm divided its advantages by, so that beta keeps the reward's
+            units (PPO: the whitening's standard deviation); None: 1 (docs/kl.md, "What beta
+            means in the loss").
     """
 
     input_ids: Tensor
@@ -41,6 +45,7 @@ class Trajectory(NamedTuple):
     values: Tensor | None = None
     advantages: Tensor | None = None
     returns: Tensor | None = None
+    kl_scale: Tensor | None = None
 
     def select(self, rows: Tensor) -> Trajectory:
         """The trajectory of the sequences ``rows`` (a minibatch); unset fields stay None."""

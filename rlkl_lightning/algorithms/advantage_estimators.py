@@ -80,13 +80,44 @@ def gae_advantages(traj: Trajectory, kl_coef: float, options: Any, global_sum: G
     ``r_t = -kl_coef * kl_t`` plus the score on the last response token (Ziegler et al. 2019,
     arXiv 1909.08593, eq. 2), GAE (Schulman et al. 2016, arXiv 1506.02438) with ``gamma`` and
     ``lam``, optionally rewards whitened first (``whiten_rewards``).
+
+    The advantages are whitened: divided by their standard deviation over the batch's tokens,
+    ``s = sqrt(var + 1e-8)`` (so ``s >= 1e-4``). ``kl_scale`` records ``s`` (times the rewards'
+    own divisor with ``whiten_rewards``), detached, so that a KL term in the loss is divided by
+    it too: the whole policy objective is then ``(raw surrogate + beta x KL) / s``, beta keeps
+    the reward's units, and whitening changes the step's scale, not where training ends. An
+    unscaled KL term would weigh ``beta x s`` against the raw reward, and ``s`` shrinks as the
+    policy sharpens (docs/exact.md: PPO with k2 in the loss ran away so).
     """
     mask = traj.response_mask
     rewards = shape_rewards(traj.scores, traj.kl, kl_coef, mask)
+    reward_scale = None
     if options.whiten_rewards:
+        reward_scale = whitening_scale(rewards, mask, global_sum)
         rewards = masked_whiten(rewards, mask, shift_mean=False)
     advantages, returns = gae(rewards, traj.values, mask, options.gamma, options.lam)
-    return traj._replace(advantages=masked_whiten(advantages, mask), returns=returns)
+    scale = whitening_scale(advantages, mask, global_sum)
+    if reward_scale is not None:
+        scale = scale * reward_scale
+    kl_scale = scale.to(advantages.dtype).expand(mask.shape[0]).clone()
+    return traj._replace(
+        advantages=masked_whiten(advantages, mask), returns=returns, kl_scale=kl_scale
+    )
+
+
+def whitening_scale(x: Tensor, mask: Tensor, global_sum: GlobalSum, eps: float = 1e-8) -> Tensor:
+    """What :func:`~rlkl_lightning.masked.masked_whiten` divides by: ``sqrt(var + eps)``, detached.
+
+    The unbiased variance of the valid entries of every rank (float64, two passes, one per sum),
+    so the scale is the one ``masked_whiten`` uses to float rounding; ``eps`` floors it at
+    ``sqrt(eps)``.
+    """
+    x = x.detach().to(torch.float64)
+    valid = mask.to(torch.bool)
+    count_sum = global_sum(torch.stack([valid.sum().to(x.dtype), x[valid].sum()]))
+    mean = count_sum[1] / count_sum[0]
+    squares = global_sum(((x[valid] - mean) ** 2).sum())
+    return (squares / (count_sum[0] - 1) + eps).sqrt()
 
 
 def _group_estimator(method: str) -> AdvantageEstimator:

@@ -4,12 +4,16 @@ One (micro-)minibatch's loss is, in this order of summation::
 
     loss = surrogate [+ the algorithm's own term, e.g. PPO's vf_coef x value loss]
            - ent_coef x entropy            (with ent_coef > 0)
-           + kl_coef x kl_loss             (with kl.placement = "loss")
+           + kl_coef x kl_loss / kl_scale  (with kl.placement = "loss")
 
 * the surrogate is PPO's clipped one (Schulman et al. 2017, arXiv 1707.06347, eq. 7) with a
   per-token or per-sequence ratio (GSPO, arXiv 2507.18071) and clip-higher (DAPO, arXiv
   2503.14476): :func:`~rlkl_lightning.algorithms.losses.policy_loss`;
-* the KL term is :func:`~rlkl_lightning.kl.loss.kl_loss` (docs/kl.md, "Where the KL goes");
+* the KL term is :func:`~rlkl_lightning.kl.loss.kl_loss` (docs/kl.md, "Where the KL goes"),
+  each sequence's divided by the scale its advantages were divided by
+  (``Trajectory.kl_scale``: PPO's whitening; none for RLOO and GRPO), so that beta weighs the
+  KL in the raw reward's units wherever the advantages are whitened (docs/kl.md, "What beta
+  means in the loss");
 * every per-token term is made one number by ``reduce``, the loss aggregation
   (:mod:`rlkl_lightning.algorithms.aggregation`).
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from rlkl_lightning import metric_keys as keys
@@ -98,17 +103,14 @@ class PolicyObjective:
             loss = loss - opts.ent_coef * entropy
             stats[keys.LOSS_ENTROPY_BONUS] = entropy.detach()
         if self.kl.placement == "loss":
-            term = kl_loss(
-                new.logprobs,
-                mb.logprobs,
-                mb.ref_logprobs,
-                mask,
-                self.kl.loss_estimator,
-                self.kl.loss_weight_clip,
-                reduce,
-                self.kl.trust_region,
-            )
-            stats[keys.LOSS_KL] = term.detach()
+            args = (new.logprobs, mb.logprobs, mb.ref_logprobs, mask, self.kl.loss_estimator)
+            kl_args = (self.kl.loss_weight_clip, reduce, self.kl.trust_region)
+            term = kl_loss(*args, *kl_args, scale=mb.kl_scale)
+            if mb.kl_scale is None:
+                stats[keys.LOSS_KL] = term.detach()
+            else:  # loss/kl stays the term in nats; the loss divides it as the advantages were
+                with torch.no_grad():
+                    stats[keys.LOSS_KL] = kl_loss(*args, *kl_args)
             loss = loss + kl_coef * term
         stats[keys.LOSS_TOTAL] = loss.detach()
         return loss, stats

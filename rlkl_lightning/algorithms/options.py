@@ -202,7 +202,8 @@ class KLPenalty:
             estimator (docs/extending.md).
         placement: where ``kl_coef x KL`` enters the update: ``reward`` (subtracted from the
             reward, reaching the policy through the policy-gradient term) or ``loss`` (added
-            to the loss as ``kl_coef x kl_loss``; the reward has no KL term); see
+            to the loss as ``kl_coef x kl_loss``, divided by PPO's whitening scale; the
+            reward has no KL term); see
             :mod:`rlkl_lightning.kl.loss` and docs/kl.md, "Where the KL goes".
         loss_estimator: with ``placement="loss"``, the estimator that is differentiated:
             ``k1``, ``k2`` or ``k3`` (``k2`` follows the per-token KL gradient on-policy).

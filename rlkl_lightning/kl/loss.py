@@ -6,8 +6,8 @@
   and subtracted from the reward, so it reaches the policy through the policy-gradient term
   (Ziegler et al. 2019, arXiv 1909.08593); the loss has no KL term.
 * ``"loss"`` (GRPO style, Shao et al. 2024, arXiv 2402.03300): the reward has no KL term, and
-  the loss adds ``beta * kl_loss(...)``, an estimator (``kl_loss_estimator``) that is
-  differentiated through the policy's log-probabilities.
+  the loss adds ``beta * kl_loss(...)`` (divided by PPO's whitening scale), an estimator
+  (``kl_loss_estimator``) that is differentiated through the policy's log-probabilities.
 
 Which gradient each choice follows, on-policy (``y ~ pi``), with ``l_t = log pi(y_t|s_t) -
 log ref(y_t|s_t)`` and ``KL_t(s) = KL(pi(.|s)‖ref(.|s))`` (Tang & Munos 2025, arXiv 2506.09477;
@@ -32,6 +32,10 @@ loss weights each token by ``w_t = pi(y_t|s_t) / pi_old(y_t|s_t)``, detached and
 distribution given its prefix, not the prefix's (as PPO's own ratio does); a cap that binds
 trades a bias for bounded variance. With ``old_logprobs == logprobs`` (on-policy), ``w = 1``
 exactly.
+
+Where an algorithm divided its advantages by a scale (PPO's whitening), each sequence's term is
+divided by the same scale (``scale``), so that beta weighs the KL in the raw reward's units
+(docs/kl.md, "What beta means in the loss").
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ def kl_loss(
     weight_clip: float | None,
     reduce: Callable[[Tensor, Tensor], Tensor] = masked_mean,
     trust_region: float | None = None,
+    scale: Tensor | None = None,
 ) -> Tensor:
     """The KL term of the loss: ``masked_mean(w_t * k(l_t))``, differentiated through ``logprobs``.
 
@@ -96,6 +101,9 @@ def kl_loss(
         trust_region: Tokens whose current ``|l_t|`` exceeds this add nothing to the term
             (still counted in the mean); None: every token. This biases the gradient
             (``tests/kl/test_gradients.py``; docs/kl.md, "A per-token trust region").
+        scale: ``[B]`` each sequence's term is divided by it (detached): the scale its
+            advantages were divided by (``Trajectory.kl_scale``; PPO's whitening), so that
+            beta weighs the KL in the reward's units; None: no scale.
 
     Returns:
         The scalar loss (nats per token, weighted).
@@ -120,7 +128,15 @@ def kl_loss(
     per_token = found.per_token(new, ref.detach())
     if trust_region is not None:
         per_token = per_token * within_trust_region(new - ref, trust_region)
-    return reduce(kl_loss_weights(new, old.detach(), weight_clip) * per_token, valid)
+    weights = kl_loss_weights(new, old.detach(), weight_clip)
+    if scale is not None:
+        if scale.shape != logprobs.shape[:1]:
+            raise ValueError(
+                f"kl_loss: `scale` must have the shape {tuple(logprobs.shape[:1])} (one per "
+                f"sequence), got {tuple(scale.shape)}"
+            )
+        weights = weights / scale.detach().to(weights)[:, None]
+    return reduce(weights * per_token, valid)
 
 
 def within_trust_region(log_ratio: Tensor, trust_region: float) -> Tensor:

@@ -151,7 +151,7 @@ def make_tokenizer(config: ExactWorldConfig):
 
 
 def make_reference(config: ExactWorldConfig):
-    """The reference GPT-2: seeded random weights of scale ``init_scale``, no dropout."""
+    """The reference GPT-2: seeded random float32 weights of scale ``init_scale``, no dropout."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(config.seed)
@@ -169,9 +169,16 @@ def make_reference(config: ExactWorldConfig):
         eos_token_id=None,
         pad_token_id=None,
     )
+    # In float32 whatever the default dtype (Lightning's 64-true sets it while a module is
+    # built, which may build the world first): another dtype draws other weights.
+    dtype = torch.get_default_dtype()
     with torch.random.fork_rng():
         torch.manual_seed(config.seed)
-        return GPT2LMHeadModel(model_config).eval()
+        torch.set_default_dtype(torch.float32)
+        try:
+            return GPT2LMHeadModel(model_config).eval()
+        finally:
+            torch.set_default_dtype(dtype)
 
 
 def build_exact_world(config: ExactWorldConfig | None = None, root: Path | None = None) -> Path:
@@ -340,6 +347,7 @@ def placement_end_point(
     steps: int = 3000,
     lr: float = 0.05,
     whiten: bool = False,
+    scale_kl: bool = False,
 ) -> Tensor:
     """Where a KL placement's expected gradient leads: ``[N]`` sequence log-probabilities.
 
@@ -353,8 +361,12 @@ def placement_end_point(
       held fixed (``k1``'s second term is 0: pure reward ascent, with no end point).
 
     With ``whiten``, the first term's advantages (returns minus their mean) are divided by their
-    standard deviation under ``pi``, as PPO whitens its advantages: the same end point with the
-    KL in the reward (a scale), another one with the KL in the loss, whose term is not scaled.
+    standard deviation ``sigma`` under ``pi``, as PPO whitens its advantages: the same end point
+    with the KL in the reward (a scale). With the KL in the loss and ``scale_kl`` (PPO since the
+    fix of issue 37), the KL term is divided by ``sigma`` too: the same end point again. Without
+    ``scale_kl`` (PPO before it), the KL term weighs ``beta x sigma`` against the raw reward,
+    ``sigma`` shrinks as the policy sharpens, and with ``k2`` the policy runs away to the top
+    response (docs/exact.md).
 
     Only ``k1`` in the reward ends at ``pi*`` (docs/kl.md, "Where the KL goes"); the others'
     end points are the yardsticks of where training with them can end at best.
@@ -389,11 +401,12 @@ def placement_end_point(
         if placement == "reward":  # held fixed, as a reward is
             returns = returns - beta * penalty.detach()
         advantages = returns - (weights * returns).sum()
+        sigma = 1.0
         if whiten:  # PPO's whitening: the advantages divided by their standard deviation
-            advantages = advantages / (weights * advantages**2).sum().sqrt().clamp_min(1e-12)
-        objective = (weights * logp * advantages).sum()
+            sigma = (weights * advantages**2).sum().sqrt().clamp_min(1e-12)
+        objective = (weights * logp * advantages / sigma).sum()
         if placement == "loss":
-            objective = objective - beta * (weights * penalty).sum()
+            objective = objective - beta * (weights * penalty).sum() / (sigma if scale_kl else 1)
         optimizer.zero_grad()
         (-objective).backward()
         optimizer.step()

@@ -162,7 +162,10 @@ def test_ppo_rewards_hold_no_kl_when_the_kl_is_in_the_loss(tiny_lm_dir, other_re
 
 @pytest.mark.parametrize("cls", [PPOModule, RLOOModule])
 def test_kl_in_the_loss_adds_beta_times_kl_loss(tiny_lm_dir, other_reference, cls):
-    """The loss with the KL in the loss = the loss without it + beta x kl_loss, recomputed."""
+    """The loss with the KL in the loss = the loss without it + beta x kl_loss / s, recomputed.
+
+    ``s``: PPO's whitening scale (``traj.kl_scale``, one per batch); RLOO divides nothing.
+    """
     seed_everything(0)
     extra = {"group": {"responses_per_prompt": K}} if cls is RLOOModule else {}
     kl = {"init_coef": 0.7, "placement": "loss", "loss_estimator": "k3", "loss_weight_clip": 1.5}
@@ -180,7 +183,13 @@ def test_kl_in_the_loss_adds_beta_times_kl_loss(tiny_lm_dir, other_reference, cl
     assert bool((weights > 1.5).any()) and bool((weights < 1.5).any())
     term = kl_loss(new, old, traj.ref_logprobs, traj.response_mask, "k3", 1.5)
     torch.testing.assert_close(stats["loss/kl"], term.detach(), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(loss, base + 0.7 * term, rtol=1e-6, atol=1e-7)
+    if cls is RLOOModule:
+        assert traj.kl_scale is None
+        scale = 1.0
+    else:
+        scale = traj.kl_scale[0]
+        assert bool((traj.kl_scale == scale).all()) and float(scale) != pytest.approx(1.0)
+    torch.testing.assert_close(loss, base + 0.7 * term / scale, rtol=1e-6, atol=1e-7)
     assert stats["loss/total"] == loss.detach()
 
 

@@ -517,3 +517,67 @@ def test_a_trust_region_biases_the_kl_gradient(autoregressive, prefix_free):
         second_way = model.grad((weight.detach() * (kept * logprobs).sum(-1)).sum())
         assert relative_error(in_loss, second_way) < MATCH
         assert relative_error(in_loss, g["tok"]) > MISS
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_ppos_whitening_scales_the_kl_term_of_its_loss_alike(estimator):
+    """PPO's whitened objective is its raw one divided by one number, the KL term included.
+
+    Issue 37: PPO with k2 in the loss ran away on the exact world because its advantages were
+    divided by their standard deviation ``s`` and its KL term was not, so beta weighed
+    ``beta x s`` of KL against the raw reward, and ``s`` shrinks as the policy sharpens. The
+    gradient of the library's PPO loss (``gae_advantages``, then ``PolicyObjective``) through a
+    tiny GPT-2 must be the raw objective's (GAE advantages centred but not divided, the KL term
+    unscaled) divided by ``s``, to 1e-5 relative (measured 2e-7 and 4e-7); before the fix it
+    missed by 0.75 (its KL term was not divided).
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlkl_lightning.algorithms.advantage_estimators import gae_advantages
+    from rlkl_lightning.algorithms.objective import PolicyObjective
+    from rlkl_lightning.algorithms.options import KLPenalty, Objective, PPOOptions
+    from rlkl_lightning.models.logprobs import score_tokens
+    from rlkl_lightning.trajectory import Trajectory
+
+    config = GPT2Config(
+        vocab_size=V, n_positions=8, n_embd=16, n_layer=1, n_head=2, initializer_range=0.5
+    )
+    config.bos_token_id = config.eos_token_id = None
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(config).eval()
+    torch.manual_seed(1)
+    reference = GPT2LMHeadModel(config).eval()
+    ids = torch.cat([torch.zeros(len(RESPONSES), 1, dtype=torch.long), RESPONSES], dim=1)
+    mask = torch.ones(len(RESPONSES), T)
+    traj = Trajectory(ids, torch.ones_like(ids), RESPONSES, mask)
+    with torch.no_grad():
+        old = score_tokens(policy, traj, 1.0, logits=False).logprobs
+        ref = score_tokens(reference, traj, 1.0, logits=False).logprobs
+    gen = torch.Generator().manual_seed(2)
+    scores = 0.3 * torch.randn(len(RESPONSES), generator=gen)  # a small spread: s well below 1
+    values = 0.1 * torch.randn(len(RESPONSES), T, generator=gen)
+    traj = traj._replace(
+        logprobs=old,
+        ref_logprobs=ref,
+        kl=per_token_kl(old, ref, "k1"),
+        scores=scores,
+        values=values,
+    )
+    beta, options = 0.5, PPOOptions()
+    kl = KLPenalty(placement="loss", loss_estimator=estimator)
+    objective = PolicyObjective(Objective(), kl, 1.0)
+    params = [p for p in policy.parameters() if p.requires_grad]
+
+    def gradient(batch: Trajectory) -> Tensor:
+        loss, _ = objective(policy, batch, beta)
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+
+    whitened = gae_advantages(traj, 0.0, options, lambda x: x)  # beta is in the loss
+    rewards = shape_rewards(scores, traj.kl, 0.0, mask)
+    raw, _ = gae(rewards, values, mask, options.gamma, options.lam)
+    s = float((raw.var() + 1e-8).sqrt())
+    assert s < 0.5  # the case the fix is about: an unscaled KL term would weigh beta x s
+    assert relative_error(whitened.advantages, (raw - raw.mean()) / s) < 1e-5
+    centred = traj._replace(advantages=raw - raw.mean())  # whitening's shift: a baseline
+    want = gradient(centred) / s  # the raw objective, scaled as a whole
+    assert relative_error(gradient(whitened), want) < 1e-5

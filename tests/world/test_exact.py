@@ -155,6 +155,51 @@ def test_only_k1_in_the_reward_has_its_exact_end_point_at_the_optimum(world):
         placement_end_point(world, beta, "loss", "exact")
 
 
+def test_whitening_without_scaling_the_kl_term_runs_away_with_k2_in_the_loss(world):
+    """Issue 37's cause, by exact gradients: PPO whitened its advantages, not its KL term.
+
+    The advantages divided by their standard deviation ``sigma`` and the KL term not: beta
+    weighs ``beta x sigma`` of KL against the raw reward. ``k2``'s per-token reverse KL lets the
+    policy sharpen, which shrinks ``sigma``, which weakens the KL: the policy runs to the top
+    response (KL 10.87 of the 10.92 it has). ``k3``'s forward KL keeps the policy spread, so
+    ``sigma`` stays near 1 and it settles (KL 2.83, near its unwhitened 2.76). Dividing the KL
+    term by ``sigma`` too (PPO since the fix) gives the unwhitened end point again.
+    """
+    beta = 0.5
+    point = {}
+    for estimator in ("k2", "k3"):
+        for whiten, scale in ((False, False), (True, False), (True, True)):
+            # k2 whitened alone needs the steps to run away; the others settle by 600.
+            steps = 3000 if (estimator, whiten, scale) == ("k2", True, False) else 600
+            logprobs = placement_end_point(
+                world, beta, "loss", estimator, steps, whiten=whiten, scale_kl=scale
+            )
+            point[estimator, whiten, scale] = world.policy_metrics(logprobs, beta)
+    top = -float(world.ref_logprobs[world.rewards.argmax()])  # 10.92: one response, the best
+    assert point["k2", True, False]["kl_to_ref"] > 0.95 * top
+    assert point["k2", True, False]["kl_to_optimum"] > 5  # from 1.93 at the reference
+    assert point["k3", True, False]["kl_to_ref"] < 3.0  # k3 whitened alike settles
+    for estimator in ("k2", "k3"):
+        raw, fixed = point[estimator, False, False], point[estimator, True, True]
+        assert fixed["kl_to_optimum"] == pytest.approx(raw["kl_to_optimum"], abs=1e-3)
+        assert fixed["kl_to_ref"] == pytest.approx(raw["kl_to_ref"], abs=1e-2)
+    assert point["k2", False, False]["kl_to_optimum"] < 0.07  # k2's own end point: 0.058
+
+
+def test_the_world_is_the_same_whatever_the_default_dtype(world, tmp_path):
+    """A world first built under another default dtype (Lightning's ``64-true`` sets it) is
+    built in float32 all the same: the cache holds one world per name."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        path = build_exact_world(root=tmp_path)
+    finally:
+        torch.set_default_dtype(before)
+    again = ExactWorld(root=tmp_path)
+    assert again.model_dir == path
+    torch.testing.assert_close(again.ref_logprobs, world.ref_logprobs, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["exact_ppo.yaml", "exact_rloo.yaml"])
 def test_the_configs_train_and_exact_metrics_log_the_final_policy_exactly(
     name, world, tmp_path, monkeypatch
