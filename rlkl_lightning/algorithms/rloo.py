@@ -204,16 +204,17 @@ class RLOOModule(RLPipeline):
 
     @override
     def update(self, traj: Trajectory) -> dict[str, Tensor]:
-        """The shared update, on the responses :meth:`rows_to_train` keeps."""
+        """The shared update, on the responses :meth:`rows_to_train` keeps.
+
+        It takes its ``ppo_epochs`` x ``num_minibatches`` optimizer steps however few responses
+        are kept (:func:`~rlkl_lightning.algorithms.update.run_update`): a ``max_steps``-bound
+        run trains as many batches as without the options. With none kept, every step's
+        gradient is zero.
+        """
         rows = self.rows_to_train(traj)
         if rows is None:
             return super().update(traj)
         stats = {keys.TRAINED_FRACTION: torch.tensor(rows.numel() / traj.scores.numel())}
-        if rows.numel() == 0:  # nothing to learn from: no step, the schedule moves on
-            scheduler = self.lr_schedulers()
-            scheduler.step()
-            stats[keys.LR] = torch.tensor(scheduler.get_last_lr()[0], dtype=torch.float32)
-            return stats
         return {**super().update(traj.select(rows)), **stats}
 
     @override

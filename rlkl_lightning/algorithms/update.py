@@ -86,6 +86,9 @@ class Updatable(Protocol):
     def manual_backward(self, loss: Tensor) -> None:
         """Lightning's backward pass."""
 
+    def parameters(self) -> Any:
+        """The module's weights (``nn.Module.parameters``)."""
+
     def optimizers(self) -> Any:
         """Lightning's optimizer."""
 
@@ -93,32 +96,75 @@ class Updatable(Protocol):
         """Lightning's LR scheduler."""
 
 
+def split(rows: Tensor, parts: int) -> tuple[Tensor, ...]:
+    """``rows`` in exactly ``parts`` consecutive pieces; some are empty if there are fewer rows.
+
+    ``torch.chunk``'s pieces where it makes ``parts`` of them (every split whose pieces all have
+    rows: they stay what they always were), else ``torch.tensor_split``'s, whose sizes differ by
+    at most one. ``torch.chunk`` alone makes pieces of ``ceil(n / parts)`` rows and so fewer
+    than ``parts`` of them for some ``n`` (1 piece of 1 row, but 2 of 3 rows and 4 of 4, in
+    2 parts; 3 pieces of 6 rows in 4 parts).
+    """
+    pieces = rows.chunk(parts)
+    return pieces if len(pieces) == parts else rows.tensor_split(parts)
+
+
+def zero_loss(module: Updatable, traj: Trajectory) -> Tensor:
+    """A loss of exactly 0 whose backward pass reaches the trainable weights: an empty micro-batch.
+
+    With a row on this rank, the loss of its first row times 0: the models run their forward
+    pass as on a real micro-batch (FSDP gathers its weights there, on every rank alike) and
+    every weight the loss reaches gets a zero gradient. With none (a one-process update on no
+    rows), ``0 x`` the sum of each trainable weight.
+    """
+    if traj.response_ids.shape[0]:
+        first = torch.zeros(1, dtype=torch.long, device=traj.response_ids.device)
+        loss, _ = module.loss(traj.select(first))
+        return loss * 0
+    params = [p for p in module.parameters() if p.requires_grad]
+    return torch.stack([p.sum() * 0 for p in params]).sum()
+
+
 def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
     """``ppo_epochs`` x ``num_minibatches`` optimizer steps of ``module.loss`` over ``traj``.
 
     Each minibatch's loss aggregates its per-token terms as ``objective.aggregation`` says
     (:mod:`~rlkl_lightning.algorithms.aggregation`; by default the token-weighted mean of its
-    micro-batches' token means); the returned statistics are means over the optimizer steps,
-    plus the learning rate. The ``loss/*`` statistics are the minibatch's aggregated losses, the
-    others token means.
+    micro-batches' token means); the returned statistics are means over the optimizer steps
+    that had rows, plus the learning rate. The ``loss/*`` statistics are the minibatch's
+    aggregated losses, the others token means.
+
+    The number of steps, and of micro-batches in each (``grad_accum_steps``), depends on the
+    options alone, never on the rows: ranks with different numbers of rows make the same
+    backward passes (each an all-reduce under DDP) and take the same steps, and a batch takes
+    as many steps whatever rows an algorithm trains on (:func:`split`). A micro-batch that gets
+    no row runs the backward pass of :func:`zero_loss` where another rank may be waiting on it
+    (under DDP), or where its whole minibatch is empty (one process): that step's gradient is
+    the other ranks' alone, or zero (AdamW's moments and weight decay still move the weights).
     """
     hp = module.optimization
     aggregation = module.objective.aggregation
     optimizer = module.optimizers()
     scheduler = module.lr_schedulers()
+    world = module.trainer.world_size if module._trainer is not None else 1
     tokens_per_rank = 0.0
     if aggregation == "batch_token_mean":  # DAPO's normaliser: the whole batch, every rank
-        world = module.trainer.world_size if module._trainer is not None else 1
         local = traj.response_mask.sum().to(torch.float32)
         tokens_per_rank = float(global_sum(module._trainer, local)) / world
     totals: dict[str, float] = {}
-    updates = 0
+    counts: dict[str, int] = {}
     for _ in range(hp.ppo_epochs):
         order = torch.randperm(traj.response_ids.shape[0], device=module.device)
-        for minibatch in order.chunk(hp.num_minibatches):
+        for minibatch in split(order, hp.num_minibatches):
             mb_tokens = traj.response_mask[minibatch].sum().clamp(min=1)
             step_stats: dict[str, float] = {}
-            for micro in minibatch.chunk(hp.grad_accum_steps):
+            for micro in split(minibatch, hp.grad_accum_steps):
+                if not len(micro):
+                    if world > 1 or not len(minibatch):
+                        loss = zero_loss(module, traj)
+                        module.gate(not bool(torch.isfinite(loss)), "the loss is not finite")
+                        module.manual_backward(loss)
+                    continue
                 part = traj.select(micro)
                 weight = part.response_mask.sum() / mb_tokens
                 if aggregation == "token_mean":
@@ -149,11 +195,11 @@ def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
             step_stats[keys.GRAD_NORM] = grad_norm
             for key, value in step_stats.items():
                 totals[key] = totals.get(key, 0.0) + value
-            updates += 1
+                counts[key] = counts.get(key, 0) + 1
     scheduler.step()
     # float32 explicitly: under bf16-true Lightning makes bf16 the default dtype in steps.
     f32 = torch.float32
-    result = {key: torch.tensor(value / updates, dtype=f32) for key, value in totals.items()}
+    result = {key: torch.tensor(value / counts[key], dtype=f32) for key, value in totals.items()}
     result[keys.LR] = torch.tensor(scheduler.get_last_lr()[0], dtype=f32)
     return result
 

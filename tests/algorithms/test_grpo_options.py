@@ -148,6 +148,47 @@ def test_the_filter_trains_on_fewer_responses_but_the_kl_callbacks_count_them_al
     assert module.betas_used[1] == pytest.approx(replay.value, rel=1e-6)
 
 
+def no_signal(prompt: str, response: str) -> float:
+    """Every response scores 1: every group is flat, the filter keeps nothing."""
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    ("reward", "kept"),
+    [(flat_for_the_food, "some"), (no_signal, "none")],
+    ids=["flat-groups", "all-flat"],
+)
+def test_a_max_steps_run_trains_its_batches_whatever_the_filter_keeps(tiny_lm_dir, reward, kept):
+    """A batch takes ``ppo_epochs x num_minibatches`` optimizer steps however many responses
+    the filter keeps, so a run bounded by ``max_steps`` trains ``max_steps / steps`` batches.
+
+    5 prompts x K = 20 responses in 20 minibatches: the filter keeps at most 16 (the food's
+    group is flat), which ``torch.chunk`` made at most 16 steps (and none when it keeps none),
+    so the run trained more batches than ``max_steps`` meant, up to ``max_epochs``.
+    """
+    from helpers.trainers import fit_on_prompts
+
+    seed_everything(0)
+    batches, steps = 3, 5 * K
+    args = module_args(
+        tiny_lm_dir,
+        group={"responses_per_prompt": K, "advantage": "grpo", "drop_zero_std_groups": True},
+        optimization={"ppo_epochs": 1, "num_minibatches": steps},
+    )
+    args["reward"] = FunctionReward(reward)
+    module = RecordingRLOO(**args)
+    trainer = fit_on_prompts(
+        module, PROMPTS, batch_size=5, max_steps=batches * steps, max_epochs=4 * batches
+    )
+    assert trainer.global_step == batches * steps
+    assert len(module.history) == batches
+    fractions = [h["objective/trained_fraction"] for h in module.history]
+    if kept == "none":
+        assert fractions == [0.0] * batches
+    else:
+        assert all(0 < f < 0.81 for f in fractions)  # the food's group (1/5) is always left out
+
+
 def test_the_options_that_drop_responses_refuse_two_processes(tiny_lm_dir):
     module = rloo(tiny_lm_dir, group={"drop_zero_std_groups": True})
     module._trainer = SimpleNamespace(world_size=2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -46,13 +47,31 @@ def free_port() -> int:
             return port
 
 
-def train_py(config: Path, cwd: Path, *args: str) -> None:
-    """``python train.py fit --config CONFIG ARGS`` as a process, with ``tests/`` importable."""
+def train_py(config: Path, cwd: Path, *args: str, timeout: float = 300) -> None:
+    """``python train.py fit --config CONFIG ARGS`` as a process, with ``tests/`` importable.
+
+    The run gets a session of its own: past ``timeout`` seconds (a hung DDP collective) the
+    whole session is killed, the ranks Lightning started included, and the test fails.
+    """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
     env["MASTER_PORT"] = str(free_port())  # used by a DDP run only
     command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(config), *args]
-    proc = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = subprocess.Popen(
+        command,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run's own session: its ranks and nothing else
+        _, stderr = proc.communicate()
+        raise AssertionError(f"train.py ran past {timeout} s (hung?):\n{stderr[-4000:]}") from None
+    assert proc.returncode == 0, stderr[-4000:]
 
 
 def config(
