@@ -74,3 +74,26 @@ class StallInsideWrite(AtomicCheckpointIO):
 
         with mock.patch("torch.save", half_then_stall):
             super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class StallAfterWrite(AtomicCheckpointIO):
+    """``AtomicCheckpointIO`` that stalls right after the ``nth`` write of file ``name``.
+
+    The file is complete and renamed in place when the marker appears; nothing is flushed
+    here, so what the run logged reaches the disk only if the run flushed it before the write.
+    """
+
+    def __init__(self, marker: str, name: str = "last.ckpt", nth: int = 1) -> None:
+        super().__init__()
+        self.marker, self.name, self.nth = Path(marker), name, nth
+        self.count = 0
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        """Write; after the ``nth`` write of ``name``, write the marker and stall."""
+        super().save_checkpoint(checkpoint, path, storage_options)
+        if Path(path).name != self.name or self.marker.exists():
+            return
+        self.count += 1
+        if self.count == self.nth:
+            self.marker.write_text(str(checkpoint["rlkl_counters"]["batches_seen"]))
+            time.sleep(STALL_S)

@@ -19,7 +19,13 @@ uninterrupted run's, bit for bit, and so must the final weights and optimizer st
 * one process with a hard reset of the reference after batch 3, killed when batch 6 starts
   (its last checkpoint, after batch 4, holds the reset reference), resumed: the same numbers;
 * under DDP with 2 processes (gloo): the whole process group killed when batch 4 starts,
-  resumed, and compared with an uninterrupted 2-process run.
+  resumed, and compared with an uninterrupted 2-process run;
+* one process and two, killed right after a checkpoint file is renamed in place (a helper
+  inside the write, which flushes nothing): after batch 2, and after batch 3, the end of an
+  epoch with a validation due (under DDP an epoch is 2 batches: batch 2 ends one). The
+  checkpoint is written after that batch's logging and validation, with the loggers flushed
+  first, so nothing logged is lost (``AfterLoggingCheckpoint``); Lightning's
+  ``ModelCheckpoint`` wrote it before both.
 """
 
 from __future__ import annotations
@@ -193,3 +199,24 @@ def test_a_run_killed_after_a_reference_reset_resumes_with_the_reset_reference(
     kl = scalars(full)["objective/kl"]
     assert abs(kl[3]) < 1e-4 < abs(kl[2])  # batch 4, the first against the reset reference
     assert scalars(full)["reference/refreshes"] == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+
+
+@pytest.mark.parametrize(
+    ("ddp", "every"), [(False, 2), (False, 3), (True, 2)], ids=["batch2", "batch3_val", "ddp"]
+)
+def test_a_run_killed_right_after_a_checkpoint_write_loses_no_logged_number(
+    tiny_lm_dir, tmp_path, ddp, every
+):
+    full = write_config(tmp_path, tiny_lm_dir, "full", every=every)
+    cut = write_config(tmp_path, tiny_lm_dir, "cut", every=every, stall_after_write=1)
+    full_proc = start(full, ddp)
+    kill_at_marker(start(cut, ddp), cut, "killed_after_write")
+    assert last_checkpoint(cut)["rlkl_counters"]["batches_seen"] == every
+    logged = scalars(cut)
+    assert sorted(logged["objective/kl"]) == list(range(every))  # the batch's own numbers
+    epoch = 2 if ddp else 3  # batches per epoch; the validation runs at the end of each
+    assert sorted(logged.get("val/perplexity", {})) == list(range(epoch - 1, every, epoch))
+    finish(start(cut, ddp, "--ckpt_path", "last"), cut)
+    finish(full_proc, full)
+    assert_same_run(cut, full)
+    assert len(scalars(cut)["val/perplexity"]) == BATCHES // epoch
