@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 
 from rlkl_lightning.checkpoints import AtomicCheckpointIO
+from rlkl_lightning.rewards import RewardModel
 
 STALL_S = 600.0  # the test kills the process long before this
 
@@ -97,3 +98,27 @@ class StallAfterWrite(AtomicCheckpointIO):
         if self.count == self.nth:
             self.marker.write_text(str(checkpoint["rlkl_counters"]["batches_seen"]))
             time.sleep(STALL_S)
+
+
+class UnreachableReward(RewardModel):
+    """The fraction of ``good`` words in a response; its ``at``-th call raises ConnectionError.
+
+    It fails as a remote reward server that refuses connections, once: the failure writes the
+    marker, and with the marker present (the resumed run) every call answers. Every call adds
+    a line to ``reward_calls`` beside the marker.
+    """
+
+    def __init__(self, marker: str, at: int = 0) -> None:
+        self.marker, self.at, self.calls = Path(marker), at, 0
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+        """Scores, or ``ConnectionError`` at call ``at`` (1-based) when no marker exists."""
+        self.calls += 1
+        with open(self.marker.with_name("reward_calls"), "a") as calls:
+            calls.write(f"{len(prompts)}\n")
+        if self.calls == self.at and not self.marker.exists():
+            self.marker.write_text(str(self.calls))
+            raise ConnectionError("[Errno 111] Connection refused: reward server at :8000")
+        return torch.tensor(
+            [sum(w == "good" for w in r.split()) / max(len(r.split()), 1) for r in responses]
+        )

@@ -25,7 +25,10 @@ uninterrupted run's, bit for bit, and so must the final weights and optimizer st
   epoch with a validation due (under DDP an epoch is 2 batches: batch 2 ends one). The
   checkpoint is written after that batch's logging and validation, with the loggers flushed
   first, so nothing logged is lost (``AfterLoggingCheckpoint``); Lightning's
-  ``ModelCheckpoint`` wrote it before both.
+  ``ModelCheckpoint`` wrote it before both;
+* a reward model that cannot be reached (``ConnectionError`` at batch 2): the run stops with one
+  line naming the batch, the checkpoint of batch 1 is intact, and ``--ckpt_path last``
+  continues to the same weights as a run the reward never failed.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli_runs import cli_error, tiny_cli_config
 from helpers.ddp_runs import free_port
 from helpers.kill_runs import BATCHES, write_config
 
@@ -220,3 +224,45 @@ def test_a_run_killed_right_after_a_checkpoint_write_loses_no_logged_number(
     finish(full_proc, full)
     assert_same_run(cut, full)
     assert len(scalars(cut)["val/perplexity"]) == BATCHES // epoch
+
+
+def test_an_unreachable_reward_stops_the_run_and_last_continues(tiny_lm_dir, tmp_path, capfd):
+    from rlkl_lightning.cli import main
+
+    def run_config(name: str, fail_at: int) -> tuple[Path, Path]:
+        root = tmp_path / name
+        root.mkdir()
+        reward = {
+            "class_path": "helpers.kill_helpers.UnreachableReward",
+            "init_args": {"marker": str(root / "reward_failed"), "at": fail_at},
+        }
+        checkpoint = {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"every_n_train_steps": 1, "save_last": True},
+        }
+        trainer = {"default_root_dir": str(root), "max_steps": 3, "callbacks": [checkpoint]}
+        config = tiny_cli_config(
+            tiny_lm_dir, root, seed_everything=0, trainer=trainer, model={"reward": reward}
+        )
+        return config, root / "checkpoints" / "last.ckpt"
+
+    cut, cut_last = run_config("cut", fail_at=2)
+    message = cli_error(["fit", "--config", str(cut)], capfd)
+    assert "\n" not in message
+    assert "reward model could not be reached at batch 2 (ConnectionError" in message
+    assert "--ckpt_path last" in message
+    saved = check_checkpoint(cut_last)  # complete, loadable: the checkpoint of batch 1
+    assert saved["rlkl_counters"]["batches_seen"] == 1
+    assert not partial_path(cut_last).exists()
+
+    main(["fit", "--config", str(cut), "--ckpt_path", "last"])  # the reward answers again
+    calls = (cut_last.parents[1] / "reward_calls").read_text().splitlines()
+    assert len(calls) == 2 + 2  # batches 1 and 2 (refused), then 2 and 3: not a new start
+    full, full_last = run_config("full", fail_at=0)
+    main(["fit", "--config", str(full)])
+    a, b = check_checkpoint(cut_last), check_checkpoint(full_last)
+    assert a["rlkl_counters"] == b["rlkl_counters"]
+    assert a["rlkl_counters"]["batches_seen"] == 3
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    for key in b["state_dict"]:
+        assert torch.equal(a["state_dict"][key], b["state_dict"][key]), key
