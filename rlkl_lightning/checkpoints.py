@@ -138,6 +138,13 @@ class AfterLoggingCheckpoint(ModelCheckpoint):
         self._pending: list[tuple[str, dict[str, Any] | None]] = []
         self._pending_removals: list[str] = []
 
+    @property
+    @override
+    def state_key(self) -> str:
+        """``ModelCheckpoint``'s key: checkpoints of either class resume with the other."""
+        key = super().state_key
+        return ModelCheckpoint.__qualname__ + key.removeprefix(type(self).__qualname__)
+
     @classmethod
     def replacing(cls, callback: ModelCheckpoint) -> AfterLoggingCheckpoint:
         """This class with the settings and the state of an existing ``ModelCheckpoint``."""
