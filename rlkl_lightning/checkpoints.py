@@ -126,7 +126,9 @@ class AfterLoggingCheckpoint(ModelCheckpoint):
     it, the validation's effects included, and once it is on disk everything the run logged up
     to then is on disk too: a kill at any moment loses nothing a resume does not redo. Files
     Lightning deletes (an older top-k checkpoint) are deleted after the write. A run that raises
-    before the write leaves the previous checkpoint the last one.
+    before the write leaves the previous checkpoint the last one. Lightning runs checkpoint
+    callbacks last, so a callback whose ``on_train_batch_start`` changes its state has done so
+    when the file is written at the next batch's start (no callback of this package does).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
