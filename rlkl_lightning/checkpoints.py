@@ -12,6 +12,15 @@ over the target (``os.replace``, atomic on POSIX and Windows) and syncs the dire
 moment the target is either the previous complete checkpoint or the new complete one. A kill
 leaves at most the partial file, which the next write of the same name reuses.
 
+**When a checkpoint is written.** Lightning's ``ModelCheckpoint`` writes its step-triggered
+files in ``on_train_batch_end``: before the batch's metrics reach the logger and before the
+validation due at that batch, which a run resumed from the file never repeats, so a kill right
+after the write lost them for good. :class:`AfterLoggingCheckpoint` decides at the same moment
+and records there where the run is (a resume reads the file as Lightning reads its own), but
+writes the file once the batch has been logged and validated, after flushing the loggers, with
+the state the next batch starts from. ``RLKLCLI`` puts it in place of a plain
+``ModelCheckpoint``.
+
 **The run to resume.** With a ``TensorBoardLogger`` or ``CSVLogger`` and no fixed ``version``,
 every start opens a new ``<save_dir>/<name>/version_N`` directory, and Lightning looks for
 ``last.ckpt`` only in the new, empty one. :func:`newest_last_checkpoint` finds the newest
@@ -39,6 +48,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import Tensor
 from typing_extensions import override
@@ -99,6 +109,131 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             partial.unlink(missing_ok=True)
             raise
         _fsync_directory(target.parent)
+
+
+class AfterLoggingCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` whose files are written after the batch is logged and validated.
+
+    Takes the arguments of ``ModelCheckpoint``. A checkpoint due at the end of a training batch
+    (``every_n_train_steps``, ``train_time_interval``) is decided there, by Lightning's rules,
+    and the place of the run is taken there: the loops' progress and the data loader's position
+    say "after this batch", so a resume continues with the next batch and does not repeat the
+    batch's logging or the validation due at it (Lightning's own reading of such a file). The
+    file is written later, at the start of the next batch, at the end of the epoch or at the end
+    of training, whichever comes first, after the loggers are flushed (``Logger.save``); the
+    rest of its content (weights, optimizer, callbacks' states, the module's counters and
+    random streams) is taken at the write. So the file holds the run as the next batch finds
+    it, the validation's effects included, and once it is on disk everything the run logged up
+    to then is on disk too: a kill at any moment loses nothing a resume does not redo. Files
+    Lightning deletes (an older top-k checkpoint) are deleted after the write. A run that raises
+    before the write leaves the previous checkpoint the last one. Lightning runs checkpoint
+    callbacks last, so a callback whose ``on_train_batch_start`` changes its state has done so
+    when the file is written at the next batch's start (no callback of this package does).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_deferral()
+
+    def _init_deferral(self) -> None:
+        self._taking = False  # inside on_train_batch_end: take the place, write later
+        self._pending: list[tuple[str, dict[str, Any] | None]] = []
+        self._pending_removals: list[str] = []
+
+    @property
+    @override
+    def state_key(self) -> str:
+        """``ModelCheckpoint``'s key: checkpoints of either class resume with the other."""
+        key = super().state_key
+        return ModelCheckpoint.__qualname__ + key.removeprefix(type(self).__qualname__)
+
+    @classmethod
+    def replacing(cls, callback: ModelCheckpoint) -> AfterLoggingCheckpoint:
+        """This class with the settings and the state of an existing ``ModelCheckpoint``."""
+        new = cls.__new__(cls)
+        new.__dict__.update(vars(callback))
+        new._init_deferral()
+        return new
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Decide the checkpoints due at this batch (Lightning's rules); write them later."""
+        self._taking = True
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            self._taking = False
+
+    @override
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        if not self._taking:
+            self.write_pending(trainer)  # files in the order Lightning asked for them
+            super()._save_checkpoint(trainer, filepath)
+            return
+        place = None
+        if not self.save_weights_only:  # where the run is: after this batch
+            connector = trainer._checkpoint_connector
+            place = {
+                "epoch": trainer.current_epoch,
+                "global_step": trainer.global_step,
+                "loops": connector._get_loops_state_dict(),
+            }
+        self._pending.append((filepath, place))
+        self._last_global_step_saved = trainer.global_step
+        self._last_checkpoint_saved = filepath
+
+    @override
+    def _remove_checkpoint(self, trainer, filepath: str) -> None:
+        if self._pending:
+            self._pending_removals.append(filepath)
+        else:
+            super()._remove_checkpoint(trainer, filepath)
+
+    def write_pending(self, trainer) -> None:
+        """Flush the loggers, then write the checkpoints decided and not yet written.
+
+        Runs on every rank (the checkpoint's content is gathered from all of them).
+        """
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        for logger in trainer.loggers:
+            logger.save()  # TensorBoard: write its buffered events; CSV: its rows
+        for filepath, place in pending:
+            with trainer.profiler.profile("save_checkpoint"):
+                checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+                checkpoint.update(place or {})
+                trainer.strategy.save_checkpoint(checkpoint, filepath)
+                trainer.strategy.barrier("Trainer.save_checkpoint")
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.after_save_checkpoint(self)
+        removals, self._pending_removals = self._pending_removals, []
+        for filepath in removals:
+            super()._remove_checkpoint(trainer, filepath)
+
+    @override
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        """Write what the last batch took, then Lightning's end-of-epoch saves."""
+        self.write_pending(trainer)
+        super().on_train_epoch_end(trainer, pl_module)
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """Write what the previous batch took: it is logged and validated."""
+        self.write_pending(trainer)
+
+    @override
+    def on_train_end(self, trainer, pl_module) -> None:
+        """Write what the last batch took."""
+        self.write_pending(trainer)
+        super().on_train_end(trainer, pl_module)
+
+    @override
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """Drop what was taken and not written: the previous checkpoint stays the last one."""
+        self._pending, self._pending_removals = [], []
+        super().on_exception(trainer, pl_module, exception)
 
 
 def newest_last_checkpoint(runs_root: str | os.PathLike) -> Path | None:

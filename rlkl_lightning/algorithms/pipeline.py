@@ -551,13 +551,28 @@ class RLPipeline(LightningModule):
         return ids.to(self.device), mask.to(self.device)
 
     def _reward_scores(self, prompts: list[str], responses: list[str]) -> Tensor:
-        """The reward model's ``[B]`` scores on our device, clipped; skips or stops on faults."""
+        """The reward model's ``[B]`` scores on our device, clipped; skips or stops on faults.
+
+        A ``ValueError``/``RuntimeError`` skips the batch (a wrong shape stops the run). An
+        ``OSError`` (``ConnectionError``, ``TimeoutError``: a remote reward that cannot be
+        reached) stops the run on every rank with a ``RuntimeError`` naming the batch: skipping
+        would train on nothing for as long as the outage lasts. The last checkpoint stays as it
+        was (a checkpoint is written only after its batch), so ``--ckpt_path last`` continues.
+        """
         error: Exception | None = None
         try:
             scores = validate_scores(self.reward(prompts, responses), len(prompts), self.reward)
-        except (ValueError, RuntimeError) as err:
+        except (ValueError, RuntimeError, OSError) as err:
             scores, error = None, err
         if any_rank(self._trainer, error is not None):
+            if any_rank(self._trainer, isinstance(error, OSError)):
+                cause = f"{type(error).__name__}: {error}" if error else "on another rank"
+                raise RuntimeError(
+                    f"{self.owner}: the reward model could not be reached at batch "
+                    f"{self.batches_seen + 1} ({cause}); the run stops (a skip would train on "
+                    "nothing while it is down). The last checkpoint is kept: once the reward "
+                    "answers, continue with the same command plus `--ckpt_path last`"
+                ) from error
             # A wrong shape is a broken reward model, not a numeric fault: stop (on every
             # rank) rather than skip every batch of the run.
             if any_rank(self._trainer, isinstance(error, RewardShapeError)):

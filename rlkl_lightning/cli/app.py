@@ -33,6 +33,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from rlkl_lightning.algorithms.options import MODULE_GROUPS, moved_option
 from rlkl_lightning.checkpoints import (
+    AfterLoggingCheckpoint,
     AtomicCheckpointIO,
     check_checkpoint,
     first_resumed_step,
@@ -124,7 +125,8 @@ class RLKLCLI(LightningCLI):
         Lightning's default progress bar is swapped for :class:`~rlkl_lightning.cli.console.
         RunProgressBar`; a progress bar given in ``trainer.callbacks`` is kept. Lightning's
         default ``CheckpointIO`` is swapped for :class:`~rlkl_lightning.checkpoints.
-        AtomicCheckpointIO`.
+        AtomicCheckpointIO`, and a plain ``ModelCheckpoint`` for :class:`~rlkl_lightning.
+        checkpoints.AfterLoggingCheckpoint` (written after the batch's logging and validation).
         """
         config = self._get(self.config_init, "trainer", default={})
         if config.get("enable_checkpointing") is False and config.get("callbacks"):
@@ -140,6 +142,9 @@ class RLKLCLI(LightningCLI):
                     trainer.callbacks[i] = RunProgressBar()
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        for i, callback in enumerate(trainer.callbacks):  # written after the batch's logging
+            if type(callback) is ModelCheckpoint:
+                trainer.callbacks[i] = AfterLoggingCheckpoint.replacing(callback)
         init_kl_coef = getattr(self.model, "kl_coef", None)
         kl_callbacks = []
         if init_kl_coef is not None:

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 
 from rlkl_lightning.checkpoints import AtomicCheckpointIO
+from rlkl_lightning.rewards import RewardModel
 
 STALL_S = 600.0  # the test kills the process long before this
 
@@ -74,3 +75,50 @@ class StallInsideWrite(AtomicCheckpointIO):
 
         with mock.patch("torch.save", half_then_stall):
             super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class StallAfterWrite(AtomicCheckpointIO):
+    """``AtomicCheckpointIO`` that stalls right after the ``nth`` write of file ``name``.
+
+    The file is complete and renamed in place when the marker appears; nothing is flushed
+    here, so what the run logged reaches the disk only if the run flushed it before the write.
+    """
+
+    def __init__(self, marker: str, name: str = "last.ckpt", nth: int = 1) -> None:
+        super().__init__()
+        self.marker, self.name, self.nth = Path(marker), name, nth
+        self.count = 0
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        """Write; after the ``nth`` write of ``name``, write the marker and stall."""
+        super().save_checkpoint(checkpoint, path, storage_options)
+        if Path(path).name != self.name or self.marker.exists():
+            return
+        self.count += 1
+        if self.count == self.nth:
+            self.marker.write_text(str(checkpoint["rlkl_counters"]["batches_seen"]))
+            time.sleep(STALL_S)
+
+
+class UnreachableReward(RewardModel):
+    """The fraction of ``good`` words in a response; its ``at``-th call raises ConnectionError.
+
+    It fails as a remote reward server that refuses connections, once: the failure writes the
+    marker, and with the marker present (the resumed run) every call answers. Every call adds
+    a line to ``reward_calls`` beside the marker.
+    """
+
+    def __init__(self, marker: str, at: int = 0) -> None:
+        self.marker, self.at, self.calls = Path(marker), at, 0
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+        """Scores, or ``ConnectionError`` at call ``at`` (1-based) when no marker exists."""
+        self.calls += 1
+        with open(self.marker.with_name("reward_calls"), "a") as calls:
+            calls.write(f"{len(prompts)}\n")
+        if self.calls == self.at and not self.marker.exists():
+            self.marker.write_text(str(self.calls))
+            raise ConnectionError("[Errno 111] Connection refused: reward server at :8000")
+        return torch.tensor(
+            [sum(w == "good" for w in r.split()) / max(len(r.split()), 1) for r in responses]
+        )

@@ -17,7 +17,13 @@ BATCHES = 6  # 3 per epoch: prompts 12, batch 4 (per process)
 
 
 def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
-    """The run's YAML; ``stall_at`` / ``stall_write`` name where the kill helper stalls.
+    """The run's YAML; ``stall_at`` / ``stall_write`` / ``stall_after_write`` name the stall.
+
+    ``stall_after_write``: the kill helper stalls right after that many writes of
+    ``last.ckpt``.
+
+    ``every``: a checkpoint every that many batches (2); validation runs at the end of each
+    epoch (batches 3 and 6).
 
     ``refresh_every``: a ``ReferenceRefresh`` (hard reset) every that many batches, and beta
     held for one batch after each.
@@ -30,6 +36,16 @@ def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
     if options.get("stall_write"):
         plugins = [
             {"class_path": "helpers.kill_helpers.StallInsideWrite", "init_args": {"marker": marker}}
+        ]
+    if options.get("stall_after_write"):
+        plugins = [
+            {
+                "class_path": "helpers.kill_helpers.StallAfterWrite",
+                "init_args": {
+                    "marker": str(run_dir / "killed_after_write"),
+                    "nth": options["stall_after_write"],
+                },
+            }
         ]
     config = {
         "seed_everything": 0,
@@ -46,7 +62,7 @@ def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
                 {
                     "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                     "init_args": {
-                        "every_n_train_steps": 2 * STEPS_PER_BATCH,
+                        "every_n_train_steps": options.get("every", 2) * STEPS_PER_BATCH,
                         "save_last": True,
                         "monitor": "step",
                         "mode": "max",

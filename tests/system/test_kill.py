@@ -19,7 +19,16 @@ uninterrupted run's, bit for bit, and so must the final weights and optimizer st
 * one process with a hard reset of the reference after batch 3, killed when batch 6 starts
   (its last checkpoint, after batch 4, holds the reset reference), resumed: the same numbers;
 * under DDP with 2 processes (gloo): the whole process group killed when batch 4 starts,
-  resumed, and compared with an uninterrupted 2-process run.
+  resumed, and compared with an uninterrupted 2-process run;
+* one process and two, killed right after a checkpoint file is renamed in place (a helper
+  inside the write, which flushes nothing): after batch 2, and after batch 3, the end of an
+  epoch with a validation due (under DDP an epoch is 2 batches: batch 2 ends one). The
+  checkpoint is written after that batch's logging and validation, with the loggers flushed
+  first, so nothing logged is lost (``AfterLoggingCheckpoint``); Lightning's
+  ``ModelCheckpoint`` wrote it before both;
+* a reward model that cannot be reached (``ConnectionError`` at batch 2): the run stops with one
+  line naming the batch, the checkpoint of batch 1 is intact, and ``--ckpt_path last``
+  continues to the same weights as a run the reward never failed.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli_runs import cli_error, tiny_cli_config
 from helpers.ddp_runs import free_port
 from helpers.kill_runs import BATCHES, write_config
 
@@ -193,3 +203,66 @@ def test_a_run_killed_after_a_reference_reset_resumes_with_the_reset_reference(
     kl = scalars(full)["objective/kl"]
     assert abs(kl[3]) < 1e-4 < abs(kl[2])  # batch 4, the first against the reset reference
     assert scalars(full)["reference/refreshes"] == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+
+
+@pytest.mark.parametrize(
+    ("ddp", "every"), [(False, 2), (False, 3), (True, 2)], ids=["batch2", "batch3_val", "ddp"]
+)
+def test_a_run_killed_right_after_a_checkpoint_write_loses_no_logged_number(
+    tiny_lm_dir, tmp_path, ddp, every
+):
+    full = write_config(tmp_path, tiny_lm_dir, "full", every=every)
+    cut = write_config(tmp_path, tiny_lm_dir, "cut", every=every, stall_after_write=1)
+    full_proc = start(full, ddp)
+    kill_at_marker(start(cut, ddp), cut, "killed_after_write")
+    assert last_checkpoint(cut)["rlkl_counters"]["batches_seen"] == every
+    logged = scalars(cut)
+    assert sorted(logged["objective/kl"]) == list(range(every))  # the batch's own numbers
+    epoch = 2 if ddp else 3  # batches per epoch; the validation runs at the end of each
+    assert sorted(logged.get("val/perplexity", {})) == list(range(epoch - 1, every, epoch))
+    finish(start(cut, ddp, "--ckpt_path", "last"), cut)
+    finish(full_proc, full)
+    assert_same_run(cut, full)
+    assert len(scalars(cut)["val/perplexity"]) == BATCHES // epoch
+
+
+def test_an_unreachable_reward_stops_the_run_and_last_continues(tiny_lm_dir, tmp_path, capfd):
+    from rlkl_lightning.cli import main
+
+    def run_config(name: str, fail_at: int) -> tuple[Path, Path]:
+        root = tmp_path / name
+        root.mkdir()
+        reward = {
+            "class_path": "helpers.kill_helpers.UnreachableReward",
+            "init_args": {"marker": str(root / "reward_failed"), "at": fail_at},
+        }
+        checkpoint = {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"every_n_train_steps": 1, "save_last": True},
+        }
+        trainer = {"default_root_dir": str(root), "max_steps": 3, "callbacks": [checkpoint]}
+        config = tiny_cli_config(
+            tiny_lm_dir, root, seed_everything=0, trainer=trainer, model={"reward": reward}
+        )
+        return config, root / "checkpoints" / "last.ckpt"
+
+    cut, cut_last = run_config("cut", fail_at=2)
+    message = cli_error(["fit", "--config", str(cut)], capfd)
+    assert "\n" not in message
+    assert "reward model could not be reached at batch 2 (ConnectionError" in message
+    assert "--ckpt_path last" in message
+    saved = check_checkpoint(cut_last)  # complete, loadable: the checkpoint of batch 1
+    assert saved["rlkl_counters"]["batches_seen"] == 1
+    assert not partial_path(cut_last).exists()
+
+    main(["fit", "--config", str(cut), "--ckpt_path", "last"])  # the reward answers again
+    calls = (cut_last.parents[1] / "reward_calls").read_text().splitlines()
+    assert len(calls) == 2 + 2  # batches 1 and 2 (refused), then 2 and 3: not a new start
+    full, full_last = run_config("full", fail_at=0)
+    main(["fit", "--config", str(full)])
+    a, b = check_checkpoint(cut_last), check_checkpoint(full_last)
+    assert a["rlkl_counters"] == b["rlkl_counters"]
+    assert a["rlkl_counters"]["batches_seen"] == 3
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    for key in b["state_dict"]:
+        assert torch.equal(a["state_dict"][key], b["state_dict"][key]), key
