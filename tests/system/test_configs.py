@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from rlkl_lightning import RLOOModule
@@ -162,6 +163,9 @@ def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeyp
     assert refreshes == (name == "ppo_reference_reset.yaml")
     diagnostics = "kl_tokens/max_kl" in tags  # logged with logging.kl_token_threshold
     assert diagnostics == ("kl_token_threshold" in options.get("logging", {}))
+    # The README's `--ckpt_path last` finds the run's end (rloo/grpo kept no last.ckpt).
+    (last,) = (tmp_path / "runs").glob("*/version_0/checkpoints/last.ckpt")
+    assert torch.load(last, weights_only=True)["rlkl_counters"]["batches_seen"] == 2
 
 
 def test_sft_config_trains_and_exports_a_loadable_model(tiny_lm_dir, tmp_path, monkeypatch):
