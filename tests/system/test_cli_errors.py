@@ -75,6 +75,18 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
             "`model.init_args.optimization.lr` must be a number, got abc",
         ),
         (["--data.init_args.batch_size=abc"], "`data.init_args.batch_size` must be an integer"),
+        (  # TRL's loss names say which aggregation is theirs (docs/pipeline.md)
+            ["--model.init_args.objective.aggregation=dapo"],
+            "`model.init_args.objective.aggregation` must be one of ('token_mean', "
+            "'sequence_mean', 'fixed_length', 'batch_token_mean'), got 'dapo': TRL's loss_type "
+            "'dapo' is `objective.aggregation: batch_token_mean` here",
+        ),
+        (
+            ["--model.init_args.objective.aggregation=dr_grpo"],
+            "`model.init_args.objective.aggregation` must be one of ('token_mean', "
+            "'sequence_mean', 'fixed_length', 'batch_token_mean'), got 'dr_grpo': TRL's "
+            "loss_type 'dr_grpo' is `objective.aggregation: fixed_length` here",
+        ),
         (
             ["--model.init_args.kl.trust_region=nan"],
             "`model.init_args.kl.trust_region` must be a finite number or null (NaN and inf are "
