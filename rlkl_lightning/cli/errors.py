@@ -33,6 +33,9 @@ _UNION_NOT_FINITE = re.compile(  # an Optional number: `float | None`, `int | No
     r"(?P<value>[+-]?(?:nan|inf|infinity))\s*$",
     re.IGNORECASE | re.DOTALL,
 )
+# A logger's constructor refused its arguments (MLflow's tracking URI, ...), as jsonargparse
+# reports it while building the trainer's classes.
+_LOGGER_GIVEN = re.compile(r"class_path='lightning\.pytorch\.loggers\.(?:[\w.]+\.)?(?P<name>\w+)'")
 _NOT_A_NUMBER = re.compile(r"^[+-]?(?:nan|inf|infinity)$", re.IGNORECASE)
 _OUTER_KEY = re.compile(r"^Parser key \"(?P<key>[^\"]+)\":", re.MULTILINE)
 # The nested error of one class (a module, a data module, a callback), up to its siblings.
@@ -162,7 +165,27 @@ def user_message(error: BaseException) -> str | None:
         return _with_model_path(str(own))
     if isinstance(error, ArgumentError):
         return parser_message(str(error))
-    return None
+    return logger_message(str(error))
+
+
+def logger_message(message: str) -> str | None:
+    """A logger that refused its arguments: ``trainer.logger`` (its class) and its reason.
+
+    The logger's own error (a bad MLflow ``tracking_uri``, ...) is one line among the
+    alternatives of the ``trainer.logger`` union, under 100 lines of traceback. None when
+    ``message`` is not that.
+    """
+    if not message.startswith("Does not validate against any of the Union subtypes"):
+        return None
+    names = {found["name"] for found in _LOGGER_GIVEN.finditer(message)}
+    if not names:
+        return None
+    errors = [x.strip()[1:].strip() for x in message.splitlines() if x.strip().startswith("- ")]
+    reasons = [x for x in errors if x and not x.startswith(("Expected a ", "Not a valid"))]
+    if not reasons:
+        return None
+    which = f" ({names.pop()})" if len(names) == 1 else ""
+    return f"`trainer.logger`{which}: {reasons[0]}"
 
 
 def _with_model_path(message: str) -> str:
