@@ -448,3 +448,20 @@ def test_last_ckpt_is_the_runs_final_batch_and_continues_exactly(
     assert_same_tensors(a["state_dict"], b["state_dict"])
     for key in (k for k in a["callbacks"] if k.startswith(("KLController", "KLDrift"))):
         assert a["callbacks"][key] == b["callbacks"][key]
+
+
+def test_the_end_of_run_save_leaves_the_epoch_checkpoint_in_place(
+    tiny_lm_dir, prompts_file, tmp_path
+):
+    """A ``ModelCheckpoint`` saving at epoch ends still writes the last epoch's file, after the
+    final batch's ``last.ckpt`` (which must not count as its save at that step)."""
+    from rlkl_lightning.cli import main
+
+    path = cli_config(tmp_path, tiny_lm_dir, prompts_file, "epochs")
+    config = yaml.safe_load(open(path))
+    config["trainer"]["callbacks"][0]["init_args"].pop("every_n_train_steps")
+    open(path, "w").write(yaml.safe_dump(config))
+    main(["fit", "--config", path, "--trainer.max_epochs=2"])
+    steps = 2 * (len(PROMPTS) // BATCH) * STEPS_PER_BATCH
+    names = sorted(p.name for p in (tmp_path / "epochs" / "ckpt").glob("*.ckpt"))
+    assert names == [f"epoch=1-step={steps}.ckpt", "last.ckpt"]
