@@ -186,7 +186,23 @@ class Objective:
     ent_coef: float = 0.0
 
     def __post_init__(self) -> None:
+        trl = TRL_LOSS_TYPES.get(self.aggregation)
+        if trl is not None:  # TRL's `loss_type` names one of ours (docs/pipeline.md)
+            raise ValueError(
+                f"`objective.aggregation` must be one of {LOSS_AGGREGATIONS}, got "
+                f"{self.aggregation!r}: TRL's loss_type {self.aggregation!r} is "
+                f"`objective.aggregation: {trl}` here (docs/pipeline.md, 'Loss aggregation')"
+            )
         check_rules(self)
+
+
+# TRL 1.16's GRPO `loss_type` -> the `objective.aggregation` with the same loss.
+TRL_LOSS_TYPES = {
+    "bnpo": "token_mean",
+    "grpo": "sequence_mean",
+    "dr_grpo": "fixed_length",
+    "dapo": "batch_token_mean",
+}
 
 
 @dataclass(frozen=True)

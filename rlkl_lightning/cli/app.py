@@ -41,6 +41,7 @@ from rlkl_lightning.checkpoints import (
 )
 from rlkl_lightning.cli.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
 from rlkl_lightning.cli.errors import VERBOSE_ENV, user_message
+from rlkl_lightning.cli.run_end import ExtendFinishedEpoch, SaveLastAtEnd
 from rlkl_lightning.cli.run_settings import RunSettings, trajectory_settings
 from rlkl_lightning.kl.settings import KLSettings
 
@@ -122,6 +123,10 @@ class RLKLCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """Build the trainer, then put the KL callbacks first (checkpointing stays last).
 
+        Two callbacks of :mod:`~rlkl_lightning.cli.run_end` are added: ``last.ckpt`` is written
+        after the run's final batch, and a run under ``max_steps`` extended from a finished
+        epoch trains the next one.
+
         Lightning's default progress bar is swapped for :class:`~rlkl_lightning.cli.console.
         RunProgressBar`; a progress bar given in ``trainer.callbacks`` is kept. Lightning's
         default ``CheckpointIO`` is swapped for :class:`~rlkl_lightning.checkpoints.
@@ -153,7 +158,8 @@ class RLKLCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         allow = bool(config.get("resume_with_changes"))
         guard = RunSettings(trajectory_settings(config), allow)  # has no batch hooks
-        trainer.callbacks[:0] = [*kl_callbacks, guard]
+        trainer.callbacks[:0] = [*kl_callbacks, guard, ExtendFinishedEpoch()]
+        trainer.callbacks.append(SaveLastAtEnd())  # after the ModelCheckpoint callbacks
         return trainer
 
     def _parse_ckpt_path(self) -> None:

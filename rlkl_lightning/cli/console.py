@@ -42,6 +42,15 @@ def quiet_lightning_notes() -> None:
         message="Using ModelCheckpoint with manual optimization and every_n_train_steps",
         category=UserWarning,
     )
+    # RLOOModule repeats each prompt in its own `on_before_batch_transfer` (a batch not in
+    # groups stops the run with a clear error): the module's hook being the one used, with a
+    # datamodule that has none, is the design. Lightning's note when BOTH define it stays.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"You have overridden `on_before_batch_transfer` in `LightningModule` but have "
+        r"passed in a `LightningDataModule`",
+        category=UserWarning,
+    )
     # torch 2.13 deprecates `LeafSpec`, which Lightning 2.6's own `_pytree` helper still uses:
     # nothing a user can change, and it works unchanged.
     warnings.filterwarnings(

@@ -10,8 +10,10 @@ lines; :func:`rlkl_lightning.cli.main` prints them alone and exits with status 2
 
 from __future__ import annotations
 
+import ast
 import os
 import re
+import textwrap
 import traceback
 from argparse import ArgumentError
 
@@ -29,8 +31,28 @@ _UNION_NOT_FINITE = re.compile(  # an Optional number: `float | None`, `int | No
     r"(?P<value>[+-]?(?:nan|inf|infinity))\s*$",
     re.IGNORECASE | re.DOTALL,
 )
+# A logger's constructor refused its arguments (MLflow's tracking URI, ...), as jsonargparse
+# reports it while building the trainer's classes.
+_LOGGER_GIVEN = re.compile(r"class_path='lightning\.pytorch\.loggers\.(?:[\w.]+\.)?(?P<name>\w+)'")
+_NOT_A_NUMBER = re.compile(r"^[+-]?(?:nan|inf|infinity)$", re.IGNORECASE)
 _OUTER_KEY = re.compile(r"^Parser key \"(?P<key>[^\"]+)\":", re.MULTILINE)
-_CLASS_PROBLEM = re.compile(r"- Problem with given class_path '(?P<cls>[^']+)':\n(?P<body>.*)")
+# The nested error of one class (a module, a data module, a callback), up to its siblings.
+_CLASS_PROBLEM = re.compile(
+    r"^(?P<indent> *)- Problem with given class_path '(?P<cls>[^']+)':\n"
+    r"(?P<body>(?:(?P=indent)  .*(?:\n|$))*)",
+    re.MULTILINE,
+)
+_INNER_KEY = re.compile(r"^Parser key \"(?P<key>[^\"]+)\":\s*(?P<rest>.*)$", re.DOTALL)
+_EXPECTED = re.compile(r"^Expected a <class '(?P<type>\w+)'>\. Got value: (?P<value>.*)$")
+_SUBTYPES = re.compile(r"^ *Subtypes: \[(?P<types>.*)\]$", re.MULTILINE)
+_GIVEN = re.compile(r"^ *Given value: (?P<value>.*)$", re.MULTILINE)
+_TYPE_NAMES = {
+    "float": "a number",
+    "int": "an integer",
+    "bool": "true or false",
+    "str": "a string",
+    "NoneType": "null",
+}
 
 
 def raised_here(error: BaseException) -> bool:
@@ -67,13 +89,60 @@ def parser_message(message: str) -> str:
     problem = _CLASS_PROBLEM.search(message)
     outer = _OUTER_KEY.match(message)
     if problem and outer:
-        body = [line.strip() for line in problem["body"].splitlines()]
-        body = body[: next((i for i, x in enumerate(body) if x.startswith("- ")), len(body))]
-        message = f"`{outer['key']}` ({problem['cls']}): " + " ".join(x for x in body if x)
+        return _class_message(outer["key"], problem, message)
     lines = [x for x in message.splitlines() if not x.lstrip().startswith("Given value")]
     if len(lines) > MAX_LINES:
         lines = [*lines[:MAX_LINES], f"... ({len(lines) - MAX_LINES} more lines: --verbose)"]
     return "\n".join(lines)
+
+
+def _class_message(outer: str, problem: re.Match, message: str) -> str:
+    """One class's refusal, named by its full YAML path: ``model.init_args.optimization.lr``."""
+    body = textwrap.dedent(problem["body"]).strip()
+    inner = _INNER_KEY.match(body)
+    if inner is None:  # an unknown option, or a note of the class itself
+        text = " ".join(x.strip() for x in body.splitlines()[:MAX_LINES] if x.strip())
+        return f"`{outer}` ({problem['cls']}): {text}"
+    where = _class_place(outer, problem["cls"], message)
+    return f"`{where}.init_args.{inner['key']}` {_type_reason(textwrap.dedent(inner['rest']))}"
+
+
+def _class_place(outer: str, cls: str, message: str) -> str:
+    """``trainer.callbacks[0]`` for the one listed callback of class ``cls``, else ``outer``."""
+    given = _GIVEN.findall(message)
+    try:
+        value = ast.literal_eval(given[-1]) if given else None
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        value = None
+    if isinstance(value, list):
+        places = [
+            i for i, x in enumerate(value) if isinstance(x, dict) and x.get("class_path") == cls
+        ]
+        if len(places) == 1:
+            return f"{outer}[{places[0]}]"
+    return outer
+
+
+def _type_reason(text: str) -> str:
+    """The reason, ``must be an integer, got 1.5``, from the parser's note on one value."""
+    text = text.strip()
+    expected = _EXPECTED.match(text)
+    subtypes = _SUBTYPES.search(text)
+    given = _GIVEN.search(text)
+    if expected:
+        types, value = [expected["type"]], expected["value"]
+    elif subtypes and given:
+        types = re.findall(r"<class '(\w+)'>|(\w[\w.\[\], ]*)", subtypes["types"])
+        types = [a or b for a, b in types]
+        value = given["value"]
+    else:
+        lines = [x.strip() for x in text.splitlines() if x.strip()]
+        return ": " + " ".join(lines[:MAX_LINES])
+    if "float" in types and _NOT_A_NUMBER.match(value.strip()):
+        names = ["a finite number" if t == "float" else _TYPE_NAMES.get(t, t) for t in types]
+        return f"must be {' or '.join(names)} (NaN and inf are refused), got {value}"
+    names = [_TYPE_NAMES.get(t, t) for t in types]
+    return f"must be {' or '.join(names)}, got {value}"
 
 
 def user_message(error: BaseException) -> str | None:
@@ -85,4 +154,24 @@ def user_message(error: BaseException) -> str | None:
         return str(own)
     if isinstance(error, ArgumentError):
         return parser_message(str(error))
-    return None
+    return logger_message(str(error))
+
+
+def logger_message(message: str) -> str | None:
+    """A logger that refused its arguments: ``trainer.logger`` (its class) and its reason.
+
+    The logger's own error (a bad MLflow ``tracking_uri``, ...) is one line among the
+    alternatives of the ``trainer.logger`` union, under 100 lines of traceback. None when
+    ``message`` is not that.
+    """
+    if not message.startswith("Does not validate against any of the Union subtypes"):
+        return None
+    names = {found["name"] for found in _LOGGER_GIVEN.finditer(message)}
+    if not names:
+        return None
+    errors = [x.strip()[1:].strip() for x in message.splitlines() if x.strip().startswith("- ")]
+    reasons = [x for x in errors if x and not x.startswith(("Expected a ", "Not a valid"))]
+    if not reasons:
+        return None
+    which = f" ({names.pop()})" if len(names) == 1 else ""
+    return f"`trainer.logger`{which}: {reasons[0]}"

@@ -3,12 +3,16 @@
 :class:`RunSettings` (added by :class:`~rlkl_lightning.cli.RLKLCLI`) keeps, in every
 checkpoint, the options of the run that change what it trains on and how: the KL group (law,
 target, unit, horizon, gains, bounds, monitor band), the model (its class and every argument
-except logging ones), the data (the prompts, the batch size, the order) and the precision. A
+except logging ones), the data (the prompts, the batch size, the order), the precision and the
+callbacks that change the weights or the reference (``ReferenceRefresh``: ``every``,
+``alpha``, ...). A
 resume whose settings differ is refused with the differences listed, before any callback state
 is restored; with ``--resume_with_changes true`` the callbacks' states are
 carried over (the controller keeps its beta under the new target, the drift monitor its window)
-and each change is printed. ``trainer.max_steps``/``max_epochs`` are not among them: extending a
-run is what a resume is for.
+and each change is printed; the optimizer's settings (``optimization.lr``, ``weight_decay``)
+are applied to the restored optimizer (:func:`apply_optimizer_settings`).
+``trainer.max_steps``/``max_epochs`` are not among them: extending a run is what a resume is
+for.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch import Callback
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -37,6 +42,10 @@ NOT_TRAJECTORY = frozenset(
 )
 # With trainer.precision. Not seed_everything: a resume restores every random stream.
 GROUPS = ("model", "data", "kl")
+# Callbacks (by class name) that change the trajectory: compared as
+# `trainer.callbacks.ReferenceRefresh.init_args.every`. The key `trainer.callbacks` lists them.
+TRAJECTORY_CALLBACKS = ("ReferenceRefresh",)
+CALLBACKS_KEY = "trainer.callbacks"
 
 
 def _kept(key: str) -> bool:
@@ -64,6 +73,16 @@ def trajectory_settings(config: Any) -> dict[str, str]:
         _flatten(config.get(group), group, out)
     trainer = config.get("trainer")
     out["trainer.precision"] = repr(trainer.get("precision") if trainer is not None else None)
+    callbacks = (trainer.get("callbacks") if trainer is not None else None) or []
+    names = []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        name = str(getattr(callback, "class_path", "")).rpartition(".")[2]
+        if name not in TRAJECTORY_CALLBACKS:
+            continue
+        name = name if name not in names else f"{name}#{names.count(name) + 1}"
+        names.append(name)
+        _flatten(getattr(callback, "init_args", None), f"{CALLBACKS_KEY}.{name}.init_args", out)
+    out[CALLBACKS_KEY] = repr(names)
     return out
 
 
@@ -126,8 +145,15 @@ class RunSettings(Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """Compare before any callback's state is restored (Lightning calls this hook first)."""
+        """Compare before any callback's state is restored (Lightning calls this hook first).
+
+        With changes allowed, a controller whose law changed gets the checkpoint's beta under
+        its own law (:func:`carry_beta_to_new_law`).
+        """
         self.compare(checkpoint)
+        if self.changes:
+            for line in carry_beta_to_new_law(trainer, checkpoint):
+                rank_zero_info(f"  {line}")
 
     def compare(self, checkpoint: dict[str, Any] | None) -> None:
         """Refuse (or, allowed, print) a change of settings; the CLI calls it before ``fit``.
@@ -141,7 +167,11 @@ class RunSettings(Callback):
         state = (checkpoint.get("callbacks") or {}).get(self.state_key)
         if not isinstance(state, dict) or not isinstance(state.get("settings"), dict):
             return  # a checkpoint written without the CLI, or before this check existed
-        self.changes = differences(nested_settings(state["settings"]), self.settings)
+        saved = nested_settings(state["settings"])
+        current = self.settings
+        if CALLBACKS_KEY not in saved:  # written before callbacks were compared
+            current = {k: v for k, v in current.items() if not k.startswith(CALLBACKS_KEY)}
+        self.changes = differences(saved, current)
         if not self.changes:
             return
         listed = "\n  ".join(self.changes)
@@ -153,3 +183,107 @@ class RunSettings(Callback):
                 "monitor's states over to the new settings"
             )
         rank_zero_info(f"Resuming with changed settings (--resume_with_changes):\n  {listed}")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a resume with changes, give the restored optimizer the configured settings."""
+        if self.changes:
+            for line in apply_optimizer_settings(trainer, pl_module):
+                rank_zero_info(f"  applied: {line}")
+
+
+def carry_beta_to_new_law(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> list[str]:
+    """Rewrite a controller's saved state of another law as ``{new law, checkpoint's beta}``.
+
+    A law's state (the adaptive law's beta alone, PI's integral, log-PID's terms) means
+    nothing to another law, whose ``load_state_dict`` refuses it. The checkpoint's beta carries
+    over, and the new law's own state starts from it as it would in a run started at that
+    beta (its controller fills the missing fields from the beta, and clamps a beta outside its
+    bounds with a warning). The callback's counters (batches, hold) are kept.
+
+    Returns:
+        One line per controller whose law changed, saying so.
+    """
+    from rlkl_lightning.kl.controller_callback import KLControllerCallback
+
+    states = checkpoint.get("callbacks") or {}
+    lines = []
+    for callback in trainer.callbacks:
+        if not isinstance(callback, KLControllerCallback):
+            continue
+        state = states.get(callback.state_key)
+        saved = state.get("controller") if isinstance(state, dict) else None
+        law = getattr(callback.controller, "law", None)
+        if not isinstance(saved, dict) or law is None or saved.get("law") in (None, law):
+            continue
+        beta = saved.get("value")
+        state["controller"] = {"law": law, "value": beta}
+        shown = f"{beta:.6g}" if isinstance(beta, int | float) else repr(beta)
+        lines.append(
+            f"kl.controller: the law changed ({saved.get('law')!r} -> {law!r}): beta "
+            f"{shown} carries over; the new law's state starts from it, as in "
+            "a new run started at that beta"
+        )
+    return lines
+
+
+# Per-group settings that are the schedule's state or the parameters, not the configuration.
+_NOT_SETTINGS = frozenset({"params", "lr", "initial_lr"})
+
+
+def apply_optimizer_settings(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[str]:
+    """Make the restored optimizers what this run's ``configure_optimizers`` asks for.
+
+    A restored optimizer carries the checkpoint's learning rate and weight decay in its
+    parameter groups, and its scheduler the checkpoint's base learning rate: a new
+    ``optimization.lr`` given on resume would be printed and not used. Here the configured
+    base learning rate replaces the scheduler's (and the group's ``initial_lr``), the
+    schedule's current multiplier continues (the group's lr is the new base times it), and
+    every other numeric setting of a group (weight decay, betas, eps, ...) takes the configured
+    value. The optimizer's state (AdamW's moments) is kept.
+
+    Returns:
+        One ``group i lr: old -> new`` line per value changed.
+    """
+    fresh_optimizers, _ = _init_optimizers_and_lr_schedulers(pl_module)
+    schedulers = {
+        id(config.scheduler.optimizer): config.scheduler
+        for config in trainer.lr_scheduler_configs
+        if hasattr(config.scheduler, "optimizer")
+    }
+    lines: list[str] = []
+    for n, (restored, fresh) in enumerate(zip(trainer.optimizers, fresh_optimizers)):
+        scheduler = schedulers.get(id(restored))
+        name = f"optimizer {n} " if len(trainer.optimizers) > 1 else ""
+        for i, (group, wanted) in enumerate(zip(restored.param_groups, fresh.param_groups)):
+            where = f"{name}group {i} " if len(restored.param_groups) > 1 else name
+            base = _base_lr(group, scheduler, i)
+            new_base = wanted.get("initial_lr", wanted["lr"])
+            if base != new_base:
+                multiplier = group["lr"] / base if base else 1.0
+                group["lr"] = new_base * multiplier
+                group["initial_lr"] = new_base
+                if scheduler is not None and hasattr(scheduler, "base_lrs"):
+                    scheduler.base_lrs[i] = new_base
+                    if hasattr(scheduler, "_last_lr"):
+                        scheduler._last_lr[i] = group["lr"]
+                lines.append(
+                    f"{where}lr: {base:g} -> {new_base:g} (x {multiplier:g} of the schedule: "
+                    f"{group['lr']:g})"
+                )
+            for key, value in wanted.items():
+                if key in _NOT_SETTINGS or isinstance(value, bool):
+                    continue  # flags (fused, amsgrad, ...) are how, not what
+                if not isinstance(value, int | float | tuple):
+                    continue
+                if group.get(key) != value:
+                    lines.append(f"{where}{key}: {group.get(key)} -> {value}")
+                    group[key] = value
+    return lines
+
+
+def _base_lr(group: dict[str, Any], scheduler: Any, index: int) -> float:
+    """The base learning rate a restored group's schedule multiplies."""
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        return float(scheduler.base_lrs[index])
+    return float(group.get("initial_lr", group["lr"]))

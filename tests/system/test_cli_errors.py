@@ -69,6 +69,33 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
         (["--model.init_args.policy=/no/such/model"], "`policy`: model path '/no/such/model'"),
         (["--model.init_args.polcy=x"], "`model` (rlkl_lightning.PPOModule): Option 'polcy'"),
         (["--trainer.max_stepz=3"], "unrecognized arguments: --trainer.max_stepz=3"),
+        # A value of the wrong type names its full path and the type (was `Parser key "lr":`).
+        (
+            ["--model.init_args.optimization.lr=abc"],
+            "`model.init_args.optimization.lr` must be a number, got abc",
+        ),
+        (["--data.init_args.batch_size=abc"], "`data.init_args.batch_size` must be an integer"),
+        (  # TRL's loss names say which aggregation is theirs (docs/pipeline.md)
+            ["--model.init_args.objective.aggregation=dapo"],
+            "`model.init_args.objective.aggregation` must be one of ('token_mean', "
+            "'sequence_mean', 'fixed_length', 'batch_token_mean'), got 'dapo': TRL's loss_type "
+            "'dapo' is `objective.aggregation: batch_token_mean` here",
+        ),
+        (
+            ["--model.init_args.objective.aggregation=dr_grpo"],
+            "`model.init_args.objective.aggregation` must be one of ('token_mean', "
+            "'sequence_mean', 'fixed_length', 'batch_token_mean'), got 'dr_grpo': TRL's "
+            "loss_type 'dr_grpo' is `objective.aggregation: fixed_length` here",
+        ),
+        (
+            ["--model.init_args.kl.trust_region=nan"],
+            "`model.init_args.kl.trust_region` must be a finite number or null (NaN and inf are "
+            "refused), got nan",
+        ),
+        (
+            ["--model.init_args.kl.trust_region=abc"],
+            "`model.init_args.kl.trust_region` must be a number or null, got abc",
+        ),
         (["--weights_only=false"], "`weights_only` must be true or unset"),
         (["--ckpt_path=last"], "`--ckpt_path last`: there is no checkpoint to resume"),
     ],
@@ -150,3 +177,22 @@ def test_an_error_that_is_not_a_users_mistake_keeps_its_traceback(tiny_lm_dir, t
             cli.main(["fit", "--config", config])
     finally:
         cli.RLKLCLI = original
+
+
+@pytest.mark.parametrize(
+    ("init_args", "message"),
+    [
+        ({"every": 1.5}, "`trainer.callbacks[0].init_args.every` must be an integer, got 1.5"),
+        (
+            {"alpha": "abc"},
+            "`trainer.callbacks[0].init_args.alpha` must be a number or null, got abc",
+        ),
+    ],
+)
+def test_a_callback_option_of_the_wrong_type_names_its_path(
+    init_args, message, tiny_lm_dir, tmp_path, capfd
+):
+    refresh = {"class_path": "rlkl_lightning.ReferenceRefresh", "init_args": init_args}
+    checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"}
+    config = tiny_cli_config(tiny_lm_dir, tmp_path, trainer={"callbacks": [refresh, checkpoint]})
+    assert cli_error(["fit", "--config", str(config)], capfd) == message

@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from rlkl_lightning import RLOOModule
@@ -162,6 +164,9 @@ def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeyp
     assert refreshes == (name == "ppo_reference_reset.yaml")
     diagnostics = "kl_tokens/max_kl" in tags  # logged with logging.kl_token_threshold
     assert diagnostics == ("kl_token_threshold" in options.get("logging", {}))
+    # The README's `--ckpt_path last` finds the run's end (rloo/grpo kept no last.ckpt).
+    (last,) = (tmp_path / "runs").glob("*/version_0/checkpoints/last.ckpt")
+    assert torch.load(last, weights_only=True)["rlkl_counters"]["batches_seen"] == 2
 
 
 def test_sft_config_trains_and_exports_a_loadable_model(tiny_lm_dir, tmp_path, monkeypatch):
@@ -264,3 +269,21 @@ def test_a_reward_named_by_class_path_in_the_config_is_the_one_used(
     assert isinstance(cli.model.reward, SequenceClassifierReward)
     score = float(cli.trainer.callback_metrics["objective/score"])
     assert 0.0 < score < 1.0  # a probability: the classifier scored the batch
+
+
+def test_an_rloo_run_prints_no_warning(tiny_lm_dir, tmp_path):
+    """The README says a warning on the console means something is wrong: RLOO and GRPO runs
+    printed Lightning's note on their own ``on_before_batch_transfer``, which is the design."""
+    from helpers.cli_runs import train_py
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(["the film was", "this book is", "the food", "a story"]))
+    status, output = train_py(
+        ["fit", "--config", str(ROOT / "configs" / "grpo_adaptive.yaml")]
+        + [f"--model.policy={tiny_lm_dir}", "--model.sampling.max_prompt_tokens=8"]
+        + ["--model.sampling.max_new_tokens=4", f"--data.prompts={prompts}"]
+        + [f"--data.heldout={prompts}", "--data.batch_size=4", "--trainer.max_steps=16"]
+        + [f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}"]
+    )
+    assert status == 0, output
+    assert not re.findall(r"^.*\.py:\d+: .*$", output, flags=re.MULTILINE), output

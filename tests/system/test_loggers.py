@@ -107,3 +107,16 @@ def test_a_logger_without_its_package_names_the_extra(
     assert cli_error(["fit", "--config", str(config), f"--trainer.logger={logger}"], capfd) == (
         message
     )
+
+
+def test_a_logger_that_refuses_its_arguments_says_why_in_one_line(tiny_lm_dir, tmp_path, capfd):
+    """MLflow's refusal of a tracking URI ended 104 lines of traceback; now it is the message."""
+    pytest.importorskip("mlflow")
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    message = cli_error(
+        ["fit", "--config", str(config), "--trainer.logger=lightning.pytorch.loggers.MLFlowLogger"]
+        + ["--trainer.logger.init_args.tracking_uri=bogus://nowhere"],
+        capfd,
+    )
+    assert message.startswith("`trainer.logger` (MLFlowLogger): "), message
+    assert "'bogus://nowhere'" in message and "\n" not in message

@@ -370,3 +370,98 @@ def test_cli_resume_of_a_finished_run_with_more_epochs_trains_them(
     assert_same_tensors(a["state_dict"], b["state_dict"])
     for key in (k for k in a["callbacks"] if k.startswith(("KLController", "KLDrift"))):
         assert a["callbacks"][key] == b["callbacks"][key]
+
+
+@pytest.mark.parametrize("written", ["by_the_run", "after_fit"])
+def test_extending_a_finished_run_bounded_by_max_steps_trains_the_new_epoch(
+    tiny_lm_dir, prompts_file, tmp_path, written
+):
+    """Every shipped config sets ``max_steps``: a run of 1 epoch extended to 2 trains epoch 1.
+
+    The periodic checkpoints never fire (``every_n_train_steps`` beyond the run), as in
+    ``train.py fit --config configs/ppo_adaptive.yaml --trainer.limit_train_batches=4
+    --trainer.max_epochs=1``: ``last.ckpt`` is the run's end (``by_the_run``), or a file that
+    ``Trainer.save_checkpoint`` wrote after ``fit`` returned (``after_fit``: the epoch counted
+    as finished). Lightning took either resume under ``max_steps`` as one inside the finished
+    epoch and ended at once, exit status 0, having trained nothing.
+    """
+    from rlkl_lightning.cli import main
+
+    per_epoch = len(PROMPTS) // BATCH
+    paths = {}
+    for name in ("full", "cut"):
+        paths[name] = cli_config(tmp_path, tiny_lm_dir, prompts_file, name)
+        config = yaml.safe_load(open(paths[name]))
+        config["trainer"]["max_steps"] = 1000
+        config["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = 1000
+        open(paths[name], "w").write(yaml.safe_dump(config))
+    main(["fit", "--config", paths["full"], "--trainer.max_epochs=2"])
+    cut = main(["fit", "--config", paths["cut"], "--trainer.max_epochs=1"])
+    resume_from = tmp_path / "cut" / "ckpt" / "last.ckpt"
+    if written == "after_fit":
+        resume_from = tmp_path / "cut" / "after_fit.ckpt"
+        cut.trainer.save_checkpoint(resume_from)
+    first = torch.load(resume_from, weights_only=True)
+    assert first["rlkl_counters"]["batches_seen"] == per_epoch
+    main(
+        ["fit", "--config", paths["cut"], "--trainer.max_epochs=2", "--ckpt_path", str(resume_from)]
+    )
+    a = torch.load(tmp_path / "full" / "ckpt" / "last.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "ckpt" / "last.ckpt", weights_only=True)
+    assert b["rlkl_counters"]["batches_seen"] == a["rlkl_counters"]["batches_seen"] == 2 * per_epoch
+    assert b["global_step"] == a["global_step"] == 2 * per_epoch * STEPS_PER_BATCH
+    assert_same_tensors(a["state_dict"], b["state_dict"])
+    for key in (k for k in a["callbacks"] if k.startswith(("KLController", "KLDrift"))):
+        assert a["callbacks"][key] == b["callbacks"][key]
+
+
+def test_last_ckpt_is_the_runs_final_batch_and_continues_exactly(
+    tiny_lm_dir, prompts_file, tmp_path
+):
+    """A checkpoint every 2 batches and a run of 3: ``last.ckpt`` is batch 3, not batch 2.
+
+    It was up to ``every_n_train_steps`` old (24 batches in the shipped configs): Lightning
+    writes ``last`` at the end of training only when nothing was saved before. Extended to 5
+    batches, the run ends where one run of 5 batches ends.
+    """
+    from rlkl_lightning.cli import main
+
+    paths = {}
+    for name in ("full", "cut"):
+        paths[name] = cli_config(tmp_path, tiny_lm_dir, prompts_file, name)
+        config = yaml.safe_load(open(paths[name]))
+        config["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = 2 * STEPS_PER_BATCH
+        open(paths[name], "w").write(yaml.safe_dump(config))
+    main(["fit", "--config", paths["full"], f"--trainer.max_steps={5 * STEPS_PER_BATCH}"])
+    main(["fit", "--config", paths["cut"], f"--trainer.max_steps={3 * STEPS_PER_BATCH}"])
+    last = torch.load(tmp_path / "cut" / "ckpt" / "last.ckpt", weights_only=True)
+    assert last["rlkl_counters"]["batches_seen"] == 3
+    assert last["global_step"] == 3 * STEPS_PER_BATCH
+    main(
+        ["fit", "--config", paths["cut"], f"--trainer.max_steps={5 * STEPS_PER_BATCH}"]
+        + ["--ckpt_path", "last"]
+    )
+    a = torch.load(tmp_path / "full" / "ckpt" / "last.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "ckpt" / "last.ckpt", weights_only=True)
+    assert b["rlkl_counters"] == a["rlkl_counters"]
+    assert a["rlkl_counters"]["batches_seen"] == 5
+    assert_same_tensors(a["state_dict"], b["state_dict"])
+    for key in (k for k in a["callbacks"] if k.startswith(("KLController", "KLDrift"))):
+        assert a["callbacks"][key] == b["callbacks"][key]
+
+
+def test_the_end_of_run_save_leaves_the_epoch_checkpoint_in_place(
+    tiny_lm_dir, prompts_file, tmp_path
+):
+    """A ``ModelCheckpoint`` saving at epoch ends still writes the last epoch's file, after the
+    final batch's ``last.ckpt`` (which must not count as its save at that step)."""
+    from rlkl_lightning.cli import main
+
+    path = cli_config(tmp_path, tiny_lm_dir, prompts_file, "epochs")
+    config = yaml.safe_load(open(path))
+    config["trainer"]["callbacks"][0]["init_args"].pop("every_n_train_steps")
+    open(path, "w").write(yaml.safe_dump(config))
+    main(["fit", "--config", path, "--trainer.max_epochs=2"])
+    steps = 2 * (len(PROMPTS) // BATCH) * STEPS_PER_BATCH
+    names = sorted(p.name for p in (tmp_path / "epochs" / "ckpt").glob("*.ckpt"))
+    assert names == [f"epoch=1-step={steps}.ckpt", "last.ckpt"]

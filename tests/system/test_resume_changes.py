@@ -110,3 +110,111 @@ def test_a_monitor_state_under_the_old_key_still_loads(finished):
     monitor.load_state_dict(checkpoint["callbacks"][monitor.state_key])
     assert list(monitor.values) == state["values"] and len(state["values"]) == 2
     assert monitor.n_batches == state["n_batches"] == 2
+
+
+def test_a_new_lr_and_weight_decay_are_applied_and_the_schedule_continues(
+    tiny_lm_dir, tmp_path, caplog
+):
+    """``--resume_with_changes`` with a new ``optimization.lr`` printed it and kept the old one.
+
+    The restored optimizer and scheduler carried the checkpoint's lr (1e-5), so ``policy/lr``
+    stayed there while the new checkpoint recorded the new value. A warm-up of 8 batches, 2 of
+    them done: the third batch steps at 3e-4 x 3/8 and logs the lr of the next, 3e-4 x 4/8.
+    """
+    ckpt = tmp_path / "ckpt"
+    checkpoint = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(ckpt), "save_last": True},
+    }
+    optimization = {"ppo_epochs": 1, "num_minibatches": 1, "lr": 1e-5, "warmup_batches": 8}
+    config = tiny_cli_config(
+        tiny_lm_dir,
+        tmp_path,
+        trainer={"callbacks": [checkpoint]},
+        model={"optimization": optimization},
+    )
+    main(["fit", "--config", str(config)])
+    with caplog.at_level(logging.INFO):
+        run = main(
+            ["fit", "--config", str(config), "--ckpt_path", "last", "--trainer.max_steps=3"]
+            + ["--model.init_args.optimization.lr=3e-4"]
+            + ["--model.init_args.optimization.weight_decay=0.1", "--resume_with_changes=true"]
+        )
+    assert "model.init_args.optimization.lr: 1e-05 -> 0.0003" in caplog.text
+    assert "applied: lr: 1e-05 -> 0.0003" in caplog.text
+    assert "applied: weight_decay: 0.0 -> 0.1" in caplog.text
+    (group,) = run.trainer.optimizers[0].param_groups
+    (scheduler,) = [config.scheduler for config in run.trainer.lr_scheduler_configs]
+    assert scheduler.base_lrs == [3e-4] and group["initial_lr"] == 3e-4
+    assert group["lr"] == pytest.approx(3e-4 * 4 / 8) and group["weight_decay"] == 0.1
+    assert run.trainer.callback_metrics["policy/lr"].item() == pytest.approx(3e-4 * 4 / 8)
+    saved = torch.load(ckpt / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 3
+    (saved_group,) = saved["optimizer_states"][0]["param_groups"]
+    assert saved_group["lr"] == pytest.approx(3e-4 * 4 / 8) and saved_group["initial_lr"] == 3e-4
+    assert saved_group["weight_decay"] == 0.1
+    assert saved["lr_schedulers"][0]["base_lrs"] == [3e-4]
+    settings = saved["callbacks"]["RunSettings"]["settings"]
+    assert settings["model.init_args.optimization.lr"] == "0.0003"
+
+
+@pytest.mark.parametrize("law", ["exponential", "pi", "fixed"])
+def test_a_new_law_starts_from_the_checkpoints_beta(finished, law, caplog):
+    """The message suggested ``--resume_with_changes`` for a law change, which then failed in
+    the controller's ``load_state_dict`` (a state of another law). The beta carries over."""
+    config, last = finished
+    saved = torch.load(last, weights_only=True)["callbacks"]
+    with caplog.at_level(logging.INFO):
+        run = main(
+            ["fit", "--config", str(config), "--ckpt_path", str(last), "--trainer.max_steps=2"]
+            + [f"--kl.controller={law}", "--resume_with_changes=true"]
+            + ["--trainer.enable_checkpointing=false"]  # last.ckpt stays the fixture's
+        )
+    controller = next(c for c in run.trainer.callbacks if isinstance(c, KLControllerCallback))
+    beta = saved[controller.state_key]["controller"]["value"]
+    assert saved[controller.state_key]["controller"]["law"] == "adaptive"
+    assert controller.controller.law == law
+    assert controller.value == beta != 0.2  # the checkpoint's, not the config's init_coef
+    assert controller.n_batches == saved[controller.state_key]["n_batches"] == 2
+    assert f"the law changed ('adaptive' -> '{law}'): beta {beta:.6g} carries over" in caplog.text
+
+
+def test_a_changed_or_added_reference_refresh_is_refused(tiny_lm_dir, tmp_path, capfd):
+    """A ``ReferenceRefresh`` changes the trajectory as the KL group does; it resumed unchecked."""
+    checkpoint = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True},
+    }
+
+    def config(name, *refresh):
+        callbacks = [
+            {"class_path": "rlkl_lightning.ReferenceRefresh", "init_args": args} for args in refresh
+        ]
+        return tiny_cli_config(
+            tiny_lm_dir, tmp_path, name, trainer={"callbacks": [*callbacks, checkpoint]}
+        )
+
+    main(["fit", "--config", str(config("run.yaml", {"every": 5}))])
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    for resumed, listed in [
+        (
+            config("every.yaml", {"every": 3, "reset_optimizer": True}),
+            [
+                "trainer.callbacks.ReferenceRefresh.init_args.every: 5 -> 3",
+                "trainer.callbacks.ReferenceRefresh.init_args.reset_optimizer: False -> True",
+            ],
+        ),
+        (
+            config("none.yaml"),
+            [
+                "trainer.callbacks: ['ReferenceRefresh'] -> []",
+                "trainer.callbacks.ReferenceRefresh.init_args.alpha: None -> (unset)",
+                "trainer.callbacks.ReferenceRefresh.init_args.every: 5 -> (unset)",
+                "trainer.callbacks.ReferenceRefresh.init_args.mode: 'hard' -> (unset)",
+                "trainer.callbacks.ReferenceRefresh.init_args.reset_optimizer: False -> (unset)",
+            ],
+        ),
+    ]:
+        args = ["fit", "--config", str(resumed), "--ckpt_path", last, "--trainer.max_steps=3"]
+        message = cli_error(args, capfd)
+        assert [line.strip() for line in message.splitlines()[1:-1]] == listed, message
