@@ -29,6 +29,8 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from typing_extensions import override
 
+from rlkl_lightning import metric_keys as keys
+from rlkl_lightning.kl.callback_base import KLCallbackBase
 from rlkl_lightning.models.lora import AdaptersOff, mix_adapters_into_base
 
 #: The refresh modes of :class:`ReferenceRefresh`.
@@ -142,6 +144,14 @@ class ReferenceRefresh(Callback):
                 "allowed strategies: single device and DDP"
             )
         pl_module.log_reference_refreshes = True
+        # The KL callbacks that read the count this module logs learn the period now, and say
+        # what it does to them (the monitor what it suspends, the controller a hold too long).
+        for callback in trainer.callbacks:
+            if (
+                isinstance(callback, KLCallbackBase)
+                and callback.refresh_key == keys.REFERENCE_REFRESHES
+            ):
+                callback.expect_refreshes(self.every)
 
     @override
     def on_train_batch_end(
