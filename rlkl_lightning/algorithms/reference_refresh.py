@@ -77,7 +77,10 @@ class ReferenceRefresh(Callback):
     :meth:`~rlkl_lightning.algorithms.pipeline.RLPipeline.refresh_reference` runs; the next
     batch measures its KL against the refreshed reference and logs the running count of
     refreshes as ``reference/refreshes``, which the KL callbacks read to hold beta
-    (``KLControllerCallback(hold_after_refresh=...)``) and restart the drift monitor's warm-up.
+    (``KLControllerCallback(hold_after_refresh=...)``) and to suspend the drift monitor's "too
+    low" while the KL climbs back. At set-up it tells those callbacks its period
+    (``expect_refreshes``): the monitor says what it suspends, and a ``hold_after_refresh`` of
+    ``every`` or more warns (beta would be frozen from the first refresh on).
     The module keeps the count and the refreshed weights in checkpoints; this callback has no
     state of its own, so a resumed run refreshes at the same batches.
 

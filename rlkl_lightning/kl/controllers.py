@@ -17,9 +17,9 @@ Every controller follows the :class:`KLController` protocol and these common rul
 * A non-finite ``current_kl`` (nan or inf) leaves the state unchanged and emits one
   ``RuntimeWarning`` per controller instance.
 * ``state_dict()`` holds the law name, beta (``value``) and the law's declared
-  ``state_fields`` (the PI integral; the log-PID law's integral and filter); ``load_state_dict``
-  checks the law and gives a field missing from an older state its start value, so states
-  written by older versions still load.
+  ``state_fields`` (the PI integral; the log-PID law's integral, filter and start flag);
+  ``load_state_dict`` checks the law and gives a field missing from an older state its start
+  value, so states written by older versions still load.
   Parameters (target, gains, ...) come from the constructor.
 
 Invalid parameters raise :class:`ValueError` at construction, naming the option and its
@@ -488,7 +488,7 @@ class LogPIDKLController(_ClampedIntegral, _BaseKLController):
 
     The KL of the first batches is exactly 0 (the policy starts as its reference): until the
     first KL above 0, an update with a KL ``<= 0`` observed nothing that answers beta and
-    changes nothing (:attr:`started` is 0). ``z`` (:attr:`integral`) starts at
+    changes nothing (``started``, in the state, is 0). ``z`` (:attr:`integral`) starts at
     ``log(init_kl_coef)``, ``m`` at ``log(floor)`` (a KL of 0), ``d`` at 0; all are in the
     state. Gains are per update (once per training batch). docs/controllers.md ("The log-PID
     law") derives the defaults.
