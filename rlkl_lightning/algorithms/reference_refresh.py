@@ -29,6 +29,8 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 from typing_extensions import override
 
+from rlkl_lightning import metric_keys as keys
+from rlkl_lightning.kl.callback_base import KLCallbackBase
 from rlkl_lightning.models.lora import AdaptersOff, mix_adapters_into_base
 
 #: The refresh modes of :class:`ReferenceRefresh`.
@@ -75,7 +77,10 @@ class ReferenceRefresh(Callback):
     :meth:`~rlkl_lightning.algorithms.pipeline.RLPipeline.refresh_reference` runs; the next
     batch measures its KL against the refreshed reference and logs the running count of
     refreshes as ``reference/refreshes``, which the KL callbacks read to hold beta
-    (``KLControllerCallback(hold_after_refresh=...)``) and restart the drift monitor's warm-up.
+    (``KLControllerCallback(hold_after_refresh=...)``) and to suspend the drift monitor's "too
+    low" while the KL climbs back. At set-up it tells those callbacks its period
+    (``expect_refreshes``): the monitor says what it suspends, and a ``hold_after_refresh`` of
+    ``every`` or more warns (beta would be frozen from the first refresh on).
     The module keeps the count and the refreshed weights in checkpoints; this callback has no
     state of its own, so a resumed run refreshes at the same batches.
 
@@ -142,6 +147,14 @@ class ReferenceRefresh(Callback):
                 "allowed strategies: single device and DDP"
             )
         pl_module.log_reference_refreshes = True
+        # The KL callbacks that read the count this module logs learn the period now, and say
+        # what it does to them (the monitor what it suspends, the controller a hold too long).
+        for callback in trainer.callbacks:
+            if (
+                isinstance(callback, KLCallbackBase)
+                and callback.refresh_key == keys.REFERENCE_REFRESHES
+            ):
+                callback.expect_refreshes(self.every)
 
     @override
     def on_train_batch_end(

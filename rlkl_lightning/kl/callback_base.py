@@ -73,6 +73,8 @@ class KLCallbackBase(Callback, ABC):
         n_skipped: Batches without a usable KL.
         unit_checked: Whether the target's unit was checked already.
         n_refreshes: Reference refreshes seen (the last count read under ``refresh_key``).
+        refresh_every: Trained batches between refreshes, where a refresh callback announced
+            them (:meth:`expect_refreshes`), else ``None``.
     """
 
     target: float | None = None
@@ -100,6 +102,7 @@ class KLCallbackBase(Callback, ABC):
         self.unit_checked = False
         self.refresh_key = refresh_key
         self.n_refreshes = 0
+        self.refresh_every: int | None = None
         self._last: Any = None
         self._stale = False
         self._warned_stale = False
@@ -120,6 +123,15 @@ class KLCallbackBase(Callback, ABC):
 
     def on_refresh(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """React to a refresh of the reference (the batch KL may be near zero from here on)."""
+
+    def expect_refreshes(self, every: int) -> None:
+        """Learn at set-up that the reference is refreshed every ``every`` trained batches.
+
+        A ``ReferenceRefresh`` callback calls it from its ``setup`` on every KL callback whose
+        ``refresh_key`` it feeds; a subclass says there what refreshes do to it (overriding
+        methods call ``super()``). Stored in ``refresh_every``.
+        """
+        self.refresh_every = every
 
     def read_refreshes(self, trainer: pl.Trainer) -> bool:
         """Whether the logged count of reference refreshes grew since the last batch."""

@@ -99,7 +99,9 @@ class KLControllerCallback(KLCallbackBase):
         hold_after_refresh: Batches after a refresh of the reference (read under
             ``refresh_key``) during which the controller is not updated: beta and the law's
             state stay as they were while the KL, reset to about zero, climbs back (0: the law
-            sees every KL). docs/controllers.md, "Across a reference refresh".
+            sees every KL). docs/controllers.md, "Across a reference refresh". A hold of
+            ``every`` batches or more of the ``ReferenceRefresh`` callback freezes beta from the
+            first refresh on, and warns at set-up.
         refresh_key: Key the module logs its running count of reference refreshes under.
 
     Example::
@@ -233,6 +235,20 @@ class KLControllerCallback(KLCallbackBase):
     @override
     def on_refresh(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.held = self.hold_after_refresh
+
+    @override
+    def expect_refreshes(self, every: int) -> None:
+        super().expect_refreshes(every)
+        if self.hold_after_refresh >= every:
+            rank_zero_warn(
+                f"{type(self).__name__}: hold_after_refresh ({self.hold_after_refresh}, "
+                f"`kl.hold_after_refresh`) >= the reference refresh's `every` ({every}): each "
+                "refresh comes before the hold of the one before has ended, so beta is held "
+                f"from the first refresh to the end of the run at {self.value:.6g} and the law "
+                f"never acts again. Use hold_after_refresh < {every} (0 to let the law see "
+                "every KL).",
+                category=RuntimeWarning,
+            )
 
     @override
     def skip_effect(self) -> str:

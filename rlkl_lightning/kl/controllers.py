@@ -17,9 +17,9 @@ Every controller follows the :class:`KLController` protocol and these common rul
 * A non-finite ``current_kl`` (nan or inf) leaves the state unchanged and emits one
   ``RuntimeWarning`` per controller instance.
 * ``state_dict()`` holds the law name, beta (``value``) and the law's declared
-  ``state_fields`` (the PI integral; the log-PID law's integral and filter); ``load_state_dict``
-  checks the law and gives a field missing from an older state its start value, so states
-  written by older versions still load.
+  ``state_fields`` (the PI integral; the log-PID law's integral, filter and start flag);
+  ``load_state_dict`` checks the law and gives a field missing from an older state its start
+  value, so states written by older versions still load.
   Parameters (target, gains, ...) come from the constructor.
 
 Invalid parameters raise :class:`ValueError` at construction, naming the option and its
@@ -475,11 +475,25 @@ class LogPIDKLController(_ClampedIntegral, _BaseKLController):
 
     ``L``, ``U`` are ``log`` of the bounds, as in :class:`PIKLController`. The trend term lets
     the law raise beta while a fast-rising KL is still below the target, and the integral may
-    fall by at most ``max_fall`` per batch: the KL's slow start (from 0, or a plateau until
-    the policy finds the reward) cannot wind beta down unchecked. ``z`` (:attr:`integral`)
-    starts at ``log(init_kl_coef)``, ``m`` at ``log(floor)`` (a KL of 0), ``d`` at 0; all three
-    are in the state. Gains are per update (once per training batch). docs/controllers.md
-    ("The log-PID law") derives the defaults.
+    fall by at most ``max_fall`` per batch. That caps the rate, not the depth: a plateau of
+    the KL (until the policy finds the reward) would wind beta down without end, and the
+    take-off would then meet a beta hundreds of times too low. So the lower bound has a
+    default, ``min_kl_coef = init_kl_coef * floor ** (1 / min_elasticity)`` (0.09 x
+    ``init_kl_coef``): the law cannot tell a KL below ``floor * target`` from one at it, and
+    where the KL goes as ``beta^-a`` with ``a >= min_elasticity`` (the smallest elasticity
+    measured on the worlds), a KL it can still read at ``init_kl_coef`` reaches the target
+    with beta at most ``floor ** (-1 / min_elasticity)`` times lower; a lower beta would chase
+    a KL the law cannot see. The integral, clamped to ``[L, U]``, is bounded with it. Pass
+    ``min_kl_coef`` to choose another floor.
+
+    The KL of the first batch is 0 up to float rounding (the policy starts as its reference;
+    the shipped config measured 2.4e-7, -5.1e-7 and -3.0e-8 nats on three seeds): until the
+    first KL with ``|kl| > zero_kl * target``, an update observed nothing that answers beta
+    and changes nothing (``started``, in the state, is 0). One PPO batch already moves the KL
+    to about 0.04 x target, 400 times that tolerance. ``z`` (:attr:`integral`) starts at
+    ``log(init_kl_coef)``, ``m`` at ``log(floor)`` (a KL of 0), ``d`` at 0; all are in the
+    state. Gains are per update (once per training batch). docs/controllers.md ("The log-PID
+    law") derives the defaults.
 
     Args:
         init_kl_coef: Initial beta, a finite number > 0 inside the bounds.
@@ -492,17 +506,25 @@ class LogPIDKLController(_ClampedIntegral, _BaseKLController):
         gamma: Smoothing of its trend, in (0, 1].
         dead_zone: Log error below which the error is scaled down quadratically, >= 0 (0: off).
         error_clip: Clip ``c`` of the projected error, finite and > 0.
-        min_kl_coef: Optional lower bound on beta.
+        min_kl_coef: Lower bound on beta; None: ``init_kl_coef * floor ** (1 /
+            min_elasticity)``, 0.09 x ``init_kl_coef`` (above).
         max_kl_coef: Optional upper bound on beta.
     """
 
     law = "logpid"
     #: The KL is floored at this fraction of the target before its log is taken.
     floor: ClassVar[float] = 0.3
+    #: The smallest elasticity ``a`` of the KL to beta (``KL ~ beta^-a``) measured on the
+    #: worlds (READMEs 0.50; default 0.69, code 0.93): it sets the default lower bound.
+    min_elasticity: ClassVar[float] = 0.5
+    #: Before the law has started, a KL within this fraction of the target of 0 is the KL of
+    #: a policy that is still its reference, 0 up to float rounding.
+    zero_kl: ClassVar[float] = 1e-4
     state_fields = {
         "integral": math.log,
         "log_error": lambda beta: math.log(LogPIDKLController.floor),
         "trend": lambda beta: 0.0,
+        "started": lambda beta: 0.0,
     }
 
     def __init__(
@@ -521,6 +543,9 @@ class LogPIDKLController(_ClampedIntegral, _BaseKLController):
         max_kl_coef: float | None = None,
     ) -> None:
         super().__init__(init_kl_coef, min_kl_coef, max_kl_coef)
+        if min_kl_coef is None:  # the default floor, below init_kl_coef (itself <= the max)
+            self.min_kl_coef = self._lo = self._beta * self.floor ** (1.0 / self.min_elasticity)
+            self.integral = self.integral  # clamped to the new range (it starts at init)
         owner = type(self).__name__
         self.target = _finite(owner, "target", target, unit="nats")
         self.kp = _finite(owner, "kp", kp, strict=False)
@@ -535,7 +560,21 @@ class LogPIDKLController(_ClampedIntegral, _BaseKLController):
         self.dead_zone = _finite(owner, "dead_zone", dead_zone, strict=False)
         self.error_clip = _finite(owner, "error_clip", error_clip)
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state, as :meth:`_BaseKLController.load_state_dict`.
+
+        A state written before ``started`` existed, mid-run (it has a ``log_error``), counts as
+        started.
+        """
+        if isinstance(state, Mapping) and state.get("started") is None and "log_error" in state:
+            state = {**state, "started": 1.0}
+        super().load_state_dict(state)
+
     def _step(self, kl: float, n_steps: int) -> float:
+        if not self.started:
+            if abs(kl) <= self.zero_kl * self.target:  # still the reference: nothing to see
+                return self._beta
+            self.started = 1.0
         y = math.log(max(kl, self.floor * self.target) / self.target)
         before = self.log_error
         self.log_error = self.alpha * y + (1.0 - self.alpha) * (before + self.trend)

@@ -79,11 +79,16 @@ class KLDriftMonitor(KLCallbackBase):
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch, used to
             weight the mean over ranks. Defaults to
             :func:`~rlkl_lightning.kl.reading.infer_batch_size`.
-        refresh_key: Key the module logs its running count of reference refreshes under. A
-            refresh empties the window and starts the warm-up again, and "too low" is not
-            judged until the average has reached the band once: after a hard reset the KL
-            climbs back from zero, which is the reset working, not a policy that stopped
-            learning. "Too high" is judged as usual after the warm-up.
+        refresh_key: Key the module logs its running count of reference refreshes under.
+            After a refresh "too low" is suspended until the mean of the KLs measured since
+            the refresh (the last ``min(window, batches since it)``) has reached
+            ``low * target``: after a hard reset the KL climbs back from zero, which is the
+            reset working, not a policy that stopped learning. Nothing else changes: the
+            window keeps its values, the warm-up is the run's first ``min_batches`` only, and
+            "too high" is judged across refreshes, however often they come (with a refresh
+            every batch, an exponential moving average of the policy, too). A
+            ``ReferenceRefresh`` callback announces its period at set-up
+            (:meth:`expect_refreshes`) and the monitor says then what it suspends.
 
     Attributes:
         state: Current state (``-1``, ``0``, ``+1``).
@@ -150,8 +155,8 @@ class KLDriftMonitor(KLCallbackBase):
         self.n_warnings_high = 0
         self.n_warnings_low = 0
         self.stopped_batch: int | None = None
-        self.usable_at_refresh = 0  # usable KLs before the last refresh: the warm-up restarts
-        self.low_armed = True  # False from a refresh until the average reaches the band
+        self.since_refresh = 0  # usable KLs since the last refresh (in the window: the newest)
+        self.low_armed = True  # False from a refresh until the KL since it reaches the band
 
     @property
     @override
@@ -220,17 +225,35 @@ class KLDriftMonitor(KLCallbackBase):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, kl: float, n_samples: int
     ) -> None:
         self.values.append(kl)
+        self.since_refresh += 1
 
     @override
     def skip_effect(self) -> str:
         return "it is left out of the window"
 
     @override
+    def expect_refreshes(self, every: int) -> None:
+        super().expect_refreshes(every)
+        if self.low == 0 or not self.verbose:
+            return
+        rank_zero_info(
+            f"{type(self).__name__}: the reference is refreshed every {every} batch"
+            f'{"es" if every != 1 else ""}. After each refresh "too low" is suspended until '
+            f"the mean KL measured since the refresh reaches {self.low:g} x target "
+            f'{self.target:g} ({UNIT_NAMES[self.unit]}); "too high" is judged across '
+            "refreshes on the window of the last "
+            f"{self.window} batches, as without them."
+        )
+
+    @override
     def on_refresh(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.values.clear()
-        self.state = IN_BAND
-        self.low_armed = self.low == 0
-        self.usable_at_refresh = self.n_batches - 1 - self.n_skipped  # before this batch's
+        # Only "too low" waits: the KL against the refreshed reference climbs back from about
+        # zero. The window keeps its values, so "too high" is judged as without the refresh.
+        if self.low > 0:
+            self.low_armed = False
+            if self.state == LOW:
+                self.state = IN_BAND
+        self.since_refresh = 0
 
     @override
     def after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -239,8 +262,7 @@ class KLDriftMonitor(KLCallbackBase):
             return
         avg = self.avg_kl
         pl_module.log(keys.MONITOR_AVG_KL, avg, on_step=True, on_epoch=False)
-        usable = self.n_batches - self.n_skipped - self.usable_at_refresh  # since the last refresh
-        if usable < self.min_batches:
+        if self.n_batches - self.n_skipped < self.min_batches:  # the run's warm-up
             return
         self._update_state(trainer, avg)
         pl_module.log(keys.MONITOR_STATE, float(self.state), on_step=True, on_epoch=False)
@@ -248,10 +270,12 @@ class KLDriftMonitor(KLCallbackBase):
         pl_module.log(keys.MONITOR_WARNINGS, warnings, on_step=True, on_epoch=False)
 
     def _update_state(self, trainer: pl.Trainer, avg: float) -> None:
+        if not self.low_armed and self.since_refresh > 0:  # "too low" waits for the band
+            recent = list(self.values)[-min(self.since_refresh, len(self.values)) :]
+            self.low_armed = sum(recent) / len(recent) >= self.low * self.target
         new = self._classify(avg)
-        if not self.low_armed:  # climbing back after a refresh: "too low" is expected
-            self.low_armed = new != LOW
-            new = IN_BAND if new == LOW else new
+        if not self.low_armed and new == LOW:
+            new = IN_BAND
         if new == self.state:
             return
         if new == IN_BAND:
@@ -285,7 +309,7 @@ class KLDriftMonitor(KLCallbackBase):
             "n_warnings_low": self.n_warnings_low,
             "stopped_batch": self.stopped_batch,
             "target": self.target,
-            "usable_at_refresh": self.usable_at_refresh,
+            "since_refresh": self.since_refresh,
             "low_armed": self.low_armed,
             **super().state_dict(),
         }
@@ -305,6 +329,7 @@ class KLDriftMonitor(KLCallbackBase):
         self.n_warnings_high = state_dict.get("n_warnings_high", 0)
         self.n_warnings_low = state_dict.get("n_warnings_low", 0)
         self.stopped_batch = state_dict.get("stopped_batch")
-        self.usable_at_refresh = state_dict.get("usable_at_refresh", 0)
+        # An older state (whose refresh emptied the window) has no count: the window's values.
+        self.since_refresh = state_dict.get("since_refresh", len(self.values))
         self.low_armed = state_dict.get("low_armed", True)
         super().load_state_dict(state_dict)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from lightning.pytorch import Callback
 
@@ -16,7 +16,11 @@ from rlkl_lightning.kl.controllers import (
     PIKLController,
 )
 from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
-from rlkl_lightning.kl.laws import build_controller, control_law
+from rlkl_lightning.kl.laws import LAWS, Law, build_controller, control_law
+
+#: The options of the group that only some laws read (each law declares which:
+#: :class:`~rlkl_lightning.kl.laws.Law`'s ``options``).
+GAIN_OPTIONS = ("horizon", "k", "kp", "ki")
 
 
 @dataclass
@@ -39,7 +43,8 @@ class KLSettings:
         horizon: adaptive law's horizon, in samples (scale it with the samples the run sees).
         k: gain of the exponential law, per nat of error.
         kp: proportional gain of the PI law.
-        ki: integral gain of the PI law.
+        ki: integral gain of the PI law. Each of ``horizon``, ``k``, ``kp``, ``ki`` set away
+            from its default for a law that does not read it is refused, naming it.
         min_kl_coef: lower bound of beta (None: the law's default).
         max_kl_coef: upper bound of beta (None: the law's default).
         window: drift monitor's moving-average window, in batches.
@@ -74,13 +79,33 @@ class KLSettings:
     hold_after_refresh: int = default_of(KLControllerCallback, "hold_after_refresh")
 
     def __post_init__(self) -> None:
-        control_law(self.controller, "kl.controller")  # an unknown name or path raises here
+        law = control_law(self.controller, "kl.controller")  # an unknown name or path raises
+        self._check_gains(law)
         if self.unit not in UNIT_NAMES:
             raise ValueError(f"`kl.unit` must be one of {tuple(UNIT_NAMES)}, got {self.unit!r}")
         if not (isinstance(self.target, int | float) and math.isfinite(self.target)) or (
             self.target <= 0
         ):
             raise ValueError(f"`kl.target` must be a finite number > 0, got {self.target!r}")
+
+    def _check_gains(self, law: Law) -> None:
+        """Refuse a gain option set (away from its default) for a law that does not read it."""
+        if law.options is None:  # a plugged law's builder may read any option of the group
+            return
+        readers = {
+            name: [other.name for other in LAWS.values() if name in (other.options or ())]
+            for name in GAIN_OPTIONS
+        }
+        for name in GAIN_OPTIONS:
+            value = getattr(self, name)
+            if name in law.options or value == _FIELD_DEFAULTS[name]:
+                continue
+            takes = ", ".join(f"`kl.{o}`" for o in law.options) or "no gain option"
+            raise ValueError(
+                f"`kl.{name}` is set ({value!r}) but the {law.name!r} law does not use it: it "
+                f"takes {takes} (with `kl.target` and the bounds). Remove `kl.{name}`, or pick "
+                f"a law that uses it: `kl.controller` {' or '.join(map(repr, readers[name]))}"
+            )
 
     def kl_controller(self, init_kl_coef: float) -> KLController:
         """The controller of law ``controller``, starting at beta = ``init_kl_coef``."""
@@ -109,3 +134,7 @@ class KLSettings:
             hysteresis=self.hysteresis,
         )
         return [controller, monitor]
+
+
+#: Each gain option's default, against which "set" is judged.
+_FIELD_DEFAULTS = {f.name: f.default for f in fields(KLSettings) if f.name in GAIN_OPTIONS}

@@ -348,3 +348,22 @@ def test_two_process_ddp_gives_every_rank_the_same_beta(tmp_path):
     seen = [results[0]["seen"][str(i)] for i in range(len(means))]
     assert seen == pytest.approx(expected[:-1], rel=1e-12, abs=0)
     assert results[0]["kl_coef"] == pytest.approx(expected[-1], rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize(("hold", "every", "warns"), [(5, 20, False), (20, 20, True), (3, 1, True)])
+def test_a_hold_as_long_as_the_refresh_period_warns_at_set_up(hold, every, warns):
+    """``hold_after_refresh >= every`` holds beta from the first refresh to the end of the run:
+    each refresh restarts the hold before it ends. The refresh callback's set-up says so."""
+    from rlkl_lightning.algorithms.reference_refresh import ReferenceRefresh
+
+    cb = KLControllerCallback(AdaptiveKLController(INIT, TARGET, HORIZON), hold_after_refresh=hold)
+    trainer = SimpleNamespace(callbacks=[cb], strategy=None)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ReferenceRefresh(every=every).setup(trainer, SimpleNamespace(refresh_reference=id), "fit")
+    said = [str(w.message) for w in record if "hold_after_refresh" in str(w.message)]
+    assert cb.refresh_every == every and len(said) == warns
+    if warns:
+        assert f"hold_after_refresh ({hold}, `kl.hold_after_refresh`) >= the reference" in said[0]
+        assert f"refresh's `every` ({every})" in said[0] and "never acts again" in said[0]
+        assert f"Use hold_after_refresh < {every}" in said[0]

@@ -244,8 +244,12 @@ def _logpid_reference(
     hi=10.0,
 ):
     """The log-PID law of the LogPIDKLController docstring, written out independently."""
-    z, m, d, betas = math.log(init), math.log(0.3), 0.0, []
+    z, m, d, betas, started = math.log(init), math.log(0.3), 0.0, [], False
     for kl in kls:
+        started = started or abs(kl) > 1e-4 * target  # until then, 0 up to rounding
+        if not started:
+            betas.append(betas[-1] if betas else init)
+            continue
         y = math.log(max(kl, 0.3 * target) / target)
         m_new = alpha * y + (1 - alpha) * (m + d)
         d = gamma * (m_new - m) + (1 - gamma) * d
@@ -258,7 +262,7 @@ def _logpid_reference(
 
 
 def test_logpid_matches_formula_step_by_step():
-    kls = KL_SEQUENCE + [60.0, 60.0, 0.5, 6.0, 6.0]
+    kls = [0.0, 2.4e-7, -5e-4] + KL_SEQUENCE + [60.0, 60.0, 0.5, 6.0, 6.0]
     ctl = LogPIDKLController(0.1, 6.0, min_kl_coef=1e-3, max_kl_coef=10.0)
     got = [ctl.update(kl, 64) for kl in kls]
     assert got == pytest.approx(_logpid_reference(0.1, 6.0, kls), rel=1e-12)
@@ -273,18 +277,73 @@ def test_logpid_matches_formula_step_by_step():
 def test_logpid_falls_at_most_max_fall_per_batch_while_the_kl_is_zero():
     """A KL of 0 is an error of log(0.3) clipped to -1: the integral would fall by ki = 0.15 a
     batch, the cap holds it to 0.05, and the proportional term adds kp * -1 once: after n
-    batches beta = 0.1 exp(-0.05 n - 0.6), whatever the batch size."""
+    batches beta = 0.1 exp(-0.05 n - 0.6), whatever the batch size, down to the default floor
+    0.1 x 0.3^2 = 0.009 (after 36 batches), where it stays."""
     ctl = LogPIDKLController(0.1, 6.0)
-    for n in range(1, 41):
-        assert ctl.update(0.0, 64 if n % 2 else 1) == pytest.approx(
-            0.1 * math.exp(-0.05 * n - 0.6), rel=1e-12
-        )
+    ctl.update(0.01, 64)  # a first KL beyond rounding: the law has started
+    for n in range(2, 61):
+        expected = max(0.1 * math.exp(-0.05 * n - 0.6), 0.1 * 0.3**2)
+        assert ctl.update(0.0, 64 if n % 2 else 1) == pytest.approx(expected, rel=1e-12)
+    assert ctl.value == ctl.min_kl_coef == pytest.approx(0.009) and ctl.integral == pytest.approx(
+        math.log(0.009)
+    )
     assert ctl.log_error == pytest.approx(math.log(0.3)) and ctl.trend == 0.0
-    # Without the cap the same 40 batches take beta 0.15 / 0.05 = 3 times as far in log.
-    free = LogPIDKLController(0.1, 6.0, max_fall=1.0)
-    for _ in range(40):
+    # Without the cap the same batches take beta 0.15 / 0.05 = 3 times as far in log.
+    free = LogPIDKLController(0.1, 6.0, max_fall=1.0, min_kl_coef=1e-6)
+    free.update(0.01, 64)
+    for _ in range(2, 31):
         free.update(0.0, 64)
-    assert free.value == pytest.approx(0.1 * math.exp(-0.15 * 40 - 0.6), rel=1e-12)
+    assert free.value == pytest.approx(0.1 * math.exp(-0.15 * 30 - 0.6), rel=1e-12)
+
+
+def test_logpid_does_not_move_beta_while_the_kl_is_still_zero():
+    """Batch 0's KL is 0 up to rounding (the policy is its reference; configs/ppo_logpid.yaml
+    measured 2.4e-7, -5.1e-7, -3.0e-8 nats): it used to halve beta (0.1 -> 0.052). Until the
+    first KL beyond 1e-4 x target from 0 nothing changes; after it, a 0 counts."""
+    ctl = LogPIDKLController(0.1, 6.0)
+    start = ctl.state_dict()
+    rounding = (0.0, 2.384185791015625e-07, -5.066394805908203e-07, -2.98e-08, 6e-4, -6e-4)
+    assert [ctl.update(kl, 64) for kl in rounding] == [0.1] * len(rounding)
+    assert ctl.state_dict() == start and ctl.started == 0.0
+    ctl.update(6.0, 64)
+    assert ctl.started == 1.0 and ctl.update(0.0, 64) < ctl.value + 1 and ctl.value < 0.1
+    # A state saved mid-run before `started` existed counts as started.
+    old = {"law": "logpid", "value": 0.05, "integral": -3.0, "log_error": -1.0, "trend": 0.0}
+    ctl.load_state_dict(old)
+    assert ctl.started == 1.0 and ctl.update(0.0, 64) < 0.05
+
+
+def _plateau_plant(controller, seed, plateau=100, batches=200, level=0.5, noise=0.15):
+    """A KL that sits at ``level`` nats, whatever beta, for ``plateau`` batches (the policy has
+    not found the reward), then takes off as ``_learning_plant``'s fully learnt KL: a fast part
+    ~ beta^-0.4 (lag 2) plus a learnt part 3 (beta / 0.1)^-1 (lag 5), seen 2 batches late.
+    Batch 0's KL is 0, as a policy's that starts at its reference. Returns the KLs and betas."""
+    rng = np.random.default_rng(seed)
+    betas, fast, learnt, kls = [controller.value], 0.0, 0.0, []
+    for t in range(batches):
+        beta = betas[max(0, len(betas) - 3)]
+        fast += ((beta / 0.1) ** -0.4 - fast) / 2.0
+        if t >= plateau:
+            learnt += (3.0 * (beta / 0.1) ** -1.0 - learnt) / 5.0
+        kl = level if t < plateau else fast + learnt
+        kls.append(0.0 if t == 0 else max(0.0, kl * (1 + noise * rng.standard_normal())))
+        betas.append(controller.update(kls[-1], 32))
+    return np.array(kls), np.array(betas)
+
+
+def test_logpid_a_long_plateau_winds_beta_down_only_to_its_default_floor():
+    """Issue 37, item 10: over a 100-batch plateau the fall cap alone let beta fall 250x (0.1
+    to 0.0004), and the take-off overshot by 250-270 nats. The default floor, 0.09 x the
+    initial beta, bounds the fall at 11x, and the take-off's 10-batch mean KL overshoots by
+    under 15 nats (target 6), then settles within 25% of the target."""
+    for seed in range(3):
+        kls, betas = _plateau_plant(LogPIDKLController(0.1, 6.0), seed)
+        assert betas.min() == pytest.approx(0.1 * 0.3**2)
+        settle, over = _settle_and_overshoot(kls)
+        assert over < 15.0 and settle < len(kls), (seed, settle, over)
+        # The same law with the floor moved out of the way winds down 250x.
+        kls, betas = _plateau_plant(LogPIDKLController(0.1, 6.0, min_kl_coef=1e-9), seed)
+        assert betas.min() < 0.1 / 200 and _settle_and_overshoot(kls)[1] > 200.0
 
 
 def test_logpid_at_the_target_with_no_trend_keeps_beta_and_zero_samples_change_nothing():
@@ -542,12 +601,36 @@ def test_kl_settings_build_each_law_from_its_options():
     pi = built(controller="pi", kp=0.1, ki=0.01)
     assert type(pi) is PIKLController and (pi.kp, pi.ki, pi.target) == (0.1, 0.01, 6.0)
     # The log-PID law takes the target and bounds alone: the PI gains do not reach it.
-    logpid = built(controller="logpid", target=4.0, kp=0.1, ki=0.01, max_kl_coef=2.0)
+    logpid = built(controller="logpid", target=4.0, max_kl_coef=2.0)
     assert type(logpid) is LogPIDKLController and (logpid.target, logpid.max_kl_coef) == (4.0, 2.0)
     assert (logpid.kp, logpid.ki) == (
         _default(LogPIDKLController, "kp"),
         _default(LogPIDKLController, "ki"),
     )
+
+
+@pytest.mark.parametrize(
+    ("law", "option", "value", "says"),
+    [
+        ("logpid", "kp", 0.1, "it takes no gain option"),
+        ("logpid", "ki", 0.01, "it takes no gain option"),
+        ("fixed", "horizon", 500.0, "it takes no gain option"),
+        ("adaptive", "k", 0.3, "it takes `kl.horizon`"),
+        ("pi", "horizon", 500.0, "it takes `kl.kp`, `kl.ki`"),
+        ("exponential", "kp", 0.1, "it takes `kl.k`"),
+    ],
+)
+def test_a_gain_set_for_a_law_that_ignores_it_is_refused_by_name(law, option, value, says):
+    """`kl.kp` with the log-PID law was silently ignored (issue 37, item 10)."""
+    readers = {"horizon": "'adaptive'", "k": "'exponential'", "kp": "'pi'", "ki": "'pi'"}
+    with pytest.raises(ValueError) as error:
+        KLSettings(controller=law, **{option: value})
+    message = str(error.value)
+    assert message.startswith(f"`kl.{option}` is set ({value!r}) but the {law!r} law does not")
+    assert says in message and f"`kl.controller` {readers[option]}" in message
+    # At its default the option is not "set"; a plugged law's builder may read any option.
+    KLSettings(controller=law, **{option: getattr(KLSettings(), option)})
+    KLSettings(controller="rlkl_lightning.kl.controllers.FixedKLController", kp=0.1)
 
 
 def _default(cls, name):

@@ -374,12 +374,12 @@ class RefreshingKLModule(KLModule):
         return super().training_step(batch, batch_idx)
 
 
-def test_a_refresh_restarts_the_window_and_low_waits_for_the_band():
+def test_after_a_refresh_low_waits_for_the_band_and_high_is_judged_as_usual():
     """After a reset the KL climbs back from 0: no "too low" until it has been in band once.
 
     The same KLs without the refresh count warn "too low" at batch 7; with it, the monitor only
-    warns once the average has reached the band and fallen out again (batch 14), and "too high"
-    is judged as usual after the warm-up.
+    warns once the KL since the refresh has reached the band and fallen out again (batch 14),
+    and "too high" is judged as usual.
     """
     kls = [1.0] * 6 + [0.0, 0.1, 0.2, 0.3, 0.6, 1.0, 1.0, 0.1, 0.1, 0.1] + [5.0] * 4
     rec = WarnRecorder()
@@ -388,6 +388,41 @@ def test_a_refresh_restarts_the_window_and_low_waits_for_the_band():
     mon, rec = monitor(), WarnRecorder()
     module = RefreshingKLModule(kls, refreshed_at=[6])
     fit(module, [mon, rec])
-    assert mon.n_refreshes == 1 and mon.usable_at_refresh == 6
-    # Warm-up from batch 6: judged from batch 8 on; in band at 11; out at 14; high at 17.
+    assert mon.n_refreshes == 1 and mon.since_refresh == len(kls) - 6
+    # The KLs since the refresh reach 0.5 at batch 11 (mean of 0.3, 0.6, 1.0); out at 14;
+    # high at 17.
     assert rec.at == [(14, "low"), (17, "high")]
+
+
+@pytest.mark.parametrize(
+    ("every", "kls"),
+    [
+        (1, [10.0] * 40),  # an EMA reference: refreshed after every batch
+        (20, ([0.0] + [10.0] * 19) * 2),  # a hard reset every 20 batches, window 10
+    ],
+)
+def test_refreshes_do_not_silence_too_high(every, kls):
+    """A KL 10x its target warns "too high" however often the reference is refreshed.
+
+    Each refresh restarted the warm-up (3 x window = 30 batches with the window of 10), so a
+    refresh every batch, or every 20, muted the monitor for the whole run (issue 37, item 2).
+    """
+    mon, rec = KLDriftMonitor(target=1.0, window=10), WarnRecorder()
+    refreshed_at = list(range(1, len(kls), every))
+    _, messages, _ = fit(RefreshingKLModule(kls, refreshed_at=refreshed_at), [mon, rec])
+    assert mon.n_refreshes == len(refreshed_at)
+    assert rec.at == [(29, "high")]  # at the end of the run's warm-up of 30 batches
+    assert messages[0].startswith("KL divergence too high")
+
+
+def test_the_monitor_says_at_set_up_what_a_refresh_suspends(caplog):
+    from rlkl_lightning.algorithms.reference_refresh import ReferenceRefresh
+
+    mon = KLDriftMonitor(target=6.0, window=10)
+    trainer = SimpleNamespace(callbacks=[mon], strategy=None)
+    with caplog.at_level("INFO"):
+        ReferenceRefresh(every=1).setup(trainer, SimpleNamespace(refresh_reference=id), "fit")
+    assert mon.refresh_every == 1
+    (said,) = [r.getMessage() for r in caplog.records if "KLDriftMonitor" in r.getMessage()]
+    assert 'every 1 batch. After each refresh "too low" is suspended until' in said
+    assert '0.5 x target 6 (nats per sequence); "too high" is judged across refreshes' in said

@@ -43,22 +43,29 @@ class Law:
             beta = ``init_kl_coef``; ``settings`` is the ``kl`` group
             (:class:`~rlkl_lightning.kl.settings.KLSettings`) and ``bounds`` holds
             ``min_kl_coef`` / ``max_kl_coef`` only where the run sets them.
+        options: The gain options of the ``kl`` group (``horizon``, ``k``, ``kp``, ``ki``) the
+            law reads; one of these set for a law that does not read it is refused
+            (:class:`~rlkl_lightning.kl.settings.KLSettings`). None (a plugged law's builder
+            may read any): not checked.
     """
 
     name: str
     build: Builder
+    options: tuple[str, ...] | None = None
 
 
 #: Every registered law by name, in the order of registration.
 LAWS: dict[str, Law] = {}
 
 
-def register_law(name: str) -> Callable[[Builder], Builder]:
+def register_law(name: str, options: tuple[str, ...] | None = None) -> Callable[[Builder], Builder]:
     """Register the decorated builder as the law ``name`` (a package file's one decorator).
+
+    ``options`` names the gain options of the ``kl`` group the builder reads (:class:`Law`).
 
     Example::
 
-        @register_law("halving")
+        @register_law("halving", options=())
         def halving(settings, init_kl_coef, **bounds):
             return HalvingKLController(init_kl_coef, settings.target, **bounds)
 
@@ -71,7 +78,7 @@ def register_law(name: str) -> Callable[[Builder], Builder]:
         raise ValueError(f"register_law: the law {name!r} is already registered")
 
     def register(build: Builder) -> Builder:
-        LAWS[name] = Law(name, build)
+        LAWS[name] = Law(name, build, options)
         return build
 
     return register
