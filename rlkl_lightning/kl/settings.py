@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, fields
 
 from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 
 from rlkl_lightning.defaults import default_of
 from rlkl_lightning.kl.controller_callback import UNIT_NAMES, KLControllerCallback
@@ -89,7 +90,11 @@ class KLSettings:
             raise ValueError(f"`kl.target` must be a finite number > 0, got {self.target!r}")
 
     def _check_gains(self, law: Law) -> None:
-        """Refuse a gain option set (away from its default) for a law that does not read it."""
+        """Warn of a gain option set (away from its default) for a law that does not read it.
+
+        A warning, not an error: a study's shared overrides set a gain for every run, whatever
+        its law; what must not happen is that it is ignored without a word.
+        """
         if law.options is None:  # a plugged law's builder may read any option of the group
             return
         readers = {
@@ -101,10 +106,12 @@ class KLSettings:
             if name in law.options or value == _FIELD_DEFAULTS[name]:
                 continue
             takes = ", ".join(f"`kl.{o}`" for o in law.options) or "no gain option"
-            raise ValueError(
-                f"`kl.{name}` is set ({value!r}) but the {law.name!r} law does not use it: it "
-                f"takes {takes} (with `kl.target` and the bounds). Remove `kl.{name}`, or pick "
-                f"a law that uses it: `kl.controller` {' or '.join(map(repr, readers[name]))}"
+            rank_zero_warn(
+                f"`kl.{name}` is set ({value!r}) but the {law.name!r} law does not use it, so it "
+                f"is ignored: the law takes {takes} (with `kl.target` and the bounds). Remove "
+                f"`kl.{name}`, or pick a law that uses it: `kl.controller` "
+                f"{' or '.join(map(repr, readers[name]))}",
+                category=RuntimeWarning,
             )
 
     def kl_controller(self, init_kl_coef: float) -> KLController:

@@ -612,25 +612,29 @@ def test_kl_settings_build_each_law_from_its_options():
 @pytest.mark.parametrize(
     ("law", "option", "value", "says"),
     [
-        ("logpid", "kp", 0.1, "it takes no gain option"),
-        ("logpid", "ki", 0.01, "it takes no gain option"),
-        ("fixed", "horizon", 500.0, "it takes no gain option"),
-        ("adaptive", "k", 0.3, "it takes `kl.horizon`"),
-        ("pi", "horizon", 500.0, "it takes `kl.kp`, `kl.ki`"),
-        ("exponential", "kp", 0.1, "it takes `kl.k`"),
+        ("logpid", "kp", 0.1, "the law takes no gain option"),
+        ("logpid", "ki", 0.01, "the law takes no gain option"),
+        ("fixed", "horizon", 500.0, "the law takes no gain option"),
+        ("adaptive", "k", 0.3, "the law takes `kl.horizon`"),
+        ("pi", "horizon", 500.0, "the law takes `kl.kp`, `kl.ki`"),
+        ("exponential", "kp", 0.1, "the law takes `kl.k`"),
     ],
 )
-def test_a_gain_set_for_a_law_that_ignores_it_is_refused_by_name(law, option, value, says):
-    """`kl.kp` with the log-PID law was silently ignored (issue 37, item 10)."""
+def test_a_gain_set_for_a_law_that_ignores_it_warns_by_name(law, option, value, says):
+    """`kl.kp` with the log-PID law was silently ignored (issue 37, item 10). A warning, not an
+    error: a study's shared overrides set a gain for runs of every law."""
     readers = {"horizon": "'adaptive'", "k": "'exponential'", "kp": "'pi'", "ki": "'pi'"}
-    with pytest.raises(ValueError) as error:
+    with pytest.warns(RuntimeWarning) as caught:
         KLSettings(controller=law, **{option: value})
-    message = str(error.value)
+    (message,) = [str(w.message) for w in caught]
     assert message.startswith(f"`kl.{option}` is set ({value!r}) but the {law!r} law does not")
+    assert "is ignored" in message
     assert says in message and f"`kl.controller` {readers[option]}" in message
     # At its default the option is not "set"; a plugged law's builder may read any option.
-    KLSettings(controller=law, **{option: getattr(KLSettings(), option)})
-    KLSettings(controller="rlkl_lightning.kl.controllers.FixedKLController", kp=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KLSettings(controller=law, **{option: getattr(KLSettings(), option)})
+        KLSettings(controller="rlkl_lightning.kl.controllers.FixedKLController", kp=0.1)
 
 
 def _default(cls, name):
