@@ -32,6 +32,9 @@ class Trajectory(NamedTuple):
             the scale the algorithm divided its advantages by, so that beta keeps the reward's
             units (PPO: the whitening's standard deviation); None: 1 (docs/kl.md, "What beta
             means in the loss").
+        sampler_logprobs: ``[B, R]`` float32 log-probs of the sampled tokens under the engine
+            that sampled them, where that is not the trainer (``engine.kind="vllm"``); None
+            with the native loop, whose ``logprobs`` are the trainer's own.
     """
 
     input_ids: Tensor
@@ -46,6 +49,7 @@ class Trajectory(NamedTuple):
     advantages: Tensor | None = None
     returns: Tensor | None = None
     kl_scale: Tensor | None = None
+    sampler_logprobs: Tensor | None = None
 
     def select(self, rows: Tensor) -> Trajectory:
         """The trajectory of the sequences ``rows`` (a minibatch); unset fields stay None."""

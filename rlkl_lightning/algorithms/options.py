@@ -351,6 +351,67 @@ class Logging:
         check_rules(self)
 
 
+ENGINE_KINDS = ("native", "vllm")
+#: Corrections of the sampler/trainer mismatch (docs/engines.md): none, truncated importance
+#: weights per token (TIS) or a sequence mask beyond a ratio threshold (sequence-level MIS).
+MISMATCH_CORRECTIONS = ("none", "token_tis", "sequence_mis")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The rollout engine: what samples the responses (docs/engines.md).
+
+    Args:
+        kind: ``native`` (the module's own KV-cache loop; its log-probs are the trainer's) or
+            ``vllm`` (a vLLM engine in this process, its weights pushed after every update;
+            the trainer computes the behaviour log-probs again and logs the gap, ``mismatch/*``).
+        compiled_decode: with ``native``, a static KV cache and one compiled decode step
+            (CUDA graphs on a GPU); the same tokens and log-probs as the eager loop.
+        gpu_memory_utilization: with ``vllm``, the share of the accelerator's memory vLLM may
+            take for its weights and KV cache (on a CPU: of its KV-cache space).
+        sleep_mode: with ``vllm`` on CUDA, free the engine's memory during the update.
+        correction: with ``vllm``, how the update corrects for sampling from the engine's
+            distribution instead of the trainer's: ``none``, ``token_tis`` (truncated
+            importance weights per token) or ``sequence_mis`` (sequences whose importance
+            ratio leaves the threshold are left out of the policy loss).
+        correction_threshold: the cap ``C`` of ``token_tis``'s weights, or the bound of
+            ``sequence_mis``'s ratio (sequences with a ratio above ``C`` or below ``1 / C``
+            are masked).
+    """
+
+    group: ClassVar[str] = "engine"
+    RULES: ClassVar[tuple] = (
+        ("kind", _one_of(ENGINE_KINDS), f"one of {ENGINE_KINDS}"),
+        ("compiled_decode", _boolean, "True or False"),
+        ("gpu_memory_utilization", lambda x: _number(x) and 0 < x <= 1, "in (0, 1]"),
+        ("sleep_mode", _boolean, "True or False"),
+        ("correction", _one_of(MISMATCH_CORRECTIONS), f"one of {MISMATCH_CORRECTIONS}"),
+        ("correction_threshold", _finite_above(1), "a finite number > 1"),
+    )
+
+    kind: str = "native"
+    compiled_decode: bool = False
+    gpu_memory_utilization: float = 0.3
+    sleep_mode: bool = False
+    correction: str = "none"
+    correction_threshold: float = 2.0
+
+    def __post_init__(self) -> None:
+        check_rules(self)
+        if self.kind != "vllm":
+            for name, default in (("sleep_mode", False), ("correction", "none")):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"`engine.{name}` applies to `engine.kind='vllm'` only; with "
+                        f"kind={self.kind!r} it must be {default!r}, got {getattr(self, name)!r}"
+                    )
+        if self.compiled_decode and self.kind != "native":
+            raise ValueError(
+                "`engine.compiled_decode` applies to `engine.kind='native'` only; with "
+                f"kind={self.kind!r} it must be False, got True"
+            )
+
+
 @dataclass(frozen=True)
 class PPOOptions:
     """PPO's own options: the value function and GAE.
@@ -479,7 +540,12 @@ PIPELINE_GROUPS: dict[str, type] = {
     "models": Models,
     "safeguards": Safeguards,
     "logging": Logging,
+    "engine": Engine,
 }
+
+#: The groups added after 0.1.0 (no flat option of 0.1.0 lives in them); a checkpoint written
+#: before a group existed ran with that group's defaults.
+ADDED_GROUPS: dict[str, str] = {"engine": "0.3.0"}
 
 #: Every group of the modules: the pipeline's and the algorithms' own.
 MODULE_GROUPS: dict[str, type] = {
@@ -501,7 +567,12 @@ RENAMED = {
 
 
 def _flat_keys() -> dict[str, str]:
-    moved = {f.name: f"{name}.{f.name}" for name, cls in MODULE_GROUPS.items() for f in fields(cls)}
+    moved = {
+        f.name: f"{name}.{f.name}"
+        for name, cls in MODULE_GROUPS.items()
+        if name not in ADDED_GROUPS
+        for f in fields(cls)
+    }
     moved.update(RENAMED)
     return moved
 

@@ -55,6 +55,7 @@ from rlkl_lightning.algorithms.metrics import (
 from rlkl_lightning.algorithms.objective import PolicyObjective
 from rlkl_lightning.algorithms.options import (
     PIPELINE_GROUPS,
+    Engine,
     KLPenalty,
     Logging,
     Models,
@@ -147,6 +148,8 @@ class RLPipeline(LightningModule):
             (:class:`~.options.Safeguards`).
         logging: the samples table and the per-token KL diagnostics
             (:class:`~.options.Logging`).
+        engine: what samples the responses: the native loop or vLLM
+            (:class:`~.options.Engine`).
     """
 
     #: The name messages give the module (its options are named in them too).
@@ -176,6 +179,7 @@ class RLPipeline(LightningModule):
         models: Models = Models(),
         safeguards: Safeguards = Safeguards(),
         logging: Logging = Logging(),
+        engine: Engine = Engine(),
     ):
         super().__init__()
         groups = {k: v for k, v in locals().items() if k in PIPELINE_GROUPS}

@@ -26,6 +26,7 @@ from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.algorithms.advantage_estimators import advantage_estimator
 from rlkl_lightning.algorithms.losses import value_loss
 from rlkl_lightning.algorithms.options import (
+    Engine,
     KLPenalty,
     Logging,
     Models,
@@ -67,6 +68,7 @@ class PPOModule(RLPipeline):
         models: as the pipeline's.
         safeguards: as the pipeline's.
         logging: as the pipeline's.
+        engine: as the pipeline's.
         ppo: the value function and GAE (:class:`~rlkl_lightning.algorithms.options.PPOOptions`).
     """
 
@@ -87,6 +89,7 @@ class PPOModule(RLPipeline):
         models: Models = Models(),
         safeguards: Safeguards = Safeguards(),
         logging: Logging = Logging(),
+        engine: Engine = Engine(),
         ppo: PPOOptions = PPOOptions(),
     ):
         own = as_group(PPOOptions, ppo, "ppo")  # checked before the models load
@@ -103,6 +106,7 @@ class PPOModule(RLPipeline):
             models,
             safeguards,
             logging,
+            engine,
         )
         self.ppo = own
         self.hparams["ppo"] = plain(self.ppo)

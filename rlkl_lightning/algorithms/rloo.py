@@ -32,6 +32,7 @@ from typing_extensions import override
 from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.algorithms.advantage_estimators import advantage_estimator
 from rlkl_lightning.algorithms.options import (
+    Engine,
     GroupOptions,
     KLPenalty,
     Logging,
@@ -104,6 +105,7 @@ class RLOOModule(RLPipeline):
         models: as the pipeline's.
         safeguards: as the pipeline's.
         logging: as the pipeline's.
+        engine: as the pipeline's.
         group: the responses per prompt and the group advantages
             (:class:`~rlkl_lightning.algorithms.options.GroupOptions`).
     """
@@ -124,6 +126,7 @@ class RLOOModule(RLPipeline):
         models: Models = Models(),
         safeguards: Safeguards = Safeguards(),
         logging: Logging = Logging(),
+        engine: Engine = Engine(),
         group: GroupOptions = GroupOptions(),
     ):
         own = as_group(GroupOptions, group, "group")  # checked before the models load
@@ -141,6 +144,7 @@ class RLOOModule(RLPipeline):
             models,
             safeguards,
             logging,
+            engine,
         )
         self.group = own
         self.hparams["group"] = plain(self.group)

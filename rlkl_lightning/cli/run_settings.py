@@ -90,12 +90,19 @@ def nested_settings(saved: dict[str, str]) -> dict[str, str]:
     """A checkpoint's settings with the flat model options of 0.1.0 put in their groups.
 
     ``model.init_args.lr`` becomes ``model.init_args.optimization.lr``, so a checkpoint
-    written before the option groups is compared like with like.
+    written before the option groups is compared like with like; a group added since the
+    checkpoint was written (``engine``) is filled in with its defaults, which that run used.
     """
-    from rlkl_lightning.algorithms.options import FLAT_KEYS
+    from dataclasses import fields
+
+    from rlkl_lightning.algorithms.options import ADDED_GROUPS, FLAT_KEYS, MODULE_GROUPS
 
     prefix = "model.init_args."
     out = {}
+    for group in ADDED_GROUPS:  # a checkpoint from before the group ran with its defaults
+        if not any(key.startswith(f"{prefix}{group}.") for key in saved):
+            for f in fields(MODULE_GROUPS[group]):
+                out[f"{prefix}{group}.{f.name}"] = repr(f.default)
     for key, value in saved.items():
         if key.startswith(prefix):
             name, dot, rest = key.removeprefix(prefix).partition(".")

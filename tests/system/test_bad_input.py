@@ -176,12 +176,34 @@ def test_unknown_estimator_names_the_allowed_ones(tiny_lm_dir):
         ("kl.loss_weight_clip", 0.5, "None or a finite number >= 1"),
         ("logging.kl_token_threshold", 0.0, "None or a number > 0"),
         ("kl.trust_region", math.inf, "None or a number > 0"),
+        ("engine.kind", "sglang", r"one of \('native', 'vllm'\)"),
+        ("engine.correction", "tis", r"one of \('none', 'token_tis', 'sequence_mis'\)"),
+        ("engine.correction_threshold", 1.0, "a finite number > 1"),
+        ("engine.gpu_memory_utilization", 0.0, r"in \(0, 1\]"),
     ],
 )
 def test_ppo_options_name_the_option_and_allowed_values(tiny_lm_dir, option, bad, allowed):
     group, field = option.split(".")
     with pytest.raises(ValueError, match=rf"`{re.escape(option)}` must be {allowed}, got"):
         PPOModule(**ppo_args(tiny_lm_dir, **{group: {field: bad}}))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"correction": "token_tis"}, r"`engine\.correction` applies to `engine\.kind='vllm'`"),
+        ({"sleep_mode": True}, r"`engine\.sleep_mode` applies to `engine\.kind='vllm'`"),
+        (
+            {"kind": "vllm", "compiled_decode": True},
+            r"`engine\.compiled_decode` applies to `engine\.kind='native'`",
+        ),
+    ],
+)
+def test_engine_options_that_need_another_engine_are_refused(options, message):
+    from rlkl_lightning.algorithms.options import Engine
+
+    with pytest.raises(ValueError, match=message):
+        Engine(**options)
 
 
 def test_truncated_sampling_warns_that_the_kl_is_biased(tiny_lm_dir):

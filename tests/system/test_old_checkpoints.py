@@ -13,13 +13,18 @@ import pytest
 import torch
 from helpers.cli_runs import cli_error, tiny_cli_config
 
-from rlkl_lightning.algorithms.options import MODULE_GROUPS, RENAMED
+from rlkl_lightning.algorithms.options import ADDED_GROUPS, MODULE_GROUPS, RENAMED
 from rlkl_lightning.cli import main
 from rlkl_lightning.export import export_policy
 
 #: The new place of every 0.1.0 option -> its flat name (``"kl.init_coef" -> "init_kl_coef"``).
 OLD_NAME = {
-    **{f"{group}.{f.name}": f.name for group, cls in MODULE_GROUPS.items() for f in fields(cls)},
+    **{
+        f"{group}.{f.name}": f.name
+        for group, cls in MODULE_GROUPS.items()
+        if group not in ADDED_GROUPS
+        for f in fields(cls)
+    },
     **{place: name for name, place in RENAMED.items()},
 }
 
@@ -27,7 +32,9 @@ OLD_NAME = {
 def flat_layout(checkpoint: dict) -> dict:
     """``checkpoint`` as 0.1.0 wrote it: flat hyperparameters, flat settings keys."""
     hparams = dict(checkpoint["hyper_parameters"])
-    for group in MODULE_GROUPS:
+    for group in ADDED_GROUPS:  # groups 0.1.0 did not have
+        hparams.pop(group, None)
+    for group in MODULE_GROUPS.keys() - ADDED_GROUPS.keys():
         for name, value in (hparams.pop(group, None) or {}).items():
             hparams[OLD_NAME[f"{group}.{name}"]] = value
     checkpoint["hyper_parameters"] = hparams
@@ -38,6 +45,8 @@ def flat_layout(checkpoint: dict) -> dict:
         if key.startswith(prefix):
             group, _, rest = key.removeprefix(prefix).partition(".")
             name, dot, deeper = rest.partition(".")
+            if group in ADDED_GROUPS:
+                continue
             if group in MODULE_GROUPS:
                 key = f"{prefix}{OLD_NAME[f'{group}.{name}']}{dot}{deeper}"
         flat[key] = value
