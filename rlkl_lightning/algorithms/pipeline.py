@@ -369,6 +369,9 @@ class RLPipeline(LightningModule):
             ``kl_token_threshold`` the ``kl_tokens/*`` diagnostics and the ``[B, R]`` per-token
             KL (``token_kl``); with ``kl.trust_region`` the per-sequence KL of the tokens inside
             it (``penalized_kl``, ``[B]``) and the count of those outside (``outside_tokens``).
+            Where another engine sampled (``sampler_logprobs``), the trajectory also carries
+            ``engine.correction``'s ``mismatch_weights`` and the diagnostics the ``mismatch/*``
+            metrics (docs/mismatch.md).
         """
         mask = traj.response_mask
         with no_grad(self.reference):
