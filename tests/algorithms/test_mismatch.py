@@ -7,9 +7,12 @@ hand, or a tiny run whose ``rollout`` adds them.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from helpers.tiny_ppo import fit, module_args
 
 from rlkl_lightning import RLOOModule
@@ -110,6 +113,44 @@ def test_two_ranks_metrics_are_the_whole_batchs(correction):
     assert merged.keys() == whole.keys()
     for key, value in whole.items():
         assert torch.allclose(merged[key], value), key
+
+
+def _rank_metrics(rank: int, init_file: str, out_dir: str, correction: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+
+        def reduce(op):
+            def collective(x):
+                y = x.clone()
+                dist.all_reduce(y, op=op)
+                return y
+
+            return collective
+
+        part = trajectory().select(torch.tensor([[0], [1, 2]][rank]))
+        corrected = mismatch_weights(part, correction, 2.0)[1]
+        metrics = mismatch_metrics(
+            part, corrected, reduce(dist.ReduceOp.SUM), reduce(dist.ReduceOp.MAX)
+        )
+        torch.save(metrics, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("correction", ["none", "sequence_mis"])
+def test_two_gloo_ranks_log_the_whole_batchs_metrics(correction, tmp_path):
+    """Real collectives, 2 processes of 4 and 5 tokens: each rank logs the global batch's."""
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    args = (str(tmp_path / "init"), str(tmp_path), correction)
+    mp.start_processes(_rank_metrics, args=args, nprocs=2, join=True, start_method=method)
+    whole = mismatch_metrics(
+        trajectory(), mismatch_weights(trajectory(), correction, 2.0)[1], local, local
+    )
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got.keys() == whole.keys()
+        for key, value in whole.items():
+            assert torch.allclose(got[key], value), (rank, key)
 
 
 # ---------------------------------------------------------------- weights
