@@ -111,9 +111,26 @@ def draw(probs: Tensor) -> Tensor:
     number per vocabulary entry, which dominated the sampling step on CPU. The CDF is
     accumulated in float64 so the probabilities are kept to float32 precision.
     """
+    uniform = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device)
+    return invert_cdf(probs, uniform)
+
+
+def invert_cdf(probs: Tensor, uniform: Tensor) -> Tensor:
+    """:func:`draw` with its ``[B, 1]`` float64 numbers in ``[0, 1)`` given (a compiled step's)."""
     cdf = probs.double().cumsum(dim=-1)
-    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
+    return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(
+        max=probs.shape[-1] - 1
+    )
+
+
+def picked_scores(logits: Tensor, token: Tensor, eos: int | None, pad: int) -> Tensor:
+    """``[B, 3]``: the logits of ``token`` and of ``pad``, and the row's log-sum-exp.
+
+    Without an eos no position is padded, and ``pad`` may be no token: ``token`` stands in.
+    """
+    filler = token if eos is None else token.new_full(token.shape, pad)
+    chosen = logits.gather(1, torch.cat([token, filler], 1))
+    return torch.cat([chosen, torch.logsumexp(logits, dim=-1, keepdim=True)], 1)
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:
@@ -177,6 +194,7 @@ def sample_and_score(
     stop_at_eos: bool = True,
     stop_check_every: int | None = None,
     keep_logits: bool = True,
+    compiled: bool = False,
 ) -> tuple[Trajectory, TokenScores]:
     """Sample responses with a KV cache and keep the policy's scores of them.
 
@@ -208,6 +226,9 @@ def sample_and_score(
             ``logits`` are None (the log-probs are the same, bit for bit on a CPU); where the
             head is plain, :func:`~rlkl_lightning.models.logprobs.step_logits` computes them
             again from the kept hidden states, one step at a time, as the loop did.
+        compiled: Decode with a static KV cache and one compiled step
+            (:mod:`~rlkl_lightning.algorithms.compiled_decode`, the ``engine.compiled_decode``
+            option): the same tokens and random stream, scores equal to float rounding.
 
     Returns:
         ``(trajectory, scores)``: a :class:`Trajectory` with ids, masks and the policy's
@@ -221,9 +242,12 @@ def sample_and_score(
     generator = _default_generator(device) if eos is not None and every > 1 else None
     was_training = policy.training
     policy.eval()
+    decode = _decode
+    if compiled:
+        from rlkl_lightning.algorithms.compiled_decode import decode
     try:
         with _weight_casts_kept(device.type):
-            response_ids, logits, hidden, picked = _decode(
+            response_ids, logits, hidden, picked = decode(
                 policy,
                 prompt_ids,
                 prompt_mask,
@@ -306,10 +330,8 @@ def _decode(
         hidden_steps.append(out.hidden_states[-1][:, -1])
         token = draw(torch.softmax(filter_logits(logits, top_k, top_p), dim=-1))
         tokens.append(token)
-        if not keep_logits:  # without an eos no position is padded (pad may be no token)
-            filler = token if eos is None else token.new_full(token.shape, pad)
-            chosen = logits.gather(1, torch.cat([token, filler], 1))
-            picked.append(torch.cat([chosen, torch.logsumexp(logits, dim=-1, keepdim=True)], 1))
+        if not keep_logits:
+            picked.append(picked_scores(logits, token, eos, pad))
         if eos is not None:
             finished |= token[:, 0] == eos
             if generator is not None:
@@ -320,7 +342,24 @@ def _decode(
             break  # the last token's own logits are never needed
         out = forward(token, decode_mask(prompt_len + step + 1), next_position)
         next_position = next_position + 1
+    return steps_kept(tokens, all_logits, hidden_steps, picked, states, every, eos, generator)
 
+
+def steps_kept(
+    tokens: list[Tensor],
+    all_logits: Tensor | None,
+    hidden_steps: list[Tensor],
+    picked: list[Tensor],
+    states: list[Tensor],
+    every: int,
+    eos: int | None,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """A loop's steps as :func:`_decode` returns them, without those after the last stop.
+
+    ``all_logits``: ``[B, max_new_tokens, V]`` (or None); the lists hold one entry per step
+    run, ``states`` the generator's state after each (where ``every > 1``).
+    """
     response_ids = torch.cat(tokens, dim=1)
     if every > 1 and bool((response_ids == eos).any(dim=1).all()):
         # Every row stopped, maybe before the last check: keep the steps up to the last stop.
@@ -330,7 +369,7 @@ def _decode(
             hidden_steps, picked = hidden_steps[:length], picked[:length]
             generator.set_state(states[length - 1])
     length = response_ids.shape[1]
-    if all_logits is not None and length < max_new_tokens:
+    if all_logits is not None and length < all_logits.shape[1]:
         all_logits = all_logits[:, :length].contiguous()
     scores = torch.stack(picked, dim=1) if picked else None
     return response_ids, all_logits, torch.stack(hidden_steps, dim=1), scores
