@@ -191,7 +191,11 @@ def decode(
     keep_logits: bool = True,
     pad: int = 0,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-    """:func:`~rlkl_lightning.algorithms.rollout._decode`'s loop and results, compiled."""
+    """The eager loop of :func:`~rlkl_lightning.algorithms.rollout.sample_and_score`, compiled.
+
+    Arguments and results as there: ``[B, R]`` tokens, ``[B, R, V]`` float32 logits / T (or
+    None), ``[B, R, H]`` hidden states and, without the logits, ``[B, R, 3]`` picked scores.
+    """
     device = prompt_ids.device
     check(policy, device)
     temperature, top_k, top_p = sampling

@@ -355,7 +355,7 @@ def steps_kept(
     eos: int | None,
     generator: torch.Generator | None,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-    """A loop's steps as :func:`_decode` returns them, without those after the last stop.
+    """A loop's steps as the sampling loop returns them, without those after the last stop.
 
     ``all_logits``: ``[B, max_new_tokens, V]`` (or None); the lists hold one entry per step
     run, ``states`` the generator's state after each (where ``every > 1``).
