@@ -7,8 +7,8 @@ and values live in transformers' ``StaticCache`` (``[B, H, L, D]`` per layer, wr
 the attention mask has the fixed length ``L`` and hides the columns not yet written, and one
 function (the forward of one token, the logits, the filtering and the inverse-CDF draw) is
 compiled with ``torch.compile`` for fixed shapes: once per batch size and cache length ``L``
-(``P + R`` rounded up to :data:`CAPACITY_STEP`), never per token. On CUDA it is compiled with
-``mode="reduce-overhead"``, so every token replays one CUDA graph.
+(``P`` rounded up to :data:`CAPACITY_STEP`, plus ``R``), never per token. On CUDA it is
+compiled with ``mode="reduce-overhead"``, so every token replays one CUDA graph.
 
 What stays as in the eager loop, so a run samples what it would have sampled:
 
@@ -50,9 +50,9 @@ from rlkl_lightning.algorithms.rollout import (
 from rlkl_lightning.models.forward import plain_lm_head_weight, position_ids_from_mask
 
 OPTION = "engine.compiled_decode"
-#: The static cache's length is ``P + R`` rounded up to a multiple of this, so prompts padded to
-#: different lengths from batch to batch reuse one compiled step.
-CAPACITY_STEP = 32
+#: The static cache holds the prompt's length rounded up to a multiple of this, plus ``R``: a
+#: batch padded to another prompt length reuses the compiled step (and a longer cache is kept).
+CAPACITY_STEP = 16
 #: Compiled steps kept for one process (batch sizes x cache lengths x sampling settings x
 #: models); one more raises instead of silently decoding eagerly.
 RECOMPILE_LIMIT = 32
@@ -144,8 +144,8 @@ class _StaticCaches:
     def __init__(self):
         self._kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def filled(self, policy: nn.Module, prefill, batch: int, length: int):
-        """``(cache, L)``: a ``StaticCache`` of ``L >= length`` columns holding ``prefill``'s.
+    def filled(self, policy: nn.Module, prefill, batch: int, new_tokens: int):
+        """``(cache, L)``: a ``StaticCache`` with room for ``new_tokens`` after ``prefill``'s.
 
         The columns after the prompt are zeroed: they are hidden until written, and a value
         from an earlier rollout never meets a weight of exactly 0 (``0 x inf``).
@@ -156,8 +156,9 @@ class _StaticCaches:
         first = prefill.layers[0].keys
         key = (batch, first.dtype, first.device)
         kept = self._kept.get(policy)
-        if kept is None or kept[0] != key or kept[1] < length:
-            capacity = -(-length // CAPACITY_STEP) * CAPACITY_STEP
+        prompt_len = first.shape[-2]
+        if kept is None or kept[0] != key or kept[1] < prompt_len + new_tokens:
+            capacity = -(-prompt_len // CAPACITY_STEP) * CAPACITY_STEP + new_tokens
             cache = StaticCache(config=policy.config, max_cache_len=capacity)
             if len(cache.layers) != len(prefill.layers) or any(
                 type(layer) is not StaticLayer for layer in cache.layers
@@ -167,7 +168,6 @@ class _StaticCaches:
                 layer.lazy_initialization(source.keys, source.values)
             kept = self._kept[policy] = (key, capacity, cache)
         _, capacity, cache = kept
-        prompt_len = first.shape[-2]
         for layer, source in zip(cache.layers, prefill.layers, strict=True):
             for static, new in ((layer.keys, source.keys), (layer.values, source.values)):
                 static[:, :, :prompt_len].copy_(new)
@@ -212,7 +212,7 @@ def decode(
         output_hidden_states=True,
         logits_to_keep=1,
     )
-    cache, capacity = _CACHES.filled(policy, prefill, batch, prompt_len + max_new_tokens)
+    cache, capacity = _CACHES.filled(policy, prefill, batch, max_new_tokens)
     del prefill
     allowed = torch.cat([mask.bool(), mask.new_ones(batch, capacity - prompt_len).bool()], 1)
     allowed = allowed[:, None, None, :]

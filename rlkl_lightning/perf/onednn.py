@@ -92,12 +92,17 @@ def _product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def _takes(x: Tensor, weight: Tensor) -> bool:
-    """Whether the product of ``x`` and ``weight`` is one that oneDNN computes here."""
+    """Whether the product of ``x`` and ``weight`` is one that oneDNN computes here.
+
+    Not inside ``torch.compile`` (the compiled decode step): inductor lowers this kernel only
+    for weights frozen into the graph, and the policy's weights change between rollouts.
+    """
     return (
         x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
     )
 
 
