@@ -184,7 +184,7 @@ def measure(name: str, args) -> dict:
         "first_compiled_rollout_s": first_compiled,
         "token_mismatch_fraction": max(mismatch),
     }
-    if shape is not None:
+    if shape is not None and not args.tiny:  # a smoke test's MFU would mean nothing
         dtype = torch.bfloat16 if autocast else torch.float32
         peak = flops.matmul_peak(args.threads, device=args.device, dtype=dtype)
         gflop = flops.rollout(shape) / 1e9

@@ -218,3 +218,19 @@ def test_compiled_once_per_shape_never_per_token(tiny):
     again = _both(policy, tokenizer, longer, longer_mask, max_new_tokens=16, stop_at_eos=False)
     _assert_same(*again)
     assert graphs() == start + 1
+
+
+def test_benchmark_runs_tiny_with_the_gpu_tables_qwen2_architecture(tmp_path, monkeypatch, capsys):
+    """benchmarks/compiled_rollout.py, as benchmarks/gpu_table.sh runs it, at smoke-test size."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import compiled_rollout
+
+    args = ["--shape", "grpo", "--preset", "qwen2-0.5b", "--tiny", "--iters", "1"]
+    results = compiled_rollout.main(args + ["--warmup", "1", "--threads", "1"])
+    grpo = results["grpo"]
+    assert grpo["rows"] == 4 and grpo["median_steps"] == 8  # the tiny preset, no early stop
+    assert grpo["token_mismatch_fraction"] == 0.0
+    assert grpo["compiled_median_s"] > 0 and grpo["eager_median_s"] > 0
+    assert "grpo qwen2-0.5b tiny (4 rows, 8 of 8 tokens)" in capsys.readouterr().out
