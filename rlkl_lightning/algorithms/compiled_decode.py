@@ -17,7 +17,7 @@ What stays as in the eager loop, so a run samples what it would have sampled:
 - every uniform number is drawn by ``torch.rand`` outside the compiled code, in the eager
   loop's order and from the same generator, so the random stream is the same; the stopping
   rule (a row stops at EOS, every row checked every ``every`` tokens, the generator put back
-  after the last row's stop) is :func:`~rlkl_lightning.algorithms.rollout.steps_kept`;
+  after the last row's stop) is :func:`~rlkl_lightning.algorithms.decoding.steps_kept`;
 - the log-probs, logits and hidden states are those of the same model on the same tokens:
   they differ from the eager loop's by float rounding only (the compiled kernels add in
   another order), which can flip a draw only where a uniform number falls within rounding of
@@ -34,16 +34,17 @@ with layers other than full attention; on a CPU, inductor needs a C++ compiler.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 from torch import Tensor, nn
 
-from rlkl_lightning.algorithms.rollout import (
-    _kv_cache,
+from rlkl_lightning.algorithms.decoding import (
     draw,
     filter_logits,
     invert_cdf,
+    kv_cache,
     picked_scores,
     steps_kept,
 )
@@ -58,6 +59,7 @@ CAPACITY_STEP = 16
 RECOMPILE_LIMIT = 32
 
 
+@functools.cache
 def cpu_compiler_missing() -> str | None:
     """Why inductor cannot compile for the CPU here (no C++ compiler), or None if it can."""
     from torch._inductor.cpp_builder import get_cpp_compiler
@@ -69,8 +71,14 @@ def cpu_compiler_missing() -> str | None:
     return None
 
 
+def _model(policy: nn.Module) -> nn.Module:
+    """The transformers model that computes ``policy``'s forward: a PEFT policy's, adapters in."""
+    return policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+
+
 def check(policy: nn.Module, device: torch.device) -> None:
     """Raise ``ValueError`` naming the option unless the compiled step can run ``policy`` here."""
+    policy = _model(policy)
     attention = getattr(getattr(policy, "config", None), "_attn_implementation", None)
     if attention != "sdpa":
         raise ValueError(
@@ -107,9 +115,10 @@ def _step(
     ``shift [B, 1]``: position minus column; ``allowed [B, 1, 1, L]``: the prompt's padding
     (False) and the response columns (True); ``uniform [B, 1]``: the draw's float64 numbers.
     Returns the float32 ``logits / T [B, V]``, hidden state ``[B, H]``, next token ``[B, 1]``
-    and :func:`~rlkl_lightning.algorithms.rollout.picked_scores` ``[B, 3]``.
+    and :func:`~rlkl_lightning.algorithms.decoding.picked_scores` ``[B, 3]``.
     """
     temperature, top_k, top_p = sampling
+    policy = _model(policy)
     columns = torch.arange(allowed.shape[-1], device=allowed.device)
     out = policy.base_model(
         input_ids=token,
@@ -125,7 +134,7 @@ def _step(
     return logits, hidden[:, -1], next_token, picked_scores(logits, next_token, eos, pad)
 
 
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[str | None, object] = {}
 
 
 def _compiled_step(device: torch.device):
@@ -202,7 +211,7 @@ def decode(
     batch, prompt_len = prompt_ids.shape
     mask = prompt_mask.long()
     positions = position_ids_from_mask(mask)
-    prefill = _kv_cache(policy, prompt_len)
+    prefill = kv_cache(policy, prompt_len)
     out = policy(
         input_ids=prompt_ids,
         attention_mask=mask,

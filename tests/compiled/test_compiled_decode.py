@@ -190,6 +190,20 @@ def test_grouped_query_qwen2(tiny, tmp_path):
         _assert_same(*_both(qwen, tokenizer, ids, mask, seed=seed, keep_logits=seed % 2 == 0))
 
 
+def test_lora_policy_samples_with_its_adapters(tiny):
+    """A PEFT policy (``peft``'s LoRA, as the pipeline attaches it) decodes with the adapters on."""
+    from rlkl_lightning.models.lora import attach_adapters
+
+    policy, tokenizer, ids, mask = tiny
+    spec = dict(r=4, lora_alpha=8, target_modules=["c_attn"], init_lora_weights=False)
+    lora = attach_adapters(copy.deepcopy(policy), spec)
+    for seed in SEEDS[:2]:
+        _assert_same(*_both(lora, tokenizer, ids, mask, seed=seed))
+    (adapted, _), _ = _rollout(lora, tokenizer, ids, mask, compiled=True)
+    (base, _), _ = _rollout(policy, tokenizer, ids, mask, compiled=True)
+    assert not torch.allclose(adapted.logprobs, base.logprobs, rtol=0, atol=1e-3)
+
+
 def test_weights_changed_in_place_are_read_by_the_compiled_step(tiny):
     """An optimizer step changes the weights in place: the next rollout must use them."""
     policy, tokenizer, ids, mask = tiny
