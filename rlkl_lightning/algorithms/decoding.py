@@ -17,7 +17,7 @@ def kv_cache(policy: nn.Module, capacity: int):
     """A ``DynamicCache`` whose full-attention layers write into buffers allocated once.
 
     ``DynamicLayer`` grows by concatenation, copying the whole cache at every step of every
-    layer; :class:`_PreallocatedLayer` writes the new keys and values in place and hands out
+    layer; ``_PreallocatedLayer`` writes the new keys and values in place and hands out
     views. Other layer kinds (sliding windows, ...) keep transformers' own classes.
     """
     from transformers import DynamicCache
