@@ -1,6 +1,7 @@
 # These commands do all their own set-up on a fresh machine:
 #   make study   runs the adaptive-vs-fixed KL study on the embedded default world
 #   make test    runs ruff and the whole test suite
+#   make test-compiled  runs tests/compiled/: the compiled decode step against the eager loop
 #   make docs    builds the documentation into site/ (mkdocs build --strict)
 # The virtual environment lives in .venv; it is rebuilt only when pyproject.toml or
 # constraints.txt change. torch is installed first and pinned: an unpinned torch pulls
@@ -10,7 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup study test lint docs trl-env vllm-env
+.PHONY: setup study test test-compiled lint docs trl-env vllm-env
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +30,11 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 -q
+
+# Kept out of `make test` (pyproject.toml's --ignore): every compiled step costs seconds of
+# torch.compile. Skipped, with the reason, where inductor has no C++ compiler for the CPU.
+test-compiled: $(STAMP)
+	$(BIN)/python -m pytest -q tests/compiled
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU table of docs/benchmarks.md in one command: GRPO against TRL's GRPOTrainer at the
-# 124M and 0.5B shapes in bf16, the rollout's logits kept or recomputed, and the FSDP tests
-# on CUDA. Each part has its own time limit, so one failure does not cost the others; logs and
-# JSON go to OUT (default: gpu_table/).
+# 124M and 0.5B shapes in bf16, the rollout's logits kept or recomputed, the FSDP tests on
+# CUDA, and last (lowest priority) the rollout alone, eager loop against the compiled decode
+# step (engine.compiled_decode: static KV cache, CUDA graphs) at both shapes. Each part has its
+# own time limit, so one failure does not cost the others; logs and JSON go to OUT (default:
+# gpu_table/). The compiled parts were written without a GPU at hand (their CPU runs are in
+# docs/benchmarks.md): their first GPU run is also the first test of the CUDA-graph path.
 #
 #   bash benchmarks/gpu_table.sh [OUT] [TRL_PYTHON]
 #
@@ -38,3 +41,17 @@ timeout 110 python3 -m pytest -q -p no:cacheprovider tests/system/test_fsdp.py -
   >"$OUT/fsdp.log" 2>&1
 echo "== fsdp cuda tests: exit $?"
 tail -5 "$OUT/fsdp.log"
+# Rollout only, eager against compiled (same prompts and seed; it prints the share of tokens
+# that differ, which bf16 rounding may make nonzero); the warm-up iterations include
+# torch.compile and the CUDA graphs' recording.
+compiled() {  # NAME LIMIT ARGS...
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 benchmarks/compiled_rollout.py --shape grpo --device cuda \
+    --precision bf16-mixed --threads 4 --iters 5 --warmup 2 --json "$OUT/$name.json" "$@" \
+    >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $?"
+  grep -E "^(machine|  grpo)" "$OUT/$name.log" || tail -20 "$OUT/$name.log"
+}
+compiled compiled_rollout_124m 150 --preset gpt2-124m
+compiled compiled_rollout_qwen_0.5b 150 --preset qwen2-0.5b

@@ -21,6 +21,13 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
+from rlkl_lightning.algorithms.decoding import (
+    draw,
+    filter_logits,
+    kv_cache,
+    picked_scores,
+    steps_kept,
+)
 from rlkl_lightning.models.forward import position_ids_from_mask
 from rlkl_lightning.models.logprobs import TokenScores, gather_logprobs
 from rlkl_lightning.trajectory import Trajectory
@@ -42,78 +49,6 @@ def response_mask_after_eos(response_ids: Tensor, eos_token_id: int | None) -> T
     # Number of EOS strictly before each position; a token is valid while that count is 0.
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return (eos_before == 0).float()
-
-
-def _kv_cache(policy: nn.Module, capacity: int):
-    """A ``DynamicCache`` whose full-attention layers write into buffers allocated once.
-
-    ``DynamicLayer`` grows by concatenation, copying the whole cache at every step of every
-    layer; :class:`_PreallocatedLayer` writes the new keys and values in place and hands out
-    views. Other layer kinds (sliding windows, ...) keep transformers' own classes.
-    """
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    class _PreallocatedLayer(DynamicLayer):
-        _layer_type = None  # never registered in transformers' layer-type mappings
-
-        def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-            super().lazy_initialization(key_states, value_states)
-            b, h, _, dk = key_states.shape
-            self._keys = key_states.new_empty(b, h, capacity, dk)
-            self._values = value_states.new_empty(b, h, capacity, value_states.shape[-1])
-            self._length = 0
-
-        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            start, end = self._length, self._length + key_states.shape[-2]
-            if end > capacity:  # not reached by sample_and_score; stay correct anyway
-                return super().update(key_states, value_states, *args, **kwargs)
-            self._keys[:, :, start:end] = key_states
-            self._values[:, :, start:end] = value_states
-            self._length = end
-            self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
-            return self.keys, self.values
-
-    cache = DynamicCache(config=policy.config)
-    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
-        cache.layers = [_PreallocatedLayer() for _ in cache.layers]
-    return cache
-
-
-def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Top-k, then nucleus (top-p) truncation of ``[B, V]`` logits; removed entries are ``-inf``.
-
-    Nucleus sampling keeps the smallest set of most likely tokens whose probability reaches
-    ``top_p`` (Holtzman et al. 2020, arXiv 1904.09751), and always the most likely token.
-    """
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(
-            -1, order, mass_before >= top_p
-        )
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def draw(probs: Tensor) -> Tensor:
-    """One sample per row of ``[B, V]`` probabilities, by inverting the CDF: ``[B, 1]`` ids.
-
-    With ``u ~ U[0, total)`` the token is the first index whose cumulative probability exceeds
-    ``u``, so token ``i`` is drawn with probability ``p_i / total``, never a token of
-    probability 0. One uniform number per row; ``torch.multinomial`` draws an exponential
-    number per vocabulary entry, which dominated the sampling step on CPU. The CDF is
-    accumulated in float64 so the probabilities are kept to float32 precision.
-    """
-    cdf = probs.double().cumsum(dim=-1)
-    u = torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:
@@ -177,6 +112,7 @@ def sample_and_score(
     stop_at_eos: bool = True,
     stop_check_every: int | None = None,
     keep_logits: bool = True,
+    compiled: bool = False,
 ) -> tuple[Trajectory, TokenScores]:
     """Sample responses with a KV cache and keep the policy's scores of them.
 
@@ -208,6 +144,9 @@ def sample_and_score(
             ``logits`` are None (the log-probs are the same, bit for bit on a CPU); where the
             head is plain, :func:`~rlkl_lightning.models.logprobs.step_logits` computes them
             again from the kept hidden states, one step at a time, as the loop did.
+        compiled: Decode with a static KV cache and one compiled step
+            (:mod:`~rlkl_lightning.algorithms.compiled_decode`, the ``engine.compiled_decode``
+            option): the same tokens and random stream, scores equal to float rounding.
 
     Returns:
         ``(trajectory, scores)``: a :class:`Trajectory` with ids, masks and the policy's
@@ -221,9 +160,12 @@ def sample_and_score(
     generator = _default_generator(device) if eos is not None and every > 1 else None
     was_training = policy.training
     policy.eval()
+    decode = _decode
+    if compiled:
+        from rlkl_lightning.algorithms.compiled_decode import decode
     try:
         with _weight_casts_kept(device.type):
-            response_ids, logits, hidden, picked = _decode(
+            response_ids, logits, hidden, picked = decode(
                 policy,
                 prompt_ids,
                 prompt_mask,
@@ -275,7 +217,7 @@ def _decode(
     batch, prompt_len = prompt_ids.shape
     mask = prompt_mask.long()
     positions = position_ids_from_mask(mask)
-    cache = _kv_cache(policy, prompt_len + max_new_tokens)
+    cache = kv_cache(policy, prompt_len + max_new_tokens)
     decode_mask = _decode_masks(policy, torch.cat([mask, mask.new_ones(batch, max_new_tokens)], 1))
 
     def forward(ids: Tensor, attention: Tensor, position_ids: Tensor, **extra):
@@ -306,10 +248,8 @@ def _decode(
         hidden_steps.append(out.hidden_states[-1][:, -1])
         token = draw(torch.softmax(filter_logits(logits, top_k, top_p), dim=-1))
         tokens.append(token)
-        if not keep_logits:  # without an eos no position is padded (pad may be no token)
-            filler = token if eos is None else token.new_full(token.shape, pad)
-            chosen = logits.gather(1, torch.cat([token, filler], 1))
-            picked.append(torch.cat([chosen, torch.logsumexp(logits, dim=-1, keepdim=True)], 1))
+        if not keep_logits:
+            picked.append(picked_scores(logits, token, eos, pad))
         if eos is not None:
             finished |= token[:, 0] == eos
             if generator is not None:
@@ -320,17 +260,4 @@ def _decode(
             break  # the last token's own logits are never needed
         out = forward(token, decode_mask(prompt_len + step + 1), next_position)
         next_position = next_position + 1
-
-    response_ids = torch.cat(tokens, dim=1)
-    if every > 1 and bool((response_ids == eos).any(dim=1).all()):
-        # Every row stopped, maybe before the last check: keep the steps up to the last stop.
-        length = int((response_ids == eos).int().argmax(dim=1).max()) + 1
-        if length < len(tokens):
-            response_ids = response_ids[:, :length]
-            hidden_steps, picked = hidden_steps[:length], picked[:length]
-            generator.set_state(states[length - 1])
-    length = response_ids.shape[1]
-    if all_logits is not None and length < max_new_tokens:
-        all_logits = all_logits[:, :length].contiguous()
-    scores = torch.stack(picked, dim=1) if picked else None
-    return response_ids, all_logits, torch.stack(hidden_steps, dim=1), scores
+    return steps_kept(tokens, all_logits, hidden_steps, picked, states, every, eos, generator)

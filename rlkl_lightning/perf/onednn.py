@@ -88,7 +88,24 @@ def resolve(choice: str) -> str:
 
 def _product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x [N, K] @ weight [M, K].T (+ bias)`` by oneDNN; any strides."""
+    if torch.compiler.is_compiling():
+        return _compiled_product(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+
+
+@torch.library.custom_op("rlkl_lightning::onednn_product", mutates_args=())
+def _compiled_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`_product` as an opaque operator of a compiled graph (the compiled decode step).
+
+    Inductor lowers ``mkldnn._linear_pointwise`` itself only for weights frozen into the graph,
+    and the policy's weights change between rollouts; an operator of its own is called as is.
+    """
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+
+
+@_compiled_product.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def _takes(x: Tensor, weight: Tensor) -> bool:
