@@ -366,7 +366,8 @@ class Engine:
             ``vllm`` (a vLLM engine in this process, its weights pushed after every update;
             the trainer computes the behaviour log-probs again and logs the gap, ``mismatch/*``).
         compiled_decode: with ``native``, a static KV cache and one compiled decode step
-            (CUDA graphs on a GPU); the same tokens and log-probs as the eager loop.
+            (CUDA graphs on a GPU): the eager loop's tokens and random stream, its log-probs
+            to float rounding.
         gpu_memory_utilization: with ``vllm``, the share of the accelerator's memory vLLM may
             take for its weights and KV cache (on a CPU: of its KV-cache space).
         sleep_mode: with ``vllm`` on CUDA, free the engine's memory during the update.

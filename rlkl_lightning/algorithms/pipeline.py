@@ -292,7 +292,11 @@ class RLPipeline(LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        """Keep the frozen models frozen and the rewards on our device."""
+        """Keep the frozen models frozen and the rewards on our device; check the decode step."""
+        if self.engine.compiled_decode:
+            from rlkl_lightning.algorithms.compiled_decode import check
+
+            check(self.policy, self.device)
         if isinstance(self.reference, torch.nn.Module):  # else: the policy, adapters off
             freeze(self.reference)
         disable_dropout(self.policy)
@@ -354,6 +358,7 @@ class RLPipeline(LightningModule):
             keep_logits=keep_rollout_logits(
                 self.policy, self.device, len(prompts), hp.max_new_tokens
             ),
+            compiled=self.engine.compiled_decode,
         )
 
     def score(

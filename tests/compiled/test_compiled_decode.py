@@ -248,3 +248,19 @@ def test_benchmark_runs_tiny_with_the_gpu_tables_qwen2_architecture(tmp_path, mo
     assert grpo["token_mismatch_fraction"] == 0.0
     assert grpo["compiled_median_s"] > 0 and grpo["eager_median_s"] > 0
     assert "grpo qwen2-0.5b tiny (4 rows, 8 of 8 tokens)" in capsys.readouterr().out
+
+
+def test_engine_compiled_decode_trains_through_the_cli(tiny_lm_dir, tmp_path, monkeypatch):
+    """``engine.compiled_decode: true`` in a config samples every batch with the compiled step."""
+    from helpers.cli_runs import tiny_cli_config
+
+    from rlkl_lightning.cli import main
+
+    calls = []
+    decode = compiled_decode.decode
+    monkeypatch.setattr(
+        compiled_decode, "decode", lambda *a, **k: calls.append(1) or decode(*a, **k)
+    )
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    main(["fit", "--config", str(config), "--model.init_args.engine.compiled_decode=true"])
+    assert len(calls) == 2  # the config's 2 batches
