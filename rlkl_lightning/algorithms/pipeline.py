@@ -396,10 +396,7 @@ class RLPipeline(LightningModule):
         (logits, hidden states) are the policy's, as the native loop keeps them. The engine
         gets the policy's weights first if they changed since it last got them.
         """
-        engine = self.rollout_engine()
-        owner = (self._engine_owner, self._weights_version)
-        if engine.push_enabled and engine.weights_of != owner:
-            engine.push(engine_weights(self.policy), owner)
+        engine = self.sync_rollout_engine()
         hp = self.sampling
         batch = self.batches_seen + self.skipped_batches  # both restored on a resume
         seed, rank = run_seed(), self.global_rank
@@ -420,6 +417,14 @@ class RLPipeline(LightningModule):
         finally:
             self.policy.train(was_training)
         return traj._replace(logprobs=scores.logprobs), scores
+
+    def sync_rollout_engine(self):
+        """The rollout engine, given the policy's weights if they changed since it got them."""
+        engine = self.rollout_engine()
+        owner = (self._engine_owner, self._weights_version)
+        if engine.push_enabled and engine.weights_of != owner:
+            engine.push(engine_weights(self.policy), owner)
+        return engine
 
     def rollout_engine(self):
         """The rollout engine of ``engine.kind`` (vLLM: this process's, built on first use)."""
