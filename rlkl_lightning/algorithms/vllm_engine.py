@@ -21,8 +21,10 @@ samples are kept as ``sampler_logprobs``, and the pipeline computes the trainer'
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import random
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -70,6 +72,26 @@ def request_seed(seed: int, batch: int, rank: int, row: int) -> int:
 def run_seed() -> int:
     """The ``seed_everything`` seed of this run (0 without one)."""
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+@contextlib.contextmanager
+def random_streams_kept() -> Iterator[None]:
+    """Put Python's, NumPy's and torch's random streams back as they were after the block.
+
+    vLLM seeds them all when it starts (``seed``); the trainer's streams (minibatch order,
+    ...) must not depend on when the engine started, or a resumed run would shuffle
+    differently from the uninterrupted one.
+    """
+    import numpy as np
+
+    python, numpy_state = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy_state)
 
 
 def engine_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -192,10 +214,11 @@ class VLLMEngine:
 
         ``owner``: (module, weights version), what :attr:`weights_of` records.
         """
-        self._wake()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.collective_rpc(_repack_kept_cpu_weights)
-        self.llm.reset_prefix_cache()
+        with random_streams_kept():
+            self._wake()
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.collective_rpc(_repack_kept_cpu_weights)
+            self.llm.reset_prefix_cache()
         self.pushes += 1
         self.weights_of = owner
 
@@ -232,7 +255,8 @@ class VLLMEngine:
             detokenize=False,
         )
         params = [vllm.SamplingParams(seed=seed, **shared) for seed in seeds]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        with random_streams_kept():
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         samples = [out.outputs[0] for out in outputs]
         length = max(len(s.token_ids) for s in samples)
         ids = torch.full((len(samples), length), pad_token_id, dtype=torch.long)
@@ -298,14 +322,15 @@ def shared_engine(
         close_shared_engine()
         folder = tempfile.TemporaryDirectory(prefix="rlkl-vllm-")
         config.save_pretrained(folder.name)
-        engine = VLLMEngine(
-            folder.name,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            sleep_mode=sleep_mode,
-            device_type=device_type,
-        )
+        with random_streams_kept():
+            engine = VLLMEngine(
+                folder.name,
+                max_model_len=max_model_len,
+                dtype=dtype,
+                gpu_memory_utilization=gpu_memory_utilization,
+                sleep_mode=sleep_mode,
+                device_type=device_type,
+            )
         _ENGINE.update(key=key, engine=engine, dir=folder)
     return _ENGINE["engine"]
 
