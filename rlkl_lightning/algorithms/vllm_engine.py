@@ -58,7 +58,9 @@ def import_vllm():
     """The ``vllm`` module, or a ``RuntimeError`` whose message is :data:`MISSING_VLLM`."""
     try:
         import vllm
-    except ImportError as err:
+
+        vllm.LLM  # noqa: B018 (a folder named vllm on the path imports as an empty package)
+    except (ImportError, AttributeError) as err:
         raise RuntimeError(MISSING_VLLM) from err
     return vllm
 

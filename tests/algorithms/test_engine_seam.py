@@ -182,10 +182,11 @@ def test_a_lora_policy_is_pushed_merged_and_its_base_weights_stay(tiny_lm_dir):
 
 
 def test_without_vllm_the_engine_is_refused_in_one_line_naming_make_vllm_env(tiny_lm_dir):
-    pytest.importorskip("torch")
+    from rlkl_lightning.algorithms.vllm_engine import import_vllm
+
     try:
-        import vllm  # noqa: F401
-    except ImportError:
+        import_vllm()
+    except RuntimeError:
         pass
     else:
         pytest.skip("vLLM is installed here")
@@ -195,3 +196,22 @@ def test_without_vllm_the_engine_is_refused_in_one_line_naming_make_vllm_env(tin
     assert str(info.value) == MISSING_VLLM
     assert "make vllm-env" in MISSING_VLLM and "engine.kind" in MISSING_VLLM
     assert "\n" not in MISSING_VLLM
+
+
+@pytest.mark.parametrize(
+    "settings, device, world_size, message",
+    [
+        ({"sleep_mode": True}, "cpu", 1, r"`engine.sleep_mode`=True .* needs CUDA"),
+        ({}, "cpu", 2, r"`engine.kind='vllm'` runs in one process; this run has 2"),
+    ],
+)
+def test_settings_the_vllm_engine_does_not_run_with_are_refused_by_name(
+    settings, device, world_size, message
+):
+    from rlkl_lightning.algorithms.options import Engine
+    from rlkl_lightning.algorithms.vllm_engine import check_vllm_settings
+
+    engine = Engine(kind="vllm", **settings)
+    with pytest.raises(ValueError, match=message):
+        check_vllm_settings(engine, torch.device(device), world_size)
+    check_vllm_settings(Engine(kind="vllm"), torch.device("cpu"), 1)  # the default runs

@@ -16,7 +16,12 @@ import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 
-pytest.importorskip("vllm", reason="tests/vllm needs vLLM: `make vllm-env`, then `make test-vllm`")
+try:
+    from rlkl_lightning.algorithms.vllm_engine import import_vllm
+
+    import_vllm()
+except RuntimeError:
+    pytest.skip("tests/vllm needs vLLM: `make test-vllm`", allow_module_level=True)
 
 #: The study's shape: prompts of up to 16 tokens, responses of up to 24.
 SAMPLING = {"max_prompt_tokens": 16, "max_new_tokens": 24}
