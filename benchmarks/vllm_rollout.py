@@ -58,20 +58,21 @@ def modules(shape: str):
 
         policy, prompts = str(default_model_dir()), study_prompts(32)
         sampling = {"max_prompt_tokens": 16, "max_new_tokens": 24}
-        cls, extra = PPOModule, {}
+        cls, extra = PPOModule, {"tokenizer": None}
     else:
         from bench_world import build, preset
         from bench_world import prompts as bench_prompts
 
         chosen = preset("gpt2-4x256", batch=32)
         world = build(Path(tempfile.mkdtemp(prefix="rlkl-vllm-bench-")) / "world", chosen)
-        policy = str(world / "policy")
+        policy, tokenizer = str(world / "policy"), str(world / "tokenizer")
         prompts = [p for p in bench_prompts(chosen, 8) for _ in range(4)]  # RLOO's order
         sampling = {"max_prompt_tokens": chosen.prompt, "max_new_tokens": chosen.response}
         sampling["stop_at_eos"] = False
-        cls, extra = RLOOModule, {"group": {"advantage": "grpo"}}
+        cls, extra = RLOOModule, {"group": {"advantage": "grpo"}, "tokenizer": tokenizer}
+    engine = {"gpu_memory_utilization": 0.02}  # on a CPU: 2% of the RAM for the KV cache
     made = [
-        cls(policy=policy, sampling=sampling, engine={"kind": kind}, **extra)
+        cls(policy=policy, sampling=sampling, engine=engine | {"kind": kind}, **extra)
         for kind in ("native", "vllm")
     ]
     made[1].policy.load_state_dict(made[0].policy.state_dict())
@@ -119,9 +120,14 @@ def run(shape: str, iters: int, warmup: int) -> dict:
     out = {}
     for kind in times:
         median = statistics.median(times[kind])
-        per_token = sum(tokens[kind]) / sum(times[kind])
-        out[kind] = {"median_s": median, "tokens_per_s": per_token, "tokens": tokens[kind]}
+        rates = [n / t for n, t in zip(tokens[kind], times[kind], strict=True)]
+        out[kind] = {"median_s": median, "tokens_per_s": statistics.median(rates)}
+        out[kind]["tokens"] = tokens[kind]
     out["push_median_s"] = statistics.median(pushes)
+    del native, engined, traj
+    from rlkl_lightning.algorithms.vllm_engine import close_shared_engine
+
+    close_shared_engine()  # the next shape builds its own
     out["shape"] = f"{len(prompts)} responses, up to {sampling['max_new_tokens']} tokens"
     return out
 
@@ -148,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
             r = result[kind]
             print(
                 f"  {kind:6s}: {r['median_s']:.3f} s per rollout (median), "
-                f"{r['tokens_per_s']:.0f} sampled tokens/s"
+                f"{r['tokens_per_s']:.0f} sampled tokens/s (median), "
+                f"{statistics.mean(r['tokens']):.0f} tokens per rollout"
             )
         print(
             f"  vllm weight push: {result['push_median_s']:.3f} s (median); "

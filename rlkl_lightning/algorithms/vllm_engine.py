@@ -200,6 +200,9 @@ class VLLMEngine:
             seed=0,  # every request has a seed of its own
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
+            # On a CPU, vLLM's share counts the whole process's memory (a trainer's included):
+            # the share of the RAM goes to the KV cache alone, stated explicitly.
+            kv_cache_memory_bytes=_cpu_kv_cache_bytes(gpu_memory_utilization, device_type),
             enforce_eager=device_type != "cuda",
             enable_sleep_mode=sleep_mode,
             logprobs_mode="processed_logprobs",
@@ -273,6 +276,15 @@ class VLLMEngine:
             self.llm.sleep(level=1)
             self._asleep = True
         return ids, logprobs
+
+
+def _cpu_kv_cache_bytes(share: float, device_type: str) -> int | None:
+    """On a CPU, ``share`` of the machine's RAM, in bytes; elsewhere None (vLLM's own sizing)."""
+    if device_type == "cuda":
+        return None
+    import psutil
+
+    return int(share * psutil.virtual_memory().total)
 
 
 def _repack_kept_cpu_weights(worker: Any) -> None:

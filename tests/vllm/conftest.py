@@ -25,6 +25,8 @@ except RuntimeError:
 
 #: The study's shape: prompts of up to 16 tokens, responses of up to 24.
 SAMPLING = {"max_prompt_tokens": 16, "max_new_tokens": 24}
+#: The engine of configs/*_vllm.yaml (the same settings: the same engine).
+ENGINE = {"kind": "vllm", "gpu_memory_utilization": 0.02}
 #: Openings in the default world's style.
 PROMPTS = [
     "The pizza was",

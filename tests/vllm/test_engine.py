@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import PROMPTS, SAMPLING
+from conftest import ENGINE, PROMPTS, SAMPLING
 from helpers.trainers import fit_on_prompts
 
 from rlkl_lightning import PPOModule, RLOOModule
@@ -35,7 +35,7 @@ def make(world_dir, cls=PPOModule, **options):
         policy=str(world_dir),
         reward=FunctionReward(positive),
         sampling=SAMPLING,
-        engine={"kind": "vllm"},
+        engine=ENGINE,
         logging={"log_samples_every": 0},
         optimization={"lr": 3e-3, "ppo_epochs": 1, "num_minibatches": 2},
     )

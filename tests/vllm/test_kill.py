@@ -13,6 +13,7 @@ run drew.
 from __future__ import annotations
 
 import yaml
+from conftest import ENGINE
 from helpers.kill_runs import write_config
 from system.test_kill import assert_same_run, finish, kill_at_marker, last_checkpoint, start
 
@@ -20,7 +21,7 @@ from system.test_kill import assert_same_run, finish, kill_at_marker, last_check
 def vllm_config(tmp_path, policy, name, **options):
     path = write_config(tmp_path, policy, name, refresh_every=3, **options)
     config = yaml.safe_load(path.read_text())
-    config["model"]["init_args"]["engine"] = {"kind": "vllm"}
+    config["model"]["init_args"]["engine"] = ENGINE
     path.write_text(yaml.safe_dump(config))
     return path
 
