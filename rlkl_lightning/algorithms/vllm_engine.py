@@ -189,7 +189,7 @@ class VLLMEngine:
         self.push_enabled = True
         #: Weight pushes so far.
         self.pushes = 0
-        #: Whose weights, of which version, the engine holds (:meth:`holds`).
+        #: Whose weights, of which version, the engine holds: (module number, weights version).
         self.weights_of: tuple[int, int] | None = None
         self.llm = vllm.LLM(
             model=config_dir,
