@@ -215,3 +215,31 @@ def test_settings_the_vllm_engine_does_not_run_with_are_refused_by_name(
     with pytest.raises(ValueError, match=message):
         check_vllm_settings(engine, torch.device(device), world_size)
     check_vllm_settings(Engine(kind="vllm"), torch.device("cpu"), 1)  # the default runs
+
+
+def test_a_vllm_config_without_vllm_stops_with_one_line_naming_make_vllm_env(
+    tiny_lm_dir, tmp_path, monkeypatch, capfd
+):
+    from pathlib import Path
+
+    from helpers.cli_runs import cli_error
+
+    from rlkl_lightning.algorithms.vllm_engine import import_vllm
+
+    try:
+        import_vllm()
+    except RuntimeError:
+        pass
+    else:
+        pytest.skip("vLLM is installed here")
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS * 2))
+    config = Path(__file__).resolve().parents[2] / "configs" / "grpo_vllm.yaml"
+    message = cli_error(
+        ["fit", "--config", str(config), f"--model.policy={tiny_lm_dir}"]
+        + [f"--data.prompts={prompts}", f"--data.heldout={prompts}", "--data.batch_size=2"]
+        + ["--trainer.max_steps=16", "--model.sampling.max_prompt_tokens=8"],
+        capfd,
+    )
+    assert message.strip() == MISSING_VLLM
