@@ -8,7 +8,9 @@
 * a LoRA policy is pushed merged: the same equality, and its base weights (its reference)
   unchanged bit for bit after every push;
 * the prefix cache is reset after each push: a prompt sent before and after a push is scored
-  with the new weights.
+  with the new weights. vLLM's CPU backend caches blocks of 128 tokens (16 is refused for
+  this model), so at these lengths (40 tokens) nothing is ever cached and a missing reset
+  could not show here; the test checks that the push resets it.
 """
 
 from __future__ import annotations
