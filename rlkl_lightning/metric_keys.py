@@ -72,3 +72,11 @@ TOKENS_PER_S = "perf/tokens_per_s"
 ROLLOUT_S = "perf/rollout_s"
 SCORE_S = "perf/score_s"
 UPDATE_S = "perf/update_s"
+
+# The sampler/trainer gap (only where the engine that samples is not the trainer: vLLM).
+MISMATCH_TOKEN_ABS_MEAN = "mismatch/token_abs_mean"  #: mean abs(log pi - log mu) per token
+MISMATCH_TOKEN_ABS_MAX = "mismatch/token_abs_max"  #: largest abs(log pi - log mu) of a token
+MISMATCH_SEQ_LOG_RATIO_MIN = "mismatch/seq_log_ratio_min"  #: smallest sum_t (log pi - log mu)
+MISMATCH_SEQ_LOG_RATIO_MAX = "mismatch/seq_log_ratio_max"  #: largest sum_t (log pi - log mu)
+#: With `engine.correction`: tokens capped (token_tis) or sequences masked (sequence_mis)
+MISMATCH_CORRECTED_FRACTION = "mismatch/corrected_fraction"

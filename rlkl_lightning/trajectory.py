@@ -2,7 +2,8 @@
 
 Shapes: ``B`` sequences, ``P`` prompt tokens (left padded), ``R`` response tokens (right
 padded after the first EOS). The rollout fills the first five fields, scoring the next four,
-and shaping the last three; minibatches are ``trajectory.select(rows)``.
+shaping the next three; with vLLM the rollout adds the engine's log-probs and scoring the
+correction's weights (the last two). Minibatches are ``trajectory.select(rows)``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class Trajectory(NamedTuple):
         sampler_logprobs: ``[B, R]`` float32 log-probs of the sampled tokens under the engine
             that sampled them, where that is not the trainer (``engine.kind="vllm"``); None
             with the native loop, whose ``logprobs`` are the trainer's own.
+        mismatch_weights: ``[B, R]`` detached weights of each token's surrogate term that
+            correct for sampling from the engine instead of the trainer (``engine.correction``,
+            :mod:`rlkl_lightning.algorithms.mismatch`), 0 on padding; None: no correction.
     """
 
     input_ids: Tensor
@@ -50,6 +54,7 @@ class Trajectory(NamedTuple):
     returns: Tensor | None = None
     kl_scale: Tensor | None = None
     sampler_logprobs: Tensor | None = None
+    mismatch_weights: Tensor | None = None
 
     def select(self, rows: Tensor) -> Trajectory:
         """The trajectory of the sequences ``rows`` (a minibatch); unset fields stay None."""

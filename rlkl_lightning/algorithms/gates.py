@@ -43,7 +43,12 @@ def global_max(trainer: Trainer | None, values: Tensor) -> Tensor:
 
 
 def trajectory_is_finite(traj: Trajectory) -> bool:
-    """Whether every log-prob, value, advantage and return of a response token is finite."""
+    """Whether every log-prob, value, advantage, return and weight of a response token is finite.
+
+    The engine's log-probs and the weights computed from them are among them: a non-finite one
+    skips the batch instead of reaching the surrogate.
+    """
     valid = traj.response_mask.bool()
     tensors = (traj.logprobs, traj.values, traj.advantages, traj.returns)
+    tensors += (traj.sampler_logprobs, traj.mismatch_weights)
     return all(bool(torch.isfinite(t[valid]).all()) for t in tensors if t is not None)

@@ -15,7 +15,10 @@ One (micro-)minibatch's loss is, in this order of summation::
   KL in the raw reward's units wherever the advantages are whitened (docs/kl.md, "What beta
   means in the loss");
 * every per-token term is made one number by ``reduce``, the loss aggregation
-  (:mod:`rlkl_lightning.algorithms.aggregation`).
+  (:mod:`rlkl_lightning.algorithms.aggregation`);
+* with ``Trajectory.mismatch_weights`` (``engine.correction``, docs/mismatch.md) each token's
+  surrogate term is multiplied by its weight before ``reduce``; the entropy bonus and the KL
+  term are not (:mod:`rlkl_lightning.algorithms.mismatch`).
 
 An algorithm supplies only its advantages (in the minibatch) and, where it has one, its own
 term (:data:`ExtraTerm`), which is added right after the surrogate.
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 
 from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.algorithms.losses import entropy_from_logits, policy_loss
+from rlkl_lightning.algorithms.mismatch import weighted
 from rlkl_lightning.algorithms.options import KLPenalty, Objective
 from rlkl_lightning.algorithms.update import Reduce
 from rlkl_lightning.kl.loss import kl_loss
@@ -86,7 +90,7 @@ class PolicyObjective:
             mb.advantages,
             mask,
             opts.cliprange,
-            reduce,
+            weighted(reduce, mb.mismatch_weights),  # reduce itself without a correction
             opts.cliprange_high,
             opts.importance_ratio,
         )

@@ -372,8 +372,9 @@ class Engine:
         sleep_mode: with ``vllm`` on CUDA, free the engine's memory during the update.
         correction: with ``vllm``, how the update corrects for sampling from the engine's
             distribution instead of the trainer's: ``none``, ``token_tis`` (truncated
-            importance weights per token) or ``sequence_mis`` (sequences whose importance
-            ratio leaves the threshold are left out of the policy loss).
+            importance weights per token) or ``sequence_mis`` (each sequence weighted by its
+            importance ratio, those whose ratio leaves the threshold left out of the policy
+            loss); docs/mismatch.md.
         correction_threshold: the cap ``C`` of ``token_tis``'s weights, or the bound of
             ``sequence_mis``'s ratio (sequences with a ratio above ``C`` or below ``1 / C``
             are masked).

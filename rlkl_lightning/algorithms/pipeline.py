@@ -53,6 +53,7 @@ from rlkl_lightning.algorithms.metrics import (
     token_kl_stats,
     top_kl_tokens,
 )
+from rlkl_lightning.algorithms.mismatch import mismatch_metrics, mismatch_weights
 from rlkl_lightning.algorithms.objective import PolicyObjective
 from rlkl_lightning.algorithms.options import (
     PIPELINE_GROUPS,
@@ -466,6 +467,9 @@ class RLPipeline(LightningModule):
             ``kl_token_threshold`` the ``kl_tokens/*`` diagnostics and the ``[B, R]`` per-token
             KL (``token_kl``); with ``kl.trust_region`` the per-sequence KL of the tokens inside
             it (``penalized_kl``, ``[B]``) and the count of those outside (``outside_tokens``).
+            Where another engine sampled (``sampler_logprobs``), the trajectory also carries
+            ``engine.correction``'s ``mismatch_weights`` and the diagnostics the ``mismatch/*``
+            metrics (docs/mismatch.md).
         """
         mask = traj.response_mask
         with no_grad(self.reference):
@@ -502,7 +506,19 @@ class RLPipeline(LightningModule):
         diagnostics["entropy_sum"] = masked_sum(entropy, mask)
         diagnostics.update(gold_scores(self.gold_reward, prompts, responses, self.owner))
         traj = traj._replace(ref_logprobs=ref_logprobs, kl=kl, scores=scores)
+        if traj.sampler_logprobs is not None:  # another engine sampled: its gap to the trainer
+            traj, gap = self._mismatch(traj)
+            diagnostics.update(gap)
         return traj, responses, diagnostics
+
+    def _mismatch(self, traj: Trajectory) -> tuple[Trajectory, dict[str, Tensor]]:
+        """The correction's weights in the trajectory, and the ``mismatch/*`` metrics."""
+        engine = self.engine
+        weights, corrected = mismatch_weights(traj, engine.correction, engine.correction_threshold)
+        gap = mismatch_metrics(
+            traj, corrected, partial(global_sum, self._trainer), partial(global_max, self._trainer)
+        )
+        return traj._replace(mismatch_weights=weights), gap
 
     def _logit_diagnostics(self, policy: TokenScores, ref_logits: Tensor) -> tuple[Tensor, Tensor]:
         """``[B, R]`` exact KL to the reference and policy entropy, from the full logits.
@@ -602,7 +618,8 @@ class RLPipeline(LightningModule):
         metrics[keys.SKIPPED_BATCHES] = skipped
         if self.log_reference_refreshes:
             metrics[keys.REFERENCE_REFRESHES] = torch.tensor(float(self.reference_refreshes))
-        metrics.update({k: v for k, v in diagnostics.items() if k.startswith("kl_tokens/")})
+        prefixes = ("kl_tokens/", "mismatch/")
+        metrics.update({k: v for k, v in diagnostics.items() if k.startswith(prefixes)})
         metrics.update(stats)
         self.log_dict(
             {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()},

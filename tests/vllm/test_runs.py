@@ -34,6 +34,8 @@ def test_a_vllm_config_trains_ten_batches_with_beta_moving(name, world_dir, tmp_
     assert module.kl_coef != module.kl.init_coef  # beta moved
     metrics = cli.trainer.callback_metrics
     assert float(metrics["objective/kl"]) > 0  # the policy left its reference
+    logged = float(metrics["mismatch/token_abs_mean"])  # the last batch's, as logged
+    assert 0 < logged < 1e-3, logged
     traj, _ = module.rollout(PROMPTS)  # the engine gets the last update's weights first
     gap = (traj.logprobs - traj.sampler_logprobs).abs() * traj.response_mask
     mean_gap = float(gap.sum() / traj.response_mask.sum())  # nats
