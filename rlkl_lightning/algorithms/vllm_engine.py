@@ -54,8 +54,23 @@ PRECISION_DTYPES = {
 }
 
 
+#: vLLM's switch for an engine core in a process of its own; the pushes need it in this one.
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
 def import_vllm():
-    """The ``vllm`` module, or a ``RuntimeError`` whose message is :data:`MISSING_VLLM`."""
+    """The ``vllm`` module, its engine kept in this process; else a ``RuntimeError``.
+
+    Raises:
+        RuntimeError: :data:`MISSING_VLLM` without vLLM; naming the variable if
+            ``VLLM_ENABLE_V1_MULTIPROCESSING`` asks for a separate engine process.
+    """
+    if os.environ.setdefault(IN_PROCESS, "0") != "0":
+        raise RuntimeError(
+            f"`engine.kind='vllm'` runs vLLM's engine in the training process (the weights are "
+            f"pushed from memory); {IN_PROCESS}={os.environ[IN_PROCESS]!r} asks for a separate "
+            f"process: unset it or set it to 0"
+        )
     try:
         import vllm
 

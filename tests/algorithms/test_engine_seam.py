@@ -13,6 +13,7 @@ names, tied ones once, and a LoRA policy's merged out of place. The real engine 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -244,3 +245,17 @@ def test_a_vllm_config_without_vllm_stops_with_one_line_naming_make_vllm_env(
         capfd,
     )
     assert message.strip() == MISSING_VLLM
+
+
+def test_a_separate_vllm_engine_process_is_refused_by_name(monkeypatch):
+    from rlkl_lightning.algorithms.vllm_engine import IN_PROCESS, import_vllm
+
+    monkeypatch.setenv(IN_PROCESS, "1")
+    with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING='1' asks for a sep"):
+        import_vllm()
+    monkeypatch.delenv(IN_PROCESS)
+    try:
+        import_vllm()
+    except RuntimeError as error:  # vLLM missing here: the usual line, not the variable's
+        assert str(error) == MISSING_VLLM
+    assert os.environ[IN_PROCESS] == "0"  # unset: the engine stays in this process
