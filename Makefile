@@ -11,7 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup study test test-compiled lint docs trl-env vllm-env
+.PHONY: setup study test test-compiled lint docs trl-env vllm-env test-vllm
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -63,3 +63,8 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints-vllm.txt
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.installed
+
+# tests/vllm/ (left out of `make test`): vLLM as the rollout engine, in .venv-vllm, with the
+# engine in the test process.
+test-vllm: $(VLLM_VENV)/.installed
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm

@@ -25,6 +25,7 @@ every model once it is loaded, and the update's threads (:meth:`RLPipeline.updat
 
 from __future__ import annotations
 
+import itertools
 import time
 from functools import partial
 from typing import Any, ClassVar
@@ -79,6 +80,15 @@ from rlkl_lightning.algorithms.resume import (
 from rlkl_lightning.algorithms.rollout import sample_and_score
 from rlkl_lightning.algorithms.update import OneThread, Reduce, run_update
 from rlkl_lightning.algorithms.validation import HeldoutPerplexity, encode_texts
+from rlkl_lightning.algorithms.vllm_engine import (
+    PRECISION_DTYPES,
+    check_vllm_settings,
+    engine_trajectory,
+    engine_weights,
+    request_seed,
+    run_seed,
+    shared_engine,
+)
 from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.kl import estimators as klmod
 from rlkl_lightning.kl.loss import within_trust_region
@@ -105,6 +115,12 @@ from rlkl_lightning.rewards import (
     validate_scores,
 )
 from rlkl_lightning.trajectory import Trajectory
+
+#: The sampling options an engine other than the native loop is given per request.
+ENGINE_SAMPLING = ("temperature", "top_k", "top_p", "max_new_tokens")
+
+#: Distinct numbers for the modules of one process (whose weights an engine holds).
+_modules = itertools.count()
 
 #: On a CPU, rollout logits up to this size are kept: recomputing small ones cost more time
 #: than it saved (docs/benchmarks.md, "Memory").
@@ -194,6 +210,11 @@ class RLPipeline(LightningModule):
         #: Log ``reference/refreshes`` (a ``ReferenceRefresh`` callback turns it on).
         self.log_reference_refreshes = False
         self.heldout = HeldoutPerplexity()
+        #: The rollout engine other than the native loop (built on the first rollout).
+        self._rollout_engine = None
+        self._engine_owner = next(_modules)
+        #: Counts changes of the policy's weights; an engine that holds an older one gets a push.
+        self._weights_version = 0
         self.threads: OneThread | ValueThread = OneThread()
         self.save_hyperparameters(ignore=["reward", "gold_reward"])  # objects, not settings
         # LightningCLI saves a subclass's own arguments as the hyperparameters; the record must
@@ -300,6 +321,9 @@ class RLPipeline(LightningModule):
         if isinstance(self.reference, torch.nn.Module):  # else: the policy, adapters off
             freeze(self.reference)
         disable_dropout(self.policy)
+        if self.engine.kind == "vllm":
+            check_vllm_settings(self.engine, self.device, self.trainer.world_size)
+            self._engine_dtype()  # a precision vLLM cannot run with stops here
         for reward in (self.reward, self.gold_reward):
             if hasattr(reward, "to"):
                 reward.to(self.device)
@@ -315,6 +339,7 @@ class RLPipeline(LightningModule):
         self.refreshed_keys = sorted(set(self.refreshed_keys) | set(changed))
         self.reference_refreshes += 1
         self.last_refresh_batch = self.batches_seen
+        self._weights_version += 1  # LoRA: the base weights moved (the policy did not)
         self.heldout.reference_perplexity = None
 
     # ------------------------------------------------------------------ the pipeline
@@ -341,7 +366,13 @@ class RLPipeline(LightningModule):
         self.log_batch(prompts, responses, traj, diagnostics, stats, clock)  # 5. log
 
     def rollout(self, prompts: list[str]) -> tuple[Trajectory, TokenScores]:
-        """Phase 1: sample a response per prompt; the policy's scores of them come along."""
+        """Phase 1: sample a response per prompt; the policy's scores of them come along.
+
+        With ``engine.kind="vllm"`` the engine samples (:meth:`engine_rollout`) and the policy
+        scores its samples in one pass.
+        """
+        if self.engine.kind != "native":
+            return self.engine_rollout(*self._encode_prompts(prompts))
         hp = self.sampling
         prompt_ids, prompt_mask = self._encode_prompts(prompts)
         return sample_and_score(
@@ -360,6 +391,73 @@ class RLPipeline(LightningModule):
             ),
             compiled=self.engine.compiled_decode,
         )
+
+    def engine_rollout(
+        self, prompt_ids: Tensor, prompt_mask: Tensor
+    ) -> tuple[Trajectory, TokenScores]:
+        """Sample with the rollout engine, then score the samples with the policy.
+
+        The trajectory has the native loop's layout; ``sampler_logprobs`` are the engine's
+        log-probs, ``logprobs`` the trainer's (those enter ratios and the KL), and the scores
+        (logits, hidden states) are the policy's, as the native loop keeps them. The engine
+        gets the policy's weights first if they changed since it last got them.
+        """
+        engine = self.sync_rollout_engine()
+        hp = self.sampling
+        batch = self.batches_seen + self.skipped_batches  # both restored on a resume
+        seed, rank = run_seed(), self.global_rank
+        seeds = [request_seed(seed, batch, rank, row) for row in range(len(prompt_ids))]
+        eos = self.tokenizer.eos_token_id if hp.stop_at_eos else None
+        pad = self.tokenizer.pad_token_id
+        sampling = {name: getattr(hp, name) for name in ENGINE_SAMPLING}
+        response_ids, sampler_logprobs = engine.sample(
+            prompt_ids, prompt_mask, seeds, sampling, eos, pad
+        )
+        traj = engine_trajectory(prompt_ids, prompt_mask, response_ids, sampler_logprobs, eos, pad)
+        keep = keep_rollout_logits(self.policy, self.device, len(prompt_ids), hp.max_new_tokens)
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            with torch.no_grad():
+                scores = score_tokens(self.policy, traj, hp.temperature, logits=keep)
+        finally:
+            self.policy.train(was_training)
+        return traj._replace(logprobs=scores.logprobs), scores
+
+    def sync_rollout_engine(self):
+        """The rollout engine, given the policy's weights if they changed since it got them."""
+        engine = self.rollout_engine()
+        owner = (self._engine_owner, self._weights_version)
+        if engine.push_enabled and engine.weights_of != owner:
+            engine.push(engine_weights(self.policy), owner)
+        return engine
+
+    def rollout_engine(self):
+        """The rollout engine of ``engine.kind`` (vLLM: this process's, built on first use)."""
+        if self._rollout_engine is None:
+            hp = self.sampling
+            self._rollout_engine = shared_engine(
+                self.policy,
+                max_model_len=hp.max_prompt_tokens + hp.max_new_tokens,
+                dtype=self._engine_dtype(),
+                gpu_memory_utilization=self.engine.gpu_memory_utilization,
+                sleep_mode=self.engine.sleep_mode,
+                device_type=self.device.type,
+            )
+        return self._rollout_engine
+
+    def _engine_dtype(self) -> str:
+        """The engine's dtype: the trainer's precision (without a trainer, the policy's)."""
+        if self._trainer is not None:
+            precision = str(self.trainer.precision)
+            if precision not in PRECISION_DTYPES:
+                raise ValueError(
+                    f"{self.owner}: `engine.kind='vllm'` runs with precision "
+                    f"{sorted(PRECISION_DTYPES)}, got {precision!r}"
+                )
+            return PRECISION_DTYPES[precision]
+        dtype = next(self.policy.parameters()).dtype
+        return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
 
     def score(
         self, prompts: list[str], traj: Trajectory, policy_scores: TokenScores
@@ -484,6 +582,7 @@ class RLPipeline(LightningModule):
                 return run_update(self, traj)
             finally:
                 self.threads = OneThread()
+                self._weights_version += 1  # the rollout engine needs them again
 
     @override
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -706,6 +805,7 @@ class RLPipeline(LightningModule):
         for name in COUNTERS:
             setattr(self, name, int(counters.get(name, 0)))
         self.heldout.reference_perplexity = counters.get("reference_perplexity")
+        self._weights_version += 1  # the rollout engine gets the loaded weights
         self._rng_to_restore = checkpoint.get("rlkl_rng")
 
     @override

@@ -199,6 +199,17 @@ def test_real_model_config_parses(capsys):
     assert printed["kl"] == {**printed["kl"], "target": 6.0, "unit": "sequence"}
 
 
+@pytest.mark.parametrize("name", ["ppo_vllm.yaml", "grpo_vllm.yaml"])
+def test_vllm_configs_parse_without_vllm(name, capsys):
+    """The engine is built on the first rollout, so parsing needs no vLLM (tests/vllm runs them)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "configs" / name), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    engine = printed["model"]["init_args"]["engine"]
+    assert engine.get("init_args", engine)["kind"] == "vllm"
+
+
 def test_lora_bf16_config_parses_and_its_peft_and_chat_settings_build(capsys):
     from rlkl_lightning.models.lora import peft_config
 
