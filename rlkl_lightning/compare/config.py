@@ -37,9 +37,13 @@ class StudyConfig:
         world: A world directory made by ``python -m rlkl_lightning.world --texts FILES``:
             every run trains its model on that world's prompts and held-out text (its
             ``study.yaml``, merged after ``overrides``); ``None``: the runs' own settings.
-        report: ``default`` (curves, KL tracking, the comparison of runs) or ``exact`` (the
+        world_overrides: Settings merged into every run's config after the ``world``'s
+            ``study.yaml`` (a value starting with ``./`` is a path in the world's directory),
+            e.g. which of its splits a run validates on; ignored without ``world``.
+        report: ``default`` (curves, KL tracking, the comparison of runs), ``exact`` (the
             exact world's distances to the optimum and to the frontier,
-            :mod:`rlkl_lightning.compare.exact`).
+            :mod:`rlkl_lightning.compare.exact`) or ``budget`` (capability budgets beside
+            fixed targets, :mod:`rlkl_lightning.compare.budget`).
         quick_settings: Settings used instead with ``--quick`` (a short check of the whole
             pipeline): any of ``runs`` (a shorter list), ``seeds``, ``batches``,
             ``val_every``, ``sweep_kl_coefs``, ``sweep_seeds``, ``workers``, and ``overrides``
@@ -62,6 +66,7 @@ class StudyConfig:
     out: str = "study"
     overrides: dict[str, Any] = field(default_factory=dict)
     world: str | None = None
+    world_overrides: dict[str, Any] = field(default_factory=dict)
     report: str = "default"
     quick_settings: dict[str, Any] = field(default_factory=dict)
 
@@ -102,7 +107,7 @@ class StudyConfig:
         return replace(self, **settings, overrides=overrides, quick_settings={})
 
 
-REPORTS = ("default", "exact")
+REPORTS = ("default", "exact", "budget")
 
 
 def run_entry(name: str, entry: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:

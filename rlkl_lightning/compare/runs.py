@@ -146,7 +146,7 @@ def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
     """Write the derived config of every run; seeds outermost, so early results are balanced."""
     from rlkl_lightning.world.custom import study_overrides, without_replaced_options
 
-    world = study_overrides(study.world) if study.world else None
+    world = study_overrides(study.world, extra=study.world_overrides) if study.world else None
     bases = {}
     for group, entry in study.runs.items():
         path, own = run_entry(group, entry)
