@@ -15,8 +15,9 @@ class StudyConfig:
         runs: Run name (a controller, an algorithm) -> the ``train.py`` config of its run
             (paths relative to the working directory), or ``{config: PATH, overrides: {...}}``
             to merge settings into that config for this run only (after the study's
-            ``overrides``). The report compares ``adaptive`` with ``fixed`` when both exist, and
-            every other run with the first; the default pair is fair: the fixed beta is the
+            ``overrides``); ``seeds: N`` in that form runs it on the first ``N`` seeds only.
+            The report compares ``adaptive`` with ``fixed`` when both exist, and every other
+            run with the first; the default pair is fair: the fixed beta is the
             adaptive controller's initial one.
         seeds: Seeds per controller: ``0 .. seeds-1``, the same for every controller (the seed
             of ``seed_everything`` and of the prompt order).
@@ -118,17 +119,26 @@ def run_entry(name: str, entry: str | dict[str, Any]) -> tuple[str, dict[str, An
     """
     if isinstance(entry, str):
         return entry, {}
+    seeds = entry.get("seeds", 1) if isinstance(entry, dict) else 1
     if (
         isinstance(entry, dict)
         and isinstance(entry.get("config"), str)
-        and set(entry) <= {"config", "overrides"}
+        and set(entry) <= {"config", "overrides", "seeds"}
         and isinstance(entry.get("overrides", {}), dict)
+        and isinstance(seeds, int)
+        and not isinstance(seeds, bool)
+        and seeds >= 1
     ):
         return entry["config"], entry.get("overrides", {})
     raise ValueError(
-        f"compare: `runs.{name}` must be a config path or {{config: PATH, overrides: {{...}}}}, "
-        f"got {entry!r}"
+        f"compare: `runs.{name}` must be a config path or {{config: PATH, overrides: {{...}}, "
+        f"seeds: N >= 1}}, got {entry!r}"
     )
+
+
+def run_seeds(entry: str | dict[str, Any], seeds: int) -> int:
+    """How many of the study's ``seeds`` a ``runs`` entry runs on (its ``seeds``, at most all)."""
+    return min(entry.get("seeds", seeds), seeds) if isinstance(entry, dict) else seeds
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

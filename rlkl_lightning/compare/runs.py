@@ -29,7 +29,7 @@ import yaml
 from lightning.pytorch import Callback
 from typing_extensions import override
 
-from rlkl_lightning.compare.config import merge, run_entry
+from rlkl_lightning.compare.config import merge, run_entry, run_seeds
 from rlkl_lightning.defaults import default_of
 
 if TYPE_CHECKING:
@@ -158,7 +158,11 @@ def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
             bases[group] = merge(without_replaced_options(bases[group]), world)
     plan: list[tuple[str, int, dict[str, Any]]] = []
     for seed in range(study.seeds):
-        plan += [(group, seed, base) for group, base in bases.items()]
+        plan += [
+            (group, seed, base)
+            for group, base in bases.items()
+            if seed < run_seeds(study.runs[group], study.seeds)
+        ]
     if study.sweep_kl_coefs:
         fixed_beta = float(init_arg(bases["fixed"], "model", "kl.init_coef"))
         for beta in study.sweep_kl_coefs:

@@ -67,16 +67,22 @@ class CapabilityBudget(Callback):
     ``n`` the training batches since the last evaluation, it does, in log-target space::
 
         e      = log(max(x, error_floor * b) / b)                  # budget_error
-        step   = clip(-rate * n * e, -max_step, max_step)          # integral action
-        step   = 0 if step > 0 and kl_mean < follow * target       # anti-windup (below)
-        target = clip(target * exp(step), min_target, max_target)
+        dz     = -rate * n * e                                     # integral action ...
+        dz     = 0 if dz > 0 and kl_mean < follow * target         # ... held (anti-windup)
+        z      = clip(z + dz, log min_target, log max_target)
+        u      = clip(z - gain * e, log target -+ max_step)         # proportional action
+        target = clip(exp(u), min_target, max_target)
 
-    an integral law (the target settles where ``e = 0``, i.e. ``m = budget * m_ref``). It
-    raises the target only while the KL law follows it: ``kl_mean``, the mean batch KL since
-    the last evaluation (from the controller callback's ``kl_sum``/``kl_count``), must reach
-    ``follow`` x the target; otherwise a KL still climbing towards its target would have the
-    outer loop integrate a perplexity deficit that no target can remove yet (cascade windup).
-    Lowering is never held back: it protects the budget.
+    a PI law in log target (the target settles where ``e = 0``, i.e. ``m = budget * m_ref``;
+    ``z``, the integral, starts at ``log`` of the controller's target). The perplexity follows
+    the KL slowly (tens of batches after the KL law has followed the target), so the
+    proportional term answers an error at once and the integral, ``rate = gain / tau``, only
+    as fast as the perplexity catches up: the PI's zero cancels that slow lag
+    (docs/budget.md). The integral rises only while the KL law follows the target:
+    ``kl_mean``, the mean batch KL since the last evaluation (from the controller callback's
+    ``kl_sum``/``kl_count``), must reach ``follow`` x the target; otherwise a KL still climbing
+    towards its target would have the outer loop integrate a perplexity deficit that no target
+    can remove yet (cascade windup). Lowering is never held back: it protects the budget.
 
     The new target is handed to the controller callback
     (:meth:`~rlkl_lightning.kl.controller_callback.KLControllerCallback.set_target`: the law
@@ -99,9 +105,11 @@ class CapabilityBudget(Callback):
         reference_key: Key the module logs the reference's value under; its first finite
             value is kept for the run. None: the budget is absolute (``m_ref = 1``).
         mode: ``"min"`` (lower is better: perplexity, a held-out KL) or ``"max"``.
-        rate: Integral gain, in log target per batch per unit of error. The default is
-            ``1 / (4 tau)`` for ``tau = 20`` batches, the time the KL law and the policy take
-            to follow a step of the target: a critically damped loop (docs/budget.md).
+        gain: Proportional gain, in log target per unit of error, >= 0: ``1 / a`` for an
+            excess that grows as ``KL^a`` with ``a`` about 1 (docs/budget.md).
+        rate: Integral gain, in log target per batch per unit of error, > 0: ``gain / tau``
+            with ``tau = 80`` batches, the time the held-out perplexity takes to follow the
+            KL (docs/budget.md).
         max_step: Largest change of ``log target`` per evaluation, > 0 (0.2: x 1.22).
         min_target: Floor of the target (in the controller's unit), > 0.
         max_target: Ceiling of the target, > ``min_target``.
@@ -118,6 +126,7 @@ class CapabilityBudget(Callback):
         monitor: str = keys.PERPLEXITY,
         reference_key: str | None = keys.PERPLEXITY_REF,
         mode: str = "min",
+        gain: float = 1.0,
         rate: float = 0.0125,
         max_step: float = 0.2,
         min_target: float = 0.1,
@@ -141,6 +150,13 @@ class CapabilityBudget(Callback):
         self.monitor = monitor
         self.reference_key = reference_key
         self.mode = mode
+        if (
+            isinstance(gain, bool)
+            or not isinstance(gain, (int, float))
+            or not (0.0 <= gain < math.inf)
+        ):
+            raise ValueError(f"{owner}: `gain` must be a finite number >= 0, got {gain!r}")
+        self.gain = float(gain)
         self.rate = _number(owner, "rate", rate, 0.0)
         self.max_step = _number(owner, "max_step", max_step, 0.0)
         self.min_target = _number(owner, "min_target", min_target, 0.0)
@@ -156,6 +172,7 @@ class CapabilityBudget(Callback):
         self.log_key = log_key
         self._sign = 1.0 if mode == "min" else -1.0
         self.target: float | None = None  # set at set-up from the controller, or restored
+        self.integral: float | None = None  # z, in log target
         self.reference: float | None = None if reference_key is not None else 1.0
         self.ratio = math.nan  # the last measured m / m_ref
         self.n_evaluations = 0
@@ -206,6 +223,7 @@ class CapabilityBudget(Callback):
         ]
         if self.target is None:
             self.target = min(max(controller.target, self.min_target), self.max_target)
+            self.integral = math.log(self.target)
         rank_zero_info(
             f"{owner}: steers the KL target ({controller.unit}) from {self.target:.4g} within "
             f"[{self.min_target:g}, {self.max_target:g}] so that {self.monitor!r} stays at "
@@ -279,12 +297,17 @@ class CapabilityBudget(Callback):
         self.ratio = metric / reference
         excess = self._sign * math.log(self.ratio)
         error = budget_error(excess, self.budget_excess, self.error_floor)
-        step = min(max(-self.rate * batches * error, -self.max_step), self.max_step)
+        step = -self.rate * batches * error
         if step > 0 and not (kl_mean >= self.follow * self.target):
-            step = 0.0  # the KL has not reached the target: raising it would wind up
+            step = 0.0  # the KL has not reached the target: integrating would wind up
             self.n_held += 1
-        log_target = math.log(self.target) + step
-        self.target = min(max(math.exp(log_target), self.min_target), self.max_target)
+        lo, hi = math.log(self.min_target), math.log(self.max_target)
+        z = math.log(self.target) if self.integral is None else self.integral
+        self.integral = min(max(z + step, lo), hi)
+        now = math.log(self.target)
+        u = self.integral - self.gain * error
+        u = min(max(u, now - self.max_step), now + self.max_step)
+        self.target = min(max(math.exp(u), self.min_target), self.max_target)
         return self.target
 
     def _read(self, trainer: pl.Trainer, key: str | None) -> float:
@@ -305,6 +328,7 @@ class CapabilityBudget(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "target": self.target,
+            "integral": self.integral,
             "reference": self.reference,
             "ratio": self.ratio,
             "n_evaluations": self.n_evaluations,
@@ -320,6 +344,8 @@ class CapabilityBudget(Callback):
         target = state_dict.get("target")
         if target is not None:
             self.target = min(max(float(target), self.min_target), self.max_target)
+        integral = state_dict.get("integral")
+        self.integral = math.log(self.target) if integral is None else float(integral)
         if self.reference_key is not None:
             self.reference = state_dict.get("reference")
         self.ratio = float(state_dict.get("ratio", math.nan))
