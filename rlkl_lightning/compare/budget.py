@@ -5,6 +5,8 @@ Every run is summarised over the **last third** of its batches (the cascade's se
 - ``score``, ``gold``, ``kl``, ``target``: mean ``objective/score``, ``objective/gold_score``,
   ``objective/kl`` and the KL target (``objective/kl_target`` where a budget moves it, else
   ``kl_monitor/target``) over those batches;
+- ``diverged``: the settled KL above ``DIVERGED`` (5) times the target; such a run is left
+  out of the frontier;
 - ``test_ratio``, ``val_ratio``: mean over the validations in them of ``test/perplexity``
   (``val/perplexity``) divided by the *first* ``test/perplexity_ref`` (``val/perplexity_ref``):
   the held-out perplexity against the initial reference's, on the test split that nothing
@@ -44,6 +46,9 @@ SETTLED_FRACTION = 1 / 3
 EXCESS_TOLERANCE = 0.2
 #: A budget group may lie this far below the frontier beyond its 2 standard errors.
 GAP_MARGIN = 0.02
+#: A run whose settled KL exceeds this many times its target diverged: it is listed, flagged,
+#: and left out of the frontier (a policy that collapsed is no point of a trade-off).
+DIVERGED = 5.0
 
 
 def run_budget(run: Run) -> float | None:
@@ -131,7 +136,13 @@ def write_budget_report(runs: list[Run], study: StudyConfig, out: Path, elapsed:
                 **numbers,
             }
         )
-    fixed = [r for r in rows if r["budget"] is None and r["test_ratio"] is not None]
+    for r in rows:
+        r["diverged"] = bool(
+            r["kl"] is not None and r["target"] is not None and r["kl"] > DIVERGED * r["target"]
+        )
+    fixed = [
+        r for r in rows if r["budget"] is None and r["test_ratio"] is not None and not r["diverged"]
+    ]
     frontier = None
     if len(fixed) >= 3:
         frontier = fit_frontier([r["test_ratio"] for r in fixed], [r["score"] for r in fixed])
@@ -215,8 +226,10 @@ def _markdown(summary: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["runs"]:
+        flag = " (diverged: left out of the frontier)" if r["diverged"] else ""
         lines.append(
-            f"| {r['group']} | {r['seed']} | {_f(r['budget'], 'g') if r['budget'] else '-'} | "
+            f"| {r['group']}{flag} | {r['seed']} | "
+            f"{_f(r['budget'], 'g') if r['budget'] else '-'} | "
             f"{_f(r['target'], '.2f')} | {_f(r['kl'], '.2f')} | {_f(r['test_ratio'])} | "
             f"{_f(r['val_ratio'])} | {_f(r['score'])} | {_f(r['gold'])} |"
         )
