@@ -265,12 +265,16 @@ def _markdown(summary: dict[str, Any]) -> list[str]:
 
 
 def plot_budget(rows: list[dict[str, Any]], frontier: Any, out: Path) -> None:
-    """``frontier.png`` (score and gold against test ratio) and ``curves.png`` (the cascade)."""
+    """``frontier.png`` (score and gold against test ratio) and ``curves.png`` (the cascade).
+
+    Diverged runs are left off both (the report's table lists them).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if not r.get("diverged")]  # listed in the report, off the axes
     groups = list(dict.fromkeys(r["group"] for r in rows))
     colors = {g: plt.cm.tab10(i % 10) for i, g in enumerate(groups)}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
