@@ -12,6 +12,7 @@ from importlib import import_module
 from typing import Any
 
 _LAZY = {
+    "CapabilityBudget": "rlkl_lightning.kl.capability_budget",
     "AdaptiveKLController": "rlkl_lightning.kl.controllers",
     "ExponentialKLController": "rlkl_lightning.kl.controllers",
     "FixedKLController": "rlkl_lightning.kl.controllers",

@@ -9,6 +9,7 @@ callback of a module of one's own reads ``KL`` (or ``KL_PER_TOKEN``) from
 KL = "objective/kl"  #: nats per sequence: the controller's input (unit "sequence")
 KL_PER_TOKEN = "objective/kl_per_token"  #: nats per response token (unit "token")
 KL_COEF = "objective/kl_coef"  #: beta, as the controller callback set it
+KL_TARGET = "objective/kl_target"  #: the KL target, as a CapabilityBudget moves it
 SCORE = "objective/score"
 GOLD_SCORE = "objective/gold_score"
 NON_SCORE_REWARD = "objective/non_score_reward"
@@ -54,6 +55,9 @@ SKIPPED_BATCHES = "progress/skipped_batches"
 SAMPLES_AT_VAL = "progress/samples_at_val"
 PERPLEXITY = "val/perplexity"
 PERPLEXITY_REF = "val/perplexity_ref"
+TEST_PERPLEXITY = "test/perplexity"  #: on the data module's test texts, which nothing steers on
+TEST_PERPLEXITY_REF = "test/perplexity_ref"
+BUDGET_RATIO = "budget/ratio"  #: a CapabilityBudget's last measured metric / reference's
 VAL_LOSS = "val/loss"  #: the world's SFT
 
 # The drift monitor.

@@ -210,6 +210,7 @@ class RLPipeline(LightningModule):
         #: Log ``reference/refreshes`` (a ``ReferenceRefresh`` callback turns it on).
         self.log_reference_refreshes = False
         self.heldout = HeldoutPerplexity()
+        self.heldout_test = HeldoutPerplexity()  # a data module's second loader: test text
         #: The rollout engine other than the native loop (built on the first rollout).
         self._rollout_engine = None
         self._engine_owner = next(_modules)
@@ -341,6 +342,7 @@ class RLPipeline(LightningModule):
         self.last_refresh_batch = self.batches_seen
         self._weights_version += 1  # LoRA: the base weights moved (the policy did not)
         self.heldout.reference_perplexity = None
+        self.heldout_test.reference_perplexity = None
 
     # ------------------------------------------------------------------ the pipeline
     @override
@@ -757,23 +759,39 @@ class RLPipeline(LightningModule):
 
     # ------------------------------------------------------------------ validation
     @override
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Accumulate held-out perplexity of the policy (and of the reference, once)."""
+    def validation_step(
+        self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        """Accumulate held-out perplexity of the policy (and of the reference, once).
+
+        A second validation loader (a data module's test text) has sums of its own.
+        """
         max_length = context_of(self.policy) or 1024
         ids, mask = encode_texts(self.tokenizer, list(batch["text"]), max_length)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        self.heldout.update(self.policy, self.reference, ids, mask, self.trainer.sanity_checking)
+        heldout = self.heldout_test if dataloader_idx == 1 else self.heldout
+        heldout.update(self.policy, self.reference, ids, mask, self.trainer.sanity_checking)
 
     @override
     def on_validation_epoch_end(self) -> None:
-        """Log ``val/perplexity`` and ``val/perplexity_ref`` (the reference's is computed once)."""
-        result = self.heldout.compute(self.trainer.sanity_checking)
+        """Log ``val/perplexity`` and ``val/perplexity_ref`` (the reference's is computed once).
+
+        With a second loader also ``test/perplexity`` and ``test/perplexity_ref``.
+        """
+        sanity = self.trainer.sanity_checking
+        result = self.heldout.compute(sanity)
+        tested = int(self.heldout_test.policy_nll.n_tokens) > 0
+        test = self.heldout_test.compute(sanity) if tested else None  # resets its sums too
         if result is None:
             return
         policy_ppl, reference_ppl = result
         self.log(keys.PERPLEXITY, policy_ppl, on_epoch=True)
         self.log(keys.PERPLEXITY_REF, torch.tensor(reference_ppl), on_epoch=True)
         self.log(keys.SAMPLES_AT_VAL, torch.tensor(float(self.samples_seen)), on_epoch=True)
+        if test is not None:
+            policy_ppl, reference_ppl = test
+            self.log(keys.TEST_PERPLEXITY, policy_ppl, on_epoch=True)
+            self.log(keys.TEST_PERPLEXITY_REF, torch.tensor(reference_ppl), on_epoch=True)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -791,6 +809,7 @@ class RLPipeline(LightningModule):
         checkpoint["rlkl_counters"] = {
             **{name: getattr(self, name) for name in COUNTERS},
             "reference_perplexity": self.heldout.reference_perplexity,
+            "test_reference_perplexity": self.heldout_test.reference_perplexity,
         }
         checkpoint["rlkl_rng"] = rng_states(self._trainer, self.device)
 
@@ -805,6 +824,7 @@ class RLPipeline(LightningModule):
         for name in COUNTERS:
             setattr(self, name, int(counters.get(name, 0)))
         self.heldout.reference_perplexity = counters.get("reference_perplexity")
+        self.heldout_test.reference_perplexity = counters.get("test_reference_perplexity")
         self._weights_version += 1  # the rollout engine gets the loaded weights
         self._rng_to_restore = checkpoint.get("rlkl_rng")
 

@@ -4,8 +4,9 @@
 checkpoint, the options of the run that change what it trains on and how: the KL group (law,
 target, unit, horizon, gains, bounds, monitor band), the model (its class and every argument
 except logging ones), the data (the prompts, the batch size, the order), the precision and the
-callbacks that change the weights or the reference (``ReferenceRefresh``: ``every``,
-``alpha``, ...). A
+callbacks that change the weights, the reference or the target (``ReferenceRefresh``: ``every``,
+``alpha``, ...; ``CapabilityBudget``: ``budget``, its gains and bounds, and with it the held-out
+text it steers on). A
 resume whose settings differ is refused with the differences listed, before any callback state
 is restored; with ``--resume_with_changes true`` the callbacks' states are
 carried over (the controller keeps its beta under the new target, the drift monitor its window)
@@ -35,6 +36,9 @@ NOT_TRAJECTORY = frozenset(
         "data.init_args.heldout_split",
         "data.init_args.heldout_words",
         "data.init_args.num_heldout",
+        "data.init_args.test_heldout",
+        "data.init_args.test_split",
+        "data.init_args.num_test",
         "data.init_args.val_batch_size",
         "data.init_args.num_workers",
         "kl.strict",
@@ -44,38 +48,46 @@ NOT_TRAJECTORY = frozenset(
 GROUPS = ("model", "data", "kl")
 # Callbacks (by class name) that change the trajectory: compared as
 # `trainer.callbacks.ReferenceRefresh.init_args.every`. The key `trainer.callbacks` lists them.
-TRAJECTORY_CALLBACKS = ("ReferenceRefresh",)
+TRAJECTORY_CALLBACKS = ("ReferenceRefresh", "CapabilityBudget")
 CALLBACKS_KEY = "trainer.callbacks"
+#: With a ``CapabilityBudget`` the held-out text is what it steers on: it shapes the trajectory.
+STEERED = frozenset(
+    f"data.init_args.{name}"
+    for name in ("heldout", "heldout_column", "heldout_split", "heldout_words", "num_heldout")
+)
 
 
-def _kept(key: str) -> bool:
+def _kept(key: str, steered: bool = False) -> bool:
     """Whether option ``key`` (``"model.init_args.sampling.top_p"``) shapes the trajectory."""
-    return key not in NOT_TRAJECTORY and not any(
-        key.startswith(f"{skip}.") for skip in NOT_TRAJECTORY
-    )
+    skipped = NOT_TRAJECTORY - STEERED if steered else NOT_TRAJECTORY
+    return key not in skipped and not any(key.startswith(f"{skip}.") for skip in skipped)
 
 
-def _flatten(value: Any, prefix: str, out: dict[str, str]) -> None:
+def _flatten(value: Any, prefix: str, out: dict[str, str], steered: bool = False) -> None:
     """``{"model.init_args.lr": "0.0001", ...}``: nested config values as comparable text."""
     if hasattr(value, "as_dict"):  # a jsonargparse Namespace
         value = value.as_dict()
     if isinstance(value, dict) and value:
         for key, item in value.items():
-            _flatten(item, f"{prefix}.{key}", out)
-    elif _kept(prefix):
+            _flatten(item, f"{prefix}.{key}", out, steered)
+    elif _kept(prefix, steered):
         out[prefix] = repr(value)
 
 
 def trajectory_settings(config: Any) -> dict[str, str]:
     """The options of a parsed ``fit`` config that shape the trajectory, as text."""
     out: dict[str, str] = {}
-    for group in GROUPS:
-        _flatten(config.get(group), group, out)
     trainer = config.get("trainer")
-    out["trainer.precision"] = repr(trainer.get("precision") if trainer is not None else None)
     callbacks = (trainer.get("callbacks") if trainer is not None else None) or []
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    steered = any(
+        str(getattr(c, "class_path", "")).endswith(".CapabilityBudget") for c in callbacks
+    )
+    for group in GROUPS:
+        _flatten(config.get(group), group, out, steered)
+    out["trainer.precision"] = repr(trainer.get("precision") if trainer is not None else None)
     names = []
-    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+    for callback in callbacks:
         name = str(getattr(callback, "class_path", "")).rpartition(".")[2]
         if name not in TRAJECTORY_CALLBACKS:
             continue
@@ -98,6 +110,7 @@ def nested_settings(saved: dict[str, str]) -> dict[str, str]:
     from rlkl_lightning.algorithms.options import ADDED_GROUPS, FLAT_KEYS, MODULE_GROUPS
 
     prefix = "model.init_args."
+    steered = "CapabilityBudget" in saved.get(CALLBACKS_KEY, "")
     out = {}
     for group in ADDED_GROUPS:  # a checkpoint from before the group ran with its defaults
         if not any(key.startswith(f"{prefix}{group}.") for key in saved):
@@ -109,7 +122,7 @@ def nested_settings(saved: dict[str, str]) -> dict[str, str]:
             place = FLAT_KEYS.get(name)
             if place is not None and not place.startswith(f"{name}."):
                 key = f"{prefix}{place}{dot}{rest}"
-        if _kept(key):
+        if _kept(key, steered):
             out[key] = value
     return out
 

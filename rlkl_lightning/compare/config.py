@@ -15,8 +15,9 @@ class StudyConfig:
         runs: Run name (a controller, an algorithm) -> the ``train.py`` config of its run
             (paths relative to the working directory), or ``{config: PATH, overrides: {...}}``
             to merge settings into that config for this run only (after the study's
-            ``overrides``). The report compares ``adaptive`` with ``fixed`` when both exist, and
-            every other run with the first; the default pair is fair: the fixed beta is the
+            ``overrides``); ``seeds: N`` in that form runs it on the first ``N`` seeds only.
+            The report compares ``adaptive`` with ``fixed`` when both exist, and every other
+            run with the first; the default pair is fair: the fixed beta is the
             adaptive controller's initial one.
         seeds: Seeds per controller: ``0 .. seeds-1``, the same for every controller (the seed
             of ``seed_everything`` and of the prompt order).
@@ -37,9 +38,13 @@ class StudyConfig:
         world: A world directory made by ``python -m rlkl_lightning.world --texts FILES``:
             every run trains its model on that world's prompts and held-out text (its
             ``study.yaml``, merged after ``overrides``); ``None``: the runs' own settings.
-        report: ``default`` (curves, KL tracking, the comparison of runs) or ``exact`` (the
+        world_overrides: Settings merged into every run's config after the ``world``'s
+            ``study.yaml`` (a value starting with ``./`` is a path in the world's directory),
+            e.g. which of its splits a run validates on; ignored without ``world``.
+        report: ``default`` (curves, KL tracking, the comparison of runs), ``exact`` (the
             exact world's distances to the optimum and to the frontier,
-            :mod:`rlkl_lightning.compare.exact`).
+            :mod:`rlkl_lightning.compare.exact`) or ``budget`` (capability budgets beside
+            fixed targets, :mod:`rlkl_lightning.compare.budget`).
         quick_settings: Settings used instead with ``--quick`` (a short check of the whole
             pipeline): any of ``runs`` (a shorter list), ``seeds``, ``batches``,
             ``val_every``, ``sweep_kl_coefs``, ``sweep_seeds``, ``workers``, and ``overrides``
@@ -62,6 +67,7 @@ class StudyConfig:
     out: str = "study"
     overrides: dict[str, Any] = field(default_factory=dict)
     world: str | None = None
+    world_overrides: dict[str, Any] = field(default_factory=dict)
     report: str = "default"
     quick_settings: dict[str, Any] = field(default_factory=dict)
 
@@ -102,7 +108,7 @@ class StudyConfig:
         return replace(self, **settings, overrides=overrides, quick_settings={})
 
 
-REPORTS = ("default", "exact")
+REPORTS = ("default", "exact", "budget")
 
 
 def run_entry(name: str, entry: str | dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -113,17 +119,26 @@ def run_entry(name: str, entry: str | dict[str, Any]) -> tuple[str, dict[str, An
     """
     if isinstance(entry, str):
         return entry, {}
+    seeds = entry.get("seeds", 1) if isinstance(entry, dict) else 1
     if (
         isinstance(entry, dict)
         and isinstance(entry.get("config"), str)
-        and set(entry) <= {"config", "overrides"}
+        and set(entry) <= {"config", "overrides", "seeds"}
         and isinstance(entry.get("overrides", {}), dict)
+        and isinstance(seeds, int)
+        and not isinstance(seeds, bool)
+        and seeds >= 1
     ):
         return entry["config"], entry.get("overrides", {})
     raise ValueError(
-        f"compare: `runs.{name}` must be a config path or {{config: PATH, overrides: {{...}}}}, "
-        f"got {entry!r}"
+        f"compare: `runs.{name}` must be a config path or {{config: PATH, overrides: {{...}}, "
+        f"seeds: N >= 1}}, got {entry!r}"
     )
+
+
+def run_seeds(entry: str | dict[str, Any], seeds: int) -> int:
+    """How many of the study's ``seeds`` a ``runs`` entry runs on (its ``seeds``, at most all)."""
+    return min(entry.get("seeds", seeds), seeds) if isinstance(entry, dict) else seeds
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import yaml
 from lightning.pytorch import Callback
 from typing_extensions import override
 
-from rlkl_lightning.compare.config import merge, run_entry
+from rlkl_lightning.compare.config import merge, run_entry, run_seeds
 from rlkl_lightning.defaults import default_of
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
     """Write the derived config of every run; seeds outermost, so early results are balanced."""
     from rlkl_lightning.world.custom import study_overrides, without_replaced_options
 
-    world = study_overrides(study.world) if study.world else None
+    world = study_overrides(study.world, extra=study.world_overrides) if study.world else None
     bases = {}
     for group, entry in study.runs.items():
         path, own = run_entry(group, entry)
@@ -158,7 +158,11 @@ def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
             bases[group] = merge(without_replaced_options(bases[group]), world)
     plan: list[tuple[str, int, dict[str, Any]]] = []
     for seed in range(study.seeds):
-        plan += [(group, seed, base) for group, base in bases.items()]
+        plan += [
+            (group, seed, base)
+            for group, base in bases.items()
+            if seed < run_seeds(study.runs[group], study.seeds)
+        ]
     if study.sweep_kl_coefs:
         fixed_beta = float(init_arg(bases["fixed"], "model", "kl.init_coef"))
         for beta in study.sweep_kl_coefs:

@@ -56,6 +56,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary = write_exact_report(runs, study, out, elapsed=time.perf_counter() - start)
         print(f"study written to {out}/: frontier.png, report.md, summary.json")
         return summary
+    if study.report == "budget":
+        from rlkl_lightning.compare.budget import write_budget_report
+
+        run_all(runs, study)
+        summary = write_budget_report(runs, study, out, elapsed=time.perf_counter() - start)
+        print(f"study written to {out}/: frontier.png, curves.png, report.md, summary.json")
+        return summary
     run_all(runs, study)
     summary = write_report(runs, study, out, elapsed=time.perf_counter() - start)
     print(f"study written to {out}/: curves.png, report.md, summary.json")

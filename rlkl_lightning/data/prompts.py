@@ -10,7 +10,9 @@ message), written out through the tokenizer's chat template with the assistant's
 so an instruct model answers it.
 
 Training batches are ``{"prompt": list[str]}``, validation batches
-``{"text": list[str]}``. Under DDP the training loader deals the prompts of one shared
+``{"text": list[str]}``: from the held-out text (``val/perplexity``) and, with ``test_heldout``,
+from a second loader of test text (``test/perplexity``), which a run may report without
+steering on it. Under DDP the training loader deals the prompts of one shared
 order to the ranks itself (:class:`~rlkl_lightning.data.samplers.RankShardSampler`); validation
 batches are sharded by Lightning's ``DistributedSampler``.
 """
@@ -42,7 +44,10 @@ class PromptDataModule(LightningDataModule):
     """Prompts for PPO rollouts and held-out text for perplexity.
 
     Args:
-        prompts: ``"default"`` (openings of the default world's held-out reviews),
+        prompts: ``"default"`` (openings of the default world's held-out reviews, its test
+            split), ``"default:SPLIT"`` (the whole texts of its ``train``, ``validation`` or
+            ``test`` split: with ``prompt_words``, their openings; the same form serves
+            ``heldout`` and ``test_heldout``),
             local file(s) (.txt/.csv/.tsv/.json/.jsonl/.parquet), a local dataset
             directory, or a hub dataset name such as ``"imdb"``.
         prompt_column: Column holding the prompt text.
@@ -50,8 +55,8 @@ class PromptDataModule(LightningDataModule):
         prompt_words: If set, cut every prompt to its first ``prompt_words`` words
             (makes openings from full texts such as IMDB reviews).
         heldout: Held-out text for validation perplexity, same forms as ``prompts``
-            (``"default"``: the default world's held-out reviews); ``None`` disables
-            validation.
+            (``"default"``: the default world's held-out reviews, its test split);
+            ``None`` disables validation.
         heldout_column: Column holding the held-out text.
         heldout_split: Split of a hub dataset or directory for held-out text.
         heldout_words: If set, cut held-out texts to their first ``heldout_words`` words.
@@ -59,6 +64,12 @@ class PromptDataModule(LightningDataModule):
         val_batch_size: Held-out texts per validation batch; ``None``: ``batch_size``.
         num_prompts: Keep at most this many prompts (a seeded random subset).
         num_heldout: Keep at most this many held-out texts (a seeded random subset).
+        test_heldout: Test text, same forms as ``heldout`` (column ``heldout_column``), whose
+            perplexity is logged as ``test/perplexity`` at every validation, as a second
+            validation loader; steer on ``val/perplexity`` and report this one, which nothing
+            steers on. ``None``: none.
+        test_split: Split of ``test_heldout`` (as ``heldout_split``).
+        num_test: Keep at most this many test texts (a seeded random subset).
         seed: Seed of the subsets and of the shuffle.
         shuffle: Shuffle the prompts every epoch.
         num_workers: DataLoader worker processes.
@@ -85,6 +96,9 @@ class PromptDataModule(LightningDataModule):
         val_batch_size: int | None = None,
         num_prompts: int | None = None,
         num_heldout: int | None = 256,
+        test_heldout: str | list[str] | None = None,
+        test_split: str = "test",
+        num_test: int | None = 256,
         seed: int = 0,
         shuffle: bool = True,
         num_workers: int = 0,
@@ -99,6 +113,7 @@ class PromptDataModule(LightningDataModule):
             ("val_batch_size", val_batch_size),
             ("num_prompts", num_prompts),
             ("num_heldout", num_heldout),
+            ("num_test", num_test),
             ("prompt_words", prompt_words),
             ("heldout_words", heldout_words),
         ):
@@ -118,9 +133,12 @@ class PromptDataModule(LightningDataModule):
         self.world = world
         self.prompt_dataset: datasets.Dataset | None = None
         self.heldout_dataset: datasets.Dataset | None = None
+        self.test_dataset: datasets.Dataset | None = None
 
     def _uses_world(self) -> bool:
-        return self.hparams.prompts == "default" or self.hparams.heldout == "default"
+        hp = self.hparams
+        sources = (hp.prompts, hp.heldout, hp.test_heldout)
+        return any(isinstance(s, str) and s.partition(":")[0] == "default" for s in sources)
 
     @override
     def prepare_data(self) -> None:
@@ -148,6 +166,10 @@ class PromptDataModule(LightningDataModule):
             prompts = load_texts(
                 str(world.prompts_file), hp.prompt_column, column_option="prompt_column", keep=keep
             )
+        elif (split_file := _world_split(world, hp.prompts, "prompts")) is not None:
+            prompts = load_texts(
+                split_file, hp.prompt_column, column_option="prompt_column", keep=keep
+            )
         else:
             prompts = load_texts(hp.prompts, hp.prompt_column, split=hp.prompt_split, keep=keep)
         prompts = self._subset(prompts, hp.num_prompts, hp.prompt_words, salt=0)
@@ -156,16 +178,25 @@ class PromptDataModule(LightningDataModule):
         self.prompt_dataset = _as_dataset("prompt", prompts)
         if hp.heldout is None:
             return
-        source = str(world.splits["test"]) if hp.heldout == "default" else hp.heldout
-        heldout = load_texts(
-            source,
-            hp.heldout_column,
-            split=hp.heldout_split,
-            source_option="heldout",
-            column_option="heldout_column",
-        )
+        heldout = self._heldout_texts(world, hp.heldout, hp.heldout_split, "heldout")
         heldout = self._subset(heldout, hp.num_heldout, hp.heldout_words, salt=1)
         self.heldout_dataset = _as_dataset("text", heldout)
+        if hp.test_heldout is not None:
+            test = self._heldout_texts(world, hp.test_heldout, hp.test_split, "test_heldout")
+            test = self._subset(test, hp.num_test, hp.heldout_words, salt=2)
+            self.test_dataset = _as_dataset("text", test)
+
+    def _heldout_texts(self, world, source, split: str, option: str) -> list[str]:
+        """The texts of a held-out source (``"default"``: the default world's test split)."""
+        source = "default:test" if source == "default" else source
+        source = _world_split(world, source, option) or source
+        return load_texts(
+            source,
+            self.hparams.heldout_column,
+            split=split,
+            source_option=option,
+            column_option="heldout_column",
+        )
 
     def _chat_tokenizer(self):
         if self.hparams.chat_tokenizer is not None:
@@ -233,14 +264,22 @@ class PromptDataModule(LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader | list:
-        """Batches ``{"text": list[str]}``; an empty list if ``heldout`` is None."""
+        """Batches ``{"text": list[str]}``; an empty list if ``heldout`` is None.
+
+        With ``test_heldout`` a list of two loaders: the held-out text, then the test text.
+        """
         if self.hparams.heldout is None:
             return []
         self._require("heldout_dataset", "val_dataloader")
+        if self.test_dataset is None:
+            return self._text_loader(self.heldout_dataset)
+        return [self._text_loader(self.heldout_dataset), self._text_loader(self.test_dataset)]
+
+    def _text_loader(self, dataset) -> DataLoader:
         import torch
 
         return DataLoader(
-            self.heldout_dataset,
+            dataset,
             batch_size=self.hparams.val_batch_size or self.hparams.batch_size,
             shuffle=False,
             generator=torch.Generator().manual_seed(self.hparams.seed),
@@ -282,6 +321,20 @@ def chat_prompts(prompts: list[str], tokenizer, system_prompt: str | None = None
             text = text[len(bos) :]
         out.append(text)
     return out
+
+
+def _world_split(world, source, option: str) -> str | None:
+    """The file of the default world's split a ``"default:SPLIT"`` source names, else None."""
+    if not (isinstance(source, str) and source.startswith("default:")):
+        return None
+    split = source.partition(":")[2]
+    if split not in world.splits:
+        allowed = tuple(f"default:{name}" for name in world.splits)
+        raise ValueError(
+            f"PromptDataModule: `{option}` names a split of the default world: one of "
+            f"{allowed} (or `default`), got {source!r}"
+        )
+    return str(world.splits[split])
 
 
 def _as_dataset(column: str, texts: list[str]) -> datasets.Dataset:

@@ -74,6 +74,19 @@ class KLControllerCallback(KLCallbackBase):
     The controller state and the counters are saved in checkpoints, so a resumed fit continues
     the same beta trajectory.
 
+    The target is public state: another callback (a
+    :class:`~rlkl_lightning.kl.capability_budget.CapabilityBudget`) may move it with
+    :meth:`set_target` (or ``callback.target = x``). The change takes effect at the next
+    update of the law, i.e. with the KL of the next training batch that has a usable one and
+    is not held after a refresh; beta stays as it is until then. What the law's state does on
+    the step is the law's own rule (:meth:`~rlkl_lightning.kl.controllers.KLController`
+    laws' ``set_target``: adaptive and exponential keep beta, PI keeps its integral, log-PID
+    shifts its smoothed log error by the step's log). The fixed law has no target and refuses.
+    The current target is saved in checkpoints and restored with the law's state; a resume
+    whose ``target`` argument differs from the run's first (``--resume_with_changes``) steps
+    from the saved target to the new one by the same rule. ``kl_sum`` and ``kl_count`` (the
+    usable KLs seen and their number) let an outer loop average the KL over a span of batches.
+
     After the first batch with a finite KL, a controller ``target`` that looks like the other
     unit (:func:`check_target_unit`, e.g. 0.05 "per sequence" with 30-token responses) warns.
 
@@ -168,6 +181,9 @@ class KLControllerCallback(KLCallbackBase):
         self.n_negative = 0
         self.hold_after_refresh = hold_after_refresh
         self.held = 0  # batches still to hold beta after the last refresh
+        self.initial_target = self.target  # the `target` this run was configured with
+        self.kl_sum = 0.0  # of the usable batch KLs seen (held ones too), for outer loops
+        self.kl_count = 0
 
     @property
     @override
@@ -179,6 +195,36 @@ class KLControllerCallback(KLCallbackBase):
         """The controller's target KL (in ``unit``), or None for a law without one."""
         target = getattr(self.controller, "target", None)
         return float(target) if isinstance(target, (int, float)) else None
+
+    @target.setter
+    def target(self, value: float) -> None:
+        self.set_target(value)
+
+    def set_target(self, target: float) -> None:
+        """Move the controller's target to ``target`` (in ``unit``) from the next update on.
+
+        Raises:
+            ValueError: If the law has no target (the fixed law) or ``target`` is not a finite
+                number > 0; nothing changes then.
+        """
+        owner = f"{type(self).__name__}.set_target"
+        setter = getattr(self.controller, "set_target", None)
+        if callable(setter):
+            setter(target)
+            return
+        if self.target is None:
+            raise ValueError(
+                f"{owner}: the controller {type(self.controller).__name__} has no `target` to "
+                "move; use a law with a target: `kl.controller` one of adaptive, exponential, "
+                "pi, logpid"
+            )
+        if (
+            isinstance(target, bool)
+            or not isinstance(target, (int, float))
+            or not (0 < target < float("inf"))
+        ):
+            raise ValueError(f"{owner}: `target` must be a finite number > 0, got {target!r}")
+        self.controller.target = float(target)  # a plugged law without set_target: kept state
 
     @property
     def value(self) -> float:
@@ -227,6 +273,8 @@ class KLControllerCallback(KLCallbackBase):
                     "batches are counted in `n_negative` without a warning.",
                     category=RuntimeWarning,
                 )
+        self.kl_sum += kl
+        self.kl_count += 1
         if self.held > 0:
             self.held -= 1  # the KL against a freshly refreshed reference: beta holds
             return
@@ -268,12 +316,28 @@ class KLControllerCallback(KLCallbackBase):
             "controller": self.controller.state_dict(),
             "n_negative": self.n_negative,
             "held": self.held,
+            "target": self.target,
+            "initial_target": self.initial_target,
+            "kl_sum": self.kl_sum,
+            "kl_count": self.kl_count,
             **super().state_dict(),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("target")
+        if saved is not None and self.target is not None:
+            # The law's state was saved under this target: put it back before the state.
+            self.controller.target = float(saved)
         self.controller.load_state_dict(state_dict["controller"])
+        if (
+            saved is not None
+            and self.initial_target is not None
+            and state_dict.get("initial_target", saved) != self.initial_target
+        ):
+            self.set_target(self.initial_target)  # a changed `target` on resume: a step to it
         self.n_negative = state_dict.get("n_negative", 0)
         self.held = state_dict.get("held", 0)
+        self.kl_sum = float(state_dict.get("kl_sum", 0.0))
+        self.kl_count = int(state_dict.get("kl_count", 0))
         super().load_state_dict(state_dict)

@@ -21,6 +21,10 @@ Every controller follows the :class:`KLController` protocol and these common rul
   ``load_state_dict`` checks the law and gives a field missing from an older state its start
   value, so states written by older versions still load.
   Parameters (target, gains, ...) come from the constructor.
+* ``set_target(target)`` moves the target of a law that has one (every law but the fixed
+  one, which raises): beta is not touched, and the change takes effect at the next
+  ``update``. What each law's state does on the step is in :meth:`_BaseKLController.set_target`
+  and the law's ``_on_target_step``; the law's docstring says it.
 
 Invalid parameters raise :class:`ValueError` at construction, naming the option and its
 allowed range.
@@ -198,6 +202,32 @@ class _BaseKLController:
             self._beta = self._clamp(self._step(kl, n))
         return self._beta
 
+    def set_target(self, target: float) -> None:
+        """Move the target KL to ``target`` (in the unit of :meth:`update`'s KL).
+
+        Beta is not changed here: the next :meth:`update` measures its error against the new
+        target. The law's own state is carried over as :meth:`_on_target_step` says (by
+        default it is kept as it is); a non-finite or non-positive target raises and changes
+        nothing.
+
+        Raises:
+            ValueError: For a law without a target (the fixed law), or a target that is not a
+                finite number > 0.
+        """
+        owner = f"{type(self).__name__}.set_target"
+        if not hasattr(self, "target"):
+            raise ValueError(
+                f"{owner}: the {self.law} law has no target to move (beta is constant); use a "
+                "law with a target: `kl.controller` one of adaptive, exponential, pi, logpid"
+            )
+        new = _finite(owner, "target", target, unit="nats")
+        old, self.target = self.target, new
+        if new != old:
+            self._on_target_step(old, new)
+
+    def _on_target_step(self, old: float, new: float) -> None:
+        """Carry the law's state over a step of the target from ``old`` to ``new`` (kept)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Return ``{"law": ..., "value": beta}`` plus the law's ``state_fields``."""
         return {"law": self.law, "value": self._beta, **self._state()}
@@ -269,6 +299,8 @@ class _BaseKLController:
 class FixedKLController(_BaseKLController):
     """A constant beta.
 
+    It has no target: :meth:`set_target` raises (a capability budget cannot steer it).
+
     Args:
         kl_coef: The KL coefficient beta, a finite number >= 0 (0: no KL penalty, the
             baseline without KL regularisation).
@@ -298,7 +330,9 @@ class AdaptiveKLController(_BaseKLController):
 
         beta <- beta * (1 + e * n_steps / horizon)
 
-    so beta moves by at most 20% per ``horizon`` samples. ``horizon`` is in samples and must
+    so beta moves by at most 20% per ``horizon`` samples. A step of the target
+    (:meth:`set_target`) leaves beta, the law's only state, as it is; the next update's error
+    is measured against the new target. ``horizon`` is in samples and must
     scale with the length of training: a run of 200 batches of 64 samples sees 12,800 samples,
     and Ziegler et al.'s horizon (the default) barely moves beta there. The factor stays
     positive only while ``n_steps < 5 * horizon``; a larger batch raises :class:`ValueError`
@@ -352,7 +386,8 @@ class ExponentialKLController(_BaseKLController):
 
     The exponent does **not** scale with ``n_steps``: ``k`` is a gain per update, in 1/(KL
     unit), so the rate of change per sample depends on the batch size. (``n_steps == 0`` still
-    means "no data" and leaves beta unchanged.) Use :class:`AdaptiveKLController` when the step
+    means "no data" and leaves beta unchanged.) A step of the target (:meth:`set_target`) leaves
+    beta, the law's only state, as it is. Use :class:`AdaptiveKLController` when the step
     should scale with the number of samples. The exponent is computed in log space, so a huge
     KL saturates at a bound instead of overflowing.
 
@@ -417,6 +452,11 @@ class PIKLController(_ClampedIntegral, _BaseKLController):
     sits at a bound: after any saturation, the first update whose error has the opposite sign
     moves beta strictly off the bound (``z`` moves back by ``ki * |e|`` and ``kp * e`` points
     inward). Gains are per update (once per training batch), not per sample.
+
+    A step of the target (:meth:`set_target`) keeps the integral ``z``: it holds the log-beta
+    the law has found so far, which the step does not make wrong. The next update's error is
+    measured against the new target, so beta then moves by ``kp`` times the error's change
+    (a proportional kick) and ``z`` goes on from where it was.
 
     Args:
         init_kl_coef: Initial beta, a finite number > 0 inside the bounds.
@@ -495,6 +535,13 @@ class LogPIDKLController(_ClampedIntegral, _BaseKLController):
     state. Gains are per update (once per training batch). docs/controllers.md ("The log-PID
     law") derives the defaults.
 
+    A step of the target from ``T`` to ``T'`` (:meth:`set_target`) shifts the smoothed log
+    error by ``-log(T' / T)`` once the law has started: ``m`` is a smoothed ``log kl`` minus
+    ``log T``, and the smoothing of ``log kl`` does not depend on the target, so the shift is
+    the value ``m`` would have had under ``T'`` all along (up to the floor). The trend ``d``
+    (of ``log kl``) and the integral ``z`` are kept, so no step of the target shows up as a
+    trend. Before the start, ``m`` stays at ``log(floor)``: a KL of 0 whatever the target.
+
     Args:
         init_kl_coef: Initial beta, a finite number > 0 inside the bounds.
         target: Target KL in the unit of the KL passed to :meth:`update`, finite and > 0.
@@ -569,6 +616,10 @@ class LogPIDKLController(_ClampedIntegral, _BaseKLController):
         if isinstance(state, Mapping) and state.get("started") is None and "log_error" in state:
             state = {**state, "started": 1.0}
         super().load_state_dict(state)
+
+    def _on_target_step(self, old: float, new: float) -> None:
+        if self.started:
+            self.log_error -= math.log(new / old)
 
     def _step(self, kl: float, n_steps: int) -> float:
         if not self.started:

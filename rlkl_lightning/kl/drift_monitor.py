@@ -54,6 +54,11 @@ class KLDriftMonitor(KLCallbackBase):
     warns; all are counted in ``n_skipped``). The window, state and counters are saved in
     checkpoints. Sanity checking is skipped.
 
+    The target is public: a :class:`~rlkl_lightning.kl.capability_budget.CapabilityBudget`
+    sets it whenever it moves the controller's, and the band follows from the next batch on
+    ("too high" and "too low" are judged against the target in force). The target in force is
+    saved in checkpoints and restored when the configured one is unchanged.
+
     Args:
         target: Target KL, in the unit given by ``unit``; must be positive and finite.
         window: Number of most recent batches averaged.
@@ -142,7 +147,8 @@ class KLDriftMonitor(KLCallbackBase):
                 f"{owner}: min_batches must be an int >= 1 (None: window + min(2 x window, "
                 f"{RISE_BATCHES})), got {min_batches!r}"
             )
-        self.target = float(target)
+        self.target = float(target)  # another callback (a CapabilityBudget) may move it
+        self.initial_target = self.target  # the configured one
         self.window = window
         self.high = float(high)
         self.low = float(low)
@@ -309,6 +315,7 @@ class KLDriftMonitor(KLCallbackBase):
             "n_warnings_low": self.n_warnings_low,
             "stopped_batch": self.stopped_batch,
             "target": self.target,
+            "initial_target": self.initial_target,
             "since_refresh": self.since_refresh,
             "low_armed": self.low_armed,
             **super().state_dict(),
@@ -316,14 +323,16 @@ class KLDriftMonitor(KLCallbackBase):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved_target = state_dict.get("target", self.target)
-        if saved_target != self.target:  # the CLI refuses this unless --resume_with_changes
+        saved_target = state_dict.get("initial_target", state_dict.get("target", self.target))
+        if saved_target != self.initial_target:  # the CLI refuses it without --resume_with_changes
             rank_zero_warn(
                 f"{type(self).__name__}: the checkpoint's target was {saved_target:g}, this "
                 f"monitor's is {self.target:g}: its window of KL values is carried over and "
                 f"judged against {self.target:g}",
                 category=RuntimeWarning,
             )
+        else:  # the same configuration: the target as it was, moved or not
+            self.target = float(state_dict.get("target", self.target))
         self.values = deque(state_dict.get("values", []), maxlen=self.window)
         self.state = state_dict.get("state", IN_BAND)
         self.n_warnings_high = state_dict.get("n_warnings_high", 0)

@@ -370,8 +370,10 @@ def open_world(directory: str | Path, where: str = "compare: `world`") -> World:
     )
 
 
-def study_overrides(directory: str | Path, where: str = "compare: `world`") -> dict[str, Any]:
-    """The world's ``study.yaml``, with ``./`` values made absolute paths in ``directory``.
+def study_overrides(
+    directory: str | Path, where: str = "compare: `world`", extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The world's ``study.yaml`` (``extra`` merged in), ``./`` values made paths in ``directory``.
 
     Raises:
         ValueError: Starting with ``where``, if ``directory`` is not a custom world.
@@ -389,7 +391,10 @@ def study_overrides(directory: str | Path, where: str = "compare: `world`") -> d
             return str((world.root / value[2:]).resolve())
         return value
 
-    overrides = resolve_paths(yaml.safe_load((world.root / STUDY_FILE).read_text()) or {})
+    from rlkl_lightning.compare.config import merge
+
+    own = yaml.safe_load((world.root / STUDY_FILE).read_text()) or {}
+    overrides = resolve_paths(merge(own, extra or {}))
     model = overrides.get("model") or {}
     if isinstance(model.get("init_args"), dict):  # a world built before the option groups
         model["init_args"] = nest_flat_options(model["init_args"])

@@ -73,7 +73,7 @@ def test_the_laws_keep_the_gains_of_their_configs(tmp_path, monkeypatch):
     [
         ({"runs": {"x": {"conf": "a.yaml"}}}, r"`runs.x` must be a config path or"),
         ({"runs": {"x": {"config": "a.yaml", "overrides": 3}}}, r"`runs.x` must be"),
-        ({"report": "nope"}, r"`report` must be one of \('default', 'exact'\)"),
+        ({"report": "nope"}, r"`report` must be one of \('default', 'exact', 'budget'\)"),
     ],
 )
 def test_bad_entries_name_the_option(settings, message):

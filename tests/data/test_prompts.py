@@ -228,6 +228,33 @@ def test_default_world_prompts_and_heldout(tmp_path, monkeypatch):
     assert len(held) == 20 and set(held) <= set(world.texts("test"))
 
 
+def test_default_world_splits_and_a_test_loader_beside_the_heldout(tmp_path, monkeypatch):
+    from rlkl_lightning.world import WorldConfig, build_world
+
+    monkeypatch.setenv("RLKL_CACHE", str(tmp_path / "cache"))
+    config = WorldConfig.tiny(sft_steps=2)
+    world = build_world(config, progress=False, num_threads=1)
+    dm = PromptDataModule(
+        prompts="default:train",
+        prompt_words=2,
+        heldout="default:validation",
+        test_heldout="default:test",
+        world=config,
+        batch_size=8,
+        num_heldout=6,
+        num_test=5,
+        shuffle=False,
+    )
+    dm.setup("fit")
+    train = world.texts("train")
+    assert _all(dm.train_dataloader()) == [first_words(t, 2) for t in train]
+    steer, test = dm.val_dataloader()  # two loaders: the steered text, then the test text
+    assert len(_all(steer)) == 6 and set(_all(steer)) <= set(world.texts("validation"))
+    assert len(_all(test)) == 5 and set(_all(test)) <= set(world.texts("test"))
+    with pytest.raises(ValueError, match=r"`test_heldout` names a split.*'default:validation'"):
+        _setup(prompts="default", heldout="default", test_heldout="default:dev", world=config)
+
+
 def test_arguments_parse_with_jsonargparse_including_the_world_config():
     from jsonargparse import ArgumentParser
 

@@ -27,6 +27,9 @@ def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
 
     ``refresh_every``: a ``ReferenceRefresh`` (hard reset) every that many batches, and beta
     held for one batch after each.
+
+    ``budget``: a ``CapabilityBudget`` at that budget, the log-PID law, a validation after
+    every batch (the cascade moves the target at each) and the test text logged too.
     """
     run_dir = tmp_path / name
     run_dir.mkdir()
@@ -103,6 +106,15 @@ def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
         }
         config["trainer"]["callbacks"].insert(0, refresh)
         config["kl"]["hold_after_refresh"] = 1
+    if options.get("budget"):
+        budget = {
+            "class_path": "rlkl_lightning.CapabilityBudget",
+            "init_args": {"budget": options["budget"], "rate": 0.05},
+        }
+        config["trainer"]["callbacks"].insert(0, budget)
+        config["trainer"].update(val_check_interval=1, check_val_every_n_epoch=None)
+        config["data"]["init_args"]["test_heldout"] = str(prompts)
+        config["kl"] = {"controller": "logpid", "target": 0.35, "window": 4}
     path = run_dir / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -205,6 +205,27 @@ def test_a_run_killed_after_a_reference_reset_resumes_with_the_reset_reference(
     assert scalars(full)["reference/refreshes"] == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
 
 
+def test_a_run_killed_mid_cascade_continues_the_capability_budget_bit_for_bit(
+    tiny_lm_dir, tmp_path
+):
+    full = write_config(tmp_path, tiny_lm_dir, "full", budget=1.02)
+    cut = write_config(tmp_path, tiny_lm_dir, "cut", budget=1.02, stall_at=6)
+    full_proc = start(full)
+    kill_at_marker(start(cut), cut, "killed_before_batch")
+    saved = last_checkpoint(cut)
+    (budget_state,) = [v for k, v in saved["callbacks"].items() if k.startswith("Capability")]
+    assert budget_state["n_evaluations"] == 4  # the checkpoint after batch 4 and its validation
+    finish(start(cut, False, "--ckpt_path", "last"), cut)
+    finish(full_proc, full)
+    assert_same_run(cut, full)
+    targets = scalars(full)["objective/kl_target"]
+    assert sorted(targets) == list(range(BATCHES)) and len(set(targets.values())) > 2  # moved
+    assert sorted(scalars(full)["test/perplexity"]) == list(range(BATCHES))
+    states = [last_checkpoint(c)["callbacks"] for c in (cut, full)]
+    keys = [k for k in states[1] if k.startswith("Capability")]
+    assert keys and all(states[0][k] == states[1][k] for k in keys)
+
+
 @pytest.mark.parametrize(
     ("ddp", "every"), [(False, 2), (False, 3), (True, 2)], ids=["batch2", "batch3_val", "ddp"]
 )

@@ -218,3 +218,50 @@ def test_a_changed_or_added_reference_refresh_is_refused(tiny_lm_dir, tmp_path, 
         args = ["fit", "--config", str(resumed), "--ckpt_path", last, "--trainer.max_steps=3"]
         message = cli_error(args, capfd)
         assert [line.strip() for line in message.splitlines()[1:-1]] == listed, message
+
+
+def test_a_changed_budget_or_steering_text_is_refused_and_the_same_run_resumes(
+    tiny_lm_dir, tmp_path, capfd
+):
+    """With a ``CapabilityBudget`` its options and the held-out text it steers on shape the run."""
+    checkpoint = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True},
+    }
+    prompts = str(tmp_path / "prompts.txt")
+
+    def config(name, budget, num_heldout):
+        callback = {"class_path": "rlkl_lightning.CapabilityBudget", "init_args": budget}
+        return tiny_cli_config(
+            tiny_lm_dir,
+            tmp_path,
+            name,
+            trainer={"callbacks": [callback, checkpoint], "val_check_interval": 1},
+            data={"heldout": prompts, "num_heldout": num_heldout, "test_heldout": prompts},
+        )
+
+    main(["fit", "--config", str(config("run.yaml", {"budget": 1.2}, 8))])
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    for resumed, listed in [
+        (
+            config("budget.yaml", {"budget": 1.3}, 8),
+            ["trainer.callbacks.CapabilityBudget.init_args.budget: 1.2 -> 1.3"],
+        ),
+        (config("steer.yaml", {"budget": 1.2}, 6), ["data.init_args.num_heldout: 8 -> 6"]),
+    ]:
+        args = ["fit", "--config", str(resumed), "--ckpt_path", last, "--trainer.max_steps=3"]
+        message = cli_error(args, capfd)
+        assert [line.strip() for line in message.splitlines()[1:-1]] == listed, message
+    # The test text is reported, never steered on: another amount of it resumes.
+    run = main(
+        [
+            "fit",
+            "--config",
+            str(config("run.yaml", {"budget": 1.2}, 8)),
+            "--ckpt_path",
+            last,
+            "--trainer.max_steps=3",
+            "--data.init_args.num_test=4",
+        ]
+    )
+    assert run.trainer.global_step == 3

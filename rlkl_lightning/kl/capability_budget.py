@@ -1,0 +1,357 @@
+"""CapabilityBudget: choose the KL target so that held-out perplexity stays at a budget.
+
+A KL law holds the KL at a target; which target a run can afford is a question about
+capability, not about nats. This callback is the outer loop of a cascade around the KL law:
+after each validation it reads a capability metric (by default ``val/perplexity``), compares
+it with the *initial* reference's value (``val/perplexity_ref`` at the first validation, kept
+in checkpoints, so a refresh of the reference does not reset the budget) and moves the
+target of the :class:`~rlkl_lightning.kl.controller_callback.KLControllerCallback` (and of
+every :class:`~rlkl_lightning.kl.drift_monitor.KLDriftMonitor` of the same unit), slowly and
+in bounded steps, so that the metric settles at ``budget`` times the reference's.
+docs/budget.md derives the law and says when it cannot hold the budget.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from rlkl_lightning import metric_keys as keys
+from rlkl_lightning.kl.controller_callback import KLControllerCallback
+from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
+from rlkl_lightning.kl.reading import check_name
+
+MODES = ("min", "max")
+#: The laws that have a target to move (the fixed law has none).
+LAWS_WITH_TARGET = ("adaptive", "exponential", "pi", "logpid")
+
+
+def budget_error(excess: float, budget_excess: float, floor: float) -> float:
+    """The outer loop's error: ``log(max(x, floor * b) / b)``.
+
+    ``x`` is the measured excess (``log(ppl / ppl_ref)`` for perplexity) and ``b`` the
+    budget's (``log budget``). Where the excess grows in proportion to the KL (the held-out
+    NLL's rise is second order in the policy's move, as the KL is), the error is
+    ``log(T / T*)`` at equilibrium: the loop gain from log target to error is 1 on every
+    world and at every budget. An excess at or below ``floor * b`` (the policy still at its
+    reference, or noise below it) reads as ``log floor``.
+    """
+    return math.log(max(excess, floor * budget_excess) / budget_excess)
+
+
+def _number(owner: str, name: str, value: Any, low: float, high: float = math.inf) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not low < value < high
+    ):
+        span = f"> {low:g}" if high == math.inf else f"in ({low:g}, {high:g})"
+        raise ValueError(f"{owner}: `{name}` must be a finite number {span}, got {value!r}")
+    return float(value)
+
+
+class CapabilityBudget(Callback):
+    r"""Move the KL target so that a capability metric stays at ``budget`` x the reference's.
+
+    After each validation (Lightning's sanity check is skipped) the callback reads ``monitor``
+    and, the first time, the reference's value under ``reference_key``. With ``x`` the
+    metric's excess over the reference (``log(m / m_ref)``; ``log(m_ref / m)`` with
+    ``mode="max"``), ``b`` the budget's (``log budget``; ``log(1 / budget)`` with ``"max"``) and
+    ``n`` the training batches since the last evaluation, it does, in log-target space::
+
+        e      = log(max(x, error_floor * b) / b)                  # budget_error
+        dz     = -rate * n * e                                     # integral action ...
+        dz     = 0 if dz > 0 and kl_mean < follow * target         # ... held (anti-windup)
+        z      = clip(z + dz, log min_target, log max_target)
+        u      = clip(z - gain * e, log target -+ max_step)         # proportional action
+        target = clip(exp(u), min_target, max_target)
+
+    a PI law in log target (the target settles where ``e = 0``, i.e. ``m = budget * m_ref``;
+    ``z``, the integral, starts at ``log`` of the controller's target). The perplexity follows
+    the KL slowly (tens of batches after the KL law has followed the target), so the
+    proportional term answers an error at once and the integral, ``rate = gain / tau``, only
+    as fast as the perplexity catches up: the PI's zero cancels that slow lag
+    (docs/budget.md). The integral rises only while the KL law follows the target:
+    ``kl_mean``, the mean batch KL since the last evaluation (from the controller callback's
+    ``kl_sum``/``kl_count``), must reach ``follow`` x the target; otherwise a KL still climbing
+    towards its target would have the outer loop integrate a perplexity deficit that no target
+    can remove yet (cascade windup). Lowering is never held back: it protects the budget.
+
+    The new target is handed to the controller callback
+    (:meth:`~rlkl_lightning.kl.controller_callback.KLControllerCallback.set_target`: the law
+    uses it from the next training batch on) and to the drift monitors of the same unit, whose
+    band then follows it. The target is logged every training batch under ``log_key``, the
+    last measured ratio ``m / m_ref`` under ``budget/ratio``. The target, the reference value
+    and the loop's counters are saved in checkpoints and put back on resume; under DDP the
+    target is broadcast from rank 0, so every rank holds the same one. A non-finite metric or
+    reference leaves the target unchanged: the first one warns, all are counted in
+    ``n_skipped``.
+
+    The callback needs a ``KLControllerCallback`` whose law has a target; with the fixed law
+    it is refused by name at set-up (it does not move beta itself: a budget on beta is a
+    different loop, and the fixed law's runs are the baseline it is judged against).
+
+    Args:
+        budget: The allowed ratio of the metric to the reference's: > 1 with ``mode="min"``
+            (perplexity: 1.15 allows +15%), in (0, 1) with ``mode="max"`` (a score).
+        monitor: Key the module logs the capability metric under at validation.
+        reference_key: Key the module logs the reference's value under; its first finite
+            value is kept for the run. None: the budget is absolute (``m_ref = 1``).
+        mode: ``"min"`` (lower is better: perplexity, a held-out KL) or ``"max"``.
+        gain: Proportional gain, in log target per unit of error, >= 0: ``1 / a`` for an
+            excess that grows as ``KL^a`` with ``a`` about 1 (docs/budget.md).
+        rate: Integral gain, in log target per batch per unit of error, > 0: ``gain / tau``
+            with ``tau = 80`` batches, the time the held-out perplexity takes to follow the
+            KL (docs/budget.md).
+        max_step: Largest change of ``log target`` per evaluation, > 0 (0.2: x 1.22).
+        min_target: Floor of the target (in the controller's unit), > 0.
+        max_target: Ceiling of the target, > ``min_target``.
+        follow: Fraction of the target the mean KL since the last evaluation must reach
+            before the target may rise, in [0, 1] (0: always).
+        error_floor: Excess, as a fraction of the budget's, below which the error stops
+            growing, in (0, 1).
+        log_key: Key the target is logged under; None: not logged.
+    """
+
+    def __init__(
+        self,
+        budget: float = 1.15,
+        monitor: str = keys.PERPLEXITY,
+        reference_key: str | None = keys.PERPLEXITY_REF,
+        mode: str = "min",
+        gain: float = 1.0,
+        rate: float = 0.0125,
+        max_step: float = 0.2,
+        min_target: float = 0.1,
+        max_target: float = 100.0,
+        follow: float = 0.7,
+        error_floor: float = 0.1,
+        log_key: str | None = keys.KL_TARGET,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        if mode not in MODES:
+            raise ValueError(f"{owner}: `mode` must be one of {MODES}, got {mode!r}")
+        if mode == "min":
+            budget = _number(owner, "budget", budget, 1.0)
+        else:
+            budget = _number(owner, "budget", budget, 0.0, 1.0)
+        check_name(monitor, "monitor", owner)
+        check_name(reference_key, "reference_key", owner, optional=True)
+        check_name(log_key, "log_key", owner, optional=True)
+        self.budget = budget
+        self.monitor = monitor
+        self.reference_key = reference_key
+        self.mode = mode
+        if (
+            isinstance(gain, bool)
+            or not isinstance(gain, (int, float))
+            or not (0.0 <= gain < math.inf)
+        ):
+            raise ValueError(f"{owner}: `gain` must be a finite number >= 0, got {gain!r}")
+        self.gain = float(gain)
+        self.rate = _number(owner, "rate", rate, 0.0)
+        self.max_step = _number(owner, "max_step", max_step, 0.0)
+        self.min_target = _number(owner, "min_target", min_target, 0.0)
+        self.max_target = _number(owner, "max_target", max_target, self.min_target)
+        if (
+            isinstance(follow, bool)
+            or not isinstance(follow, (int, float))
+            or not (0.0 <= follow <= 1.0)
+        ):
+            raise ValueError(f"{owner}: `follow` must lie in [0, 1], got {follow!r}")
+        self.follow = float(follow)
+        self.error_floor = _number(owner, "error_floor", error_floor, 0.0, 1.0)
+        self.log_key = log_key
+        self._sign = 1.0 if mode == "min" else -1.0
+        self.target: float | None = None  # set at set-up from the controller, or restored
+        self.integral: float | None = None  # z, in log target
+        self.reference: float | None = None if reference_key is not None else 1.0
+        self.ratio = math.nan  # the last measured m / m_ref
+        self.n_evaluations = 0
+        self.n_skipped = 0
+        self.n_held = 0  # evaluations whose raise was held back (the KL not following)
+        self.batches_at_eval = 0
+        self.kl_sum_at_eval = 0.0
+        self.kl_count_at_eval = 0
+        self._controller: KLControllerCallback | None = None
+        self._monitors: list[KLDriftMonitor] = []
+        self._warned_nonfinite = False
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # Not the budget or the gains: a resume with changed ones (--resume_with_changes)
+        # carries the target and the reference's value over.
+        return self._generate_state_key(monitor=self.monitor)
+
+    @property
+    def budget_excess(self) -> float:
+        """``b``: the budget as an excess in log (``log budget``, or its negative for max)."""
+        return self._sign * math.log(self.budget)
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        owner = type(self).__name__
+        controllers = [c for c in trainer.callbacks if isinstance(c, KLControllerCallback)]
+        if len(controllers) != 1:
+            raise ValueError(
+                f"{owner}: needs exactly one KLControllerCallback among the trainer's "
+                f"callbacks (the CLI's `kl` group adds one), found {len(controllers)}"
+            )
+        controller = controllers[0]
+        if controller.target is None:
+            law = getattr(controller.controller, "law", type(controller.controller).__name__)
+            raise ValueError(
+                f"{owner}: `kl.controller` must be one of {LAWS_WITH_TARGET} to run with a "
+                f"capability budget, got {law!r}: the budget moves the KL target, and that "
+                "law has none"
+            )
+        self._controller = controller
+        self._monitors = [
+            m
+            for m in trainer.callbacks
+            if isinstance(m, KLDriftMonitor) and m.unit == controller.unit
+        ]
+        if self.target is None:
+            self.target = min(max(controller.target, self.min_target), self.max_target)
+            self.integral = math.log(self.target)
+        rank_zero_info(
+            f"{owner}: steers the KL target ({controller.unit}) from {self.target:.4g} within "
+            f"[{self.min_target:g}, {self.max_target:g}] so that {self.monitor!r} stays at "
+            f"{self.budget:g} x the initial reference's ({self.reference_key!r}); "
+            f"{len(self._monitors)} drift monitor(s) follow the target."
+        )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After any checkpoint restore: the target in force is the cascade's.
+        self._push()
+
+    def _push(self) -> None:
+        if self._controller is None or self.target is None:
+            return
+        self._controller.set_target(self.target)
+        for monitor in self._monitors:
+            monitor.target = self.target
+
+    # ------------------------------------------------------------------ the loop
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self.log_key is not None and self.target is not None:
+            pl_module.log(self.log_key, self.target, on_step=True, on_epoch=False)
+        if math.isfinite(self.ratio):
+            pl_module.log(keys.BUDGET_RATIO, self.ratio, on_step=True, on_epoch=False)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or self._controller is None or self.target is None:
+            return
+        metric = self._read(trainer, self.monitor)
+        if self.reference is None:
+            reference = self._read(trainer, self.reference_key)
+            if math.isfinite(reference) and reference > 0:
+                self.reference = reference
+        self.step(metric, trainer)
+        self.target = float(trainer.strategy.broadcast(self.target, src=0))
+        self._push()
+
+    def step(self, metric: float, trainer: pl.Trainer | None = None) -> float:
+        """One evaluation of the loop with the metric ``metric``; returns the target."""
+        controller = self._controller
+        assert controller is not None and self.target is not None
+        batches = controller.n_batches - self.batches_at_eval
+        kl_n = controller.kl_count - self.kl_count_at_eval
+        kl_mean = (controller.kl_sum - self.kl_sum_at_eval) / kl_n if kl_n > 0 else math.nan
+        self.batches_at_eval = controller.n_batches
+        self.kl_sum_at_eval, self.kl_count_at_eval = controller.kl_sum, controller.kl_count
+        self.n_evaluations += 1
+        reference = self.reference
+        if not (math.isfinite(metric) and metric > 0 and reference is not None and reference > 0):
+            self.n_skipped += 1
+            if not self._warned_nonfinite:
+                self._warned_nonfinite = True
+                rank_zero_warn(
+                    f"{type(self).__name__}: no usable {self.monitor!r} ({metric}) or "
+                    f"reference value ({reference}) at evaluation {self.n_evaluations}; the "
+                    f"target stays {self.target:.6g}. Further such evaluations are counted in "
+                    "`n_skipped` without a warning.",
+                    category=RuntimeWarning,
+                )
+            return self.target
+        self.ratio = metric / reference
+        excess = self._sign * math.log(self.ratio)
+        error = budget_error(excess, self.budget_excess, self.error_floor)
+        step = -self.rate * batches * error
+        if step > 0 and not (kl_mean >= self.follow * self.target):
+            step = 0.0  # the KL has not reached the target: integrating would wind up
+            self.n_held += 1
+        lo, hi = math.log(self.min_target), math.log(self.max_target)
+        z = math.log(self.target) if self.integral is None else self.integral
+        self.integral = min(max(z + step, lo), hi)
+        now = math.log(self.target)
+        u = self.integral - self.gain * error
+        u = min(max(u, now - self.max_step), now + self.max_step)
+        self.target = min(max(math.exp(u), self.min_target), self.max_target)
+        return self.target
+
+    def _read(self, trainer: pl.Trainer, key: str | None) -> float:
+        if key is None:
+            return math.nan
+        metrics = trainer.callback_metrics
+        if key not in metrics:
+            raise RuntimeError(
+                f"{type(self).__name__}: the module logged no {key!r} at validation; log it "
+                f"in `on_validation_epoch_end` or set `monitor`/`reference_key` to one of "
+                f"{sorted(k for k in metrics if not k.startswith(('objective/', 'loss/')))}"
+            )
+        value = metrics[key]
+        return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "integral": self.integral,
+            "reference": self.reference,
+            "ratio": self.ratio,
+            "n_evaluations": self.n_evaluations,
+            "n_skipped": self.n_skipped,
+            "n_held": self.n_held,
+            "batches_at_eval": self.batches_at_eval,
+            "kl_sum_at_eval": self.kl_sum_at_eval,
+            "kl_count_at_eval": self.kl_count_at_eval,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        target = state_dict.get("target")
+        if target is not None:
+            self.target = min(max(float(target), self.min_target), self.max_target)
+        integral = state_dict.get("integral")
+        self.integral = math.log(self.target) if integral is None else float(integral)
+        if self.reference_key is not None:
+            self.reference = state_dict.get("reference")
+        self.ratio = float(state_dict.get("ratio", math.nan))
+        self.n_evaluations = int(state_dict.get("n_evaluations", 0))
+        self.n_skipped = int(state_dict.get("n_skipped", 0))
+        self.n_held = int(state_dict.get("n_held", 0))
+        self.batches_at_eval = int(state_dict.get("batches_at_eval", 0))
+        self.kl_sum_at_eval = float(state_dict.get("kl_sum_at_eval", 0.0))
+        self.kl_count_at_eval = int(state_dict.get("kl_count_at_eval", 0))

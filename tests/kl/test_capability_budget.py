@@ -1,0 +1,313 @@
+"""CapabilityBudget: its law against the formula written out here, and driven by a Trainer."""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import warnings
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from helpers.kl_callbacks import fit
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from rlkl_lightning.kl.capability_budget import CapabilityBudget, budget_error
+from rlkl_lightning.kl.controller_callback import KLControllerCallback
+from rlkl_lightning.kl.controllers import (
+    ExponentialKLController,
+    FixedKLController,
+    LogPIDKLController,
+)
+from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
+
+REF = 10.0  # the reference's perplexity in the synthetic plant
+SLOPE = 0.1  # log(ppl / ref) per nat of KL: the plant's excess grows in proportion to the KL
+
+
+# ---- the law, one evaluation at a time ------------------------------------------------------
+
+
+def test_budget_error_is_the_log_of_the_excess_over_the_budgets_with_a_floor():
+    b = math.log(1.15)
+    assert budget_error(b, b, 0.1) == 0.0
+    assert budget_error(2 * b, b, 0.1) == pytest.approx(math.log(2), rel=1e-15)
+    assert budget_error(0.5 * b, b, 0.1) == pytest.approx(math.log(0.5), rel=1e-15)
+    assert budget_error(-0.3, b, 0.1) == pytest.approx(math.log(0.1), rel=1e-15)  # floored
+
+
+class FakeControllerCallback(SimpleNamespace):
+    """What the budget reads of a KLControllerCallback: batches, the KL sums, set_target."""
+
+    def set_target(self, target):
+        self.target = target
+
+
+def _wired(budget: CapabilityBudget, target: float) -> FakeControllerCallback:
+    ctl = FakeControllerCallback(n_batches=0, kl_sum=0.0, kl_count=0, target=target)
+    budget._controller, budget.target = ctl, target
+    budget.reference = REF
+    return ctl
+
+
+def _expected(
+    z,
+    target,
+    ratio,
+    batches,
+    kl_mean,
+    budget=1.15,
+    gain=1.0,
+    rate=0.025,
+    max_step=0.2,
+    follow=0.7,
+    lo=0.1,
+    hi=100.0,
+):
+    """The PI law of the class docstring, written out again: returns (z, target)."""
+    b = math.log(budget)
+    e = math.log(max(math.log(ratio), 0.1 * b) / b)
+    dz = -rate * batches * e
+    if dz > 0 and kl_mean < follow * target:
+        dz = 0.0
+    z = min(max(z + dz, math.log(lo)), math.log(hi))
+    u = min(max(z - gain * e, math.log(target) - max_step), math.log(target) + max_step)
+    return z, min(max(math.exp(u), lo), hi)
+
+
+def test_each_evaluation_follows_the_formula_with_its_clip_hold_floor_and_ceiling():
+    budget = CapabilityBudget(
+        1.15, gain=0.5, rate=0.025, max_step=0.2, min_target=0.5, max_target=4.0
+    )
+    ctl = _wired(budget, 3.5)
+    # (ratio measured, batches since the last evaluation, mean KL over them)
+    steps = [
+        (1.02, 40, 3.4),  # under and following, a long interval: clipped raise, to the ceiling
+        (1.30, 5, 2.1),  # over budget: lower, by rate * 5 * e
+        (1.15, 5, 2.0),  # at budget: no move
+        (1.02, 5, 0.5),  # under, but the KL has not reached the target: held
+        (1.02, 5, 3.9),  # under and following: raise (error floored at log 0.1)
+        *[(5.0, 100, 1.0)] * 12,  # far over: clipped at -max_step, down to the floor
+    ]
+    z, target = math.log(3.5), 3.5
+    for ratio, batches, kl_mean in steps:
+        ctl.n_batches += batches
+        ctl.kl_sum += kl_mean * batches
+        ctl.kl_count += batches
+        new = budget.step(ratio * REF)
+        z, target = _expected(z, target, ratio, batches, kl_mean, gain=0.5, lo=0.5, hi=4.0)
+        assert new == pytest.approx(target, rel=1e-14)
+        assert budget.integral == pytest.approx(z, rel=1e-14, abs=1e-15)
+        assert budget.ratio == pytest.approx(ratio, rel=1e-14)
+    assert target == 0.5 and budget.n_held == 1 and budget.n_evaluations == len(steps)
+
+
+def test_mode_max_steers_a_score_that_must_stay_above_budget_times_the_reference():
+    budget = CapabilityBudget(0.9, mode="max", reference_key=None, gain=0.0, rate=0.02)
+    ctl = _wired(budget, 3.0)
+    budget.reference = 1.0
+    ctl.n_batches, ctl.kl_sum, ctl.kl_count = 5, 15.0, 5
+    # A score of 0.8 is below 0.9: its loss log(1/0.8) exceeds the budget's log(1/0.9).
+    new = budget.step(0.8)
+    e = math.log(math.log(1 / 0.8) / math.log(1 / 0.9))
+    assert new == pytest.approx(3.0 * math.exp(-0.02 * 5 * e), rel=1e-14)
+
+
+@pytest.mark.parametrize("metric", [math.nan, math.inf, -1.0, 0.0])
+def test_an_unusable_metric_leaves_the_target_and_warns_once(metric):
+    budget = CapabilityBudget(1.15)
+    ctl = _wired(budget, 2.0)
+    with pytest.warns(RuntimeWarning, match="target stays 2"):
+        assert budget.step(metric) == 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert budget.step(metric) == 2.0
+    ctl.n_batches += 5
+    assert budget.n_skipped == 2 and budget.target == 2.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option"),
+    [
+        ({"budget": 1.0}, "budget"),
+        ({"budget": 0.9}, "budget"),
+        ({"budget": 1.2, "mode": "max"}, "budget"),
+        ({"mode": "lower"}, "mode"),
+        ({"rate": 0.0}, "rate"),
+        ({"gain": -1.0}, "gain"),
+        ({"max_step": math.nan}, "max_step"),
+        ({"min_target": -1.0}, "min_target"),
+        ({"min_target": 2.0, "max_target": 1.0}, "max_target"),
+        ({"follow": 1.5}, "follow"),
+        ({"error_floor": 1.0}, "error_floor"),
+        ({"monitor": ""}, "monitor"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_option(kwargs, option):
+    with pytest.raises(ValueError, match=f"`?{option}`? must"):
+        CapabilityBudget(**kwargs)
+
+
+def test_the_fixed_law_is_refused_by_name_with_the_allowed_laws():
+    trainer = SimpleNamespace(callbacks=[KLControllerCallback(FixedKLController(0.1))])
+    with pytest.raises(ValueError, match=r"`kl.controller` must be one of \('adaptive', "):
+        CapabilityBudget().setup(trainer, None, "fit")
+    with pytest.raises(ValueError, match="exactly one KLControllerCallback"):
+        CapabilityBudget().setup(SimpleNamespace(callbacks=[]), None, "fit")
+
+
+# ---- a Trainer: a synthetic plant ------------------------------------------------------------
+
+
+class PlantModule(pl.LightningModule):
+    """KL = 1 / beta each batch; held-out perplexity = REF * exp(SLOPE * KL of the last batch).
+
+    Records the target the budget logged after each batch (keyed by the global batch index).
+    """
+
+    def __init__(self, n_batches=40, rank_offsets=(0.0, 0.0)):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+        self.kl_coef = 1.0
+        self.n_batches = n_batches
+        self.rank_offsets = rank_offsets
+        self.kl = 0.0
+        self.targets: dict[int, float] = {}
+
+    def training_step(self, batch, batch_idx):
+        self.kl = 1.0 / self.kl_coef
+        self.log("objective/kl", self.kl)
+        return (self.layer(batch[0]) ** 2).mean()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        metrics = self.trainer.callback_metrics
+        if "objective/kl_target" in metrics:
+            i = self.trainer.fit_loop.epoch_loop.total_batch_idx
+            self.targets[i] = float(metrics["objective/kl_target"])
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def on_validation_epoch_end(self):
+        # Under DDP each rank measures its own value; sync_dist averages them.
+        ppl = REF * math.exp(SLOPE * self.kl + self.rank_offsets[self.global_rank])
+        self.log("val/perplexity", ppl, sync_dist=True)
+        self.log("val/perplexity_ref", REF, sync_dist=True)
+
+    def train_dataloader(self):
+        data = torch.randn(4 * self.n_batches, 3, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(data), batch_size=4)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(torch.zeros(1, 3)), batch_size=1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _callbacks(**budget):
+    controller = KLControllerCallback(ExponentialKLController(1.0, target=3.0, k=0.3))
+    monitor = KLDriftMonitor(3.0, window=4, verbose=False)
+    return [controller, monitor, CapabilityBudget(**{"budget": 1.15, "rate": 0.05, **budget})]
+
+
+VAL = dict(limit_val_batches=1, val_check_interval=2, check_val_every_n_epoch=None)
+
+
+def test_the_cascade_settles_at_the_budget_and_the_monitor_follows_its_target():
+    module = PlantModule(n_batches=160)
+    callbacks = _callbacks()
+    fit(module, callbacks, **VAL)
+    controller, monitor, budget = callbacks
+    # At equilibrium exp(SLOPE * KL) = 1.15 and the KL law holds KL = target.
+    assert budget.target == pytest.approx(math.log(1.15) / SLOPE, rel=0.02)
+    assert budget.ratio == pytest.approx(1.15, rel=0.003)
+    assert controller.target == monitor.target == budget.target
+    assert module.targets[159] == pytest.approx(
+        budget.target, rel=1e-3
+    )  # logged before the last move
+    assert budget.reference == REF and budget.n_skipped == 0
+
+
+def test_a_resume_continues_the_cascade_bit_for_bit(tmp_path):
+    whole = PlantModule(n_batches=24)
+    fit(whole, _callbacks(), **VAL)
+    first = PlantModule(n_batches=24)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=11, save_top_k=-1)
+    fit(first, [*_callbacks(), saver], max_steps=11, **VAL)
+    resumed = PlantModule(n_batches=24)
+    callbacks = _callbacks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # restored without a warning
+        fit(resumed, callbacks, ckpt_path=str(tmp_path / "epoch=0-step=11.ckpt"), **VAL)
+    assert {i: t for i, t in resumed.targets.items() if i >= 11} == {
+        i: t for i, t in whole.targets.items() if i >= 11
+    }
+    assert callbacks[2].target == whole.trainer.callbacks[2].target
+
+
+def test_a_refresh_of_the_reference_does_not_reset_the_budget():
+    budget = CapabilityBudget(1.15)
+    trainer = SimpleNamespace(
+        callback_metrics={"val/perplexity": torch.tensor(12.0), "val/perplexity_ref": 10.0},
+        sanity_checking=False,
+        strategy=SimpleNamespace(broadcast=lambda x, src=0: x),
+    )
+    ctl = _wired(budget, 2.0)
+    budget.reference = None
+    ctl.n_batches, ctl.kl_sum, ctl.kl_count = 5, 10.0, 5
+    budget.on_validation_end(trainer, None)
+    trainer.callback_metrics["val/perplexity_ref"] = 11.5  # a refreshed reference's
+    ctl.n_batches, ctl.kl_sum, ctl.kl_count = 10, 20.0, 10
+    budget.on_validation_end(trainer, None)
+    assert budget.reference == 10.0 and budget.ratio == pytest.approx(1.2)
+    state = budget.state_dict()
+    again = CapabilityBudget(1.15)
+    again.load_state_dict(state)
+    assert again.reference == 10.0 and again.target == budget.target
+
+
+# ---- two real processes (gloo) ------------------------------------------------------------
+
+
+class RankPlant(PlantModule):
+    def __init__(self, out_dir):
+        super().__init__(n_batches=20, rank_offsets=(0.02, -0.01))
+        self.out_dir = str(out_dir)
+
+    def on_train_end(self):
+        budget = next(c for c in self.trainer.callbacks if isinstance(c, CapabilityBudget))
+        with open(f"{self.out_dir}/rank{self.global_rank}.json", "w") as f:
+            json.dump({"targets": self.targets, "target": budget.target}, f)
+
+
+def test_two_process_ddp_gives_every_rank_the_same_target(tmp_path):
+    fork = "fork" in multiprocessing.get_all_start_methods()
+    fit(
+        RankPlant(tmp_path),
+        _callbacks(),
+        strategy="ddp_fork" if fork else "ddp_spawn",
+        devices=2,
+        use_distributed_sampler=False,
+        **VAL,
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    # sync_dist averages the ranks' perplexities: a single process with the mean's offset.
+    offset = math.log((math.exp(0.02) + math.exp(-0.01)) / 2)
+    single = PlantModule(n_batches=20, rank_offsets=(offset,))
+    callbacks = _callbacks()
+    fit(single, callbacks, **VAL)
+    assert ranks[0]["target"] == pytest.approx(callbacks[2].target, rel=1e-6)
+    assert ranks[0]["target"] != pytest.approx(3.0, rel=1e-3)  # it moved
+
+
+def test_logpid_law_with_a_budget_runs_and_logs_the_target():
+    module = PlantModule(n_batches=12)
+    controller = KLControllerCallback(LogPIDKLController(1.0, target=3.0))
+    budget = CapabilityBudget(1.15)
+    fit(module, [controller, budget], **VAL)
+    assert len(module.targets) == 12 and budget.n_evaluations == 6
