@@ -127,7 +127,7 @@ class CapabilityBudget(Callback):
         reference_key: str | None = keys.PERPLEXITY_REF,
         mode: str = "min",
         gain: float = 1.0,
-        rate: float = 0.0125,
+        rate: float = 0.05,
         max_step: float = 0.2,
         min_target: float = 0.1,
         max_target: float = 100.0,
@@ -178,12 +178,14 @@ class CapabilityBudget(Callback):
         self.n_evaluations = 0
         self.n_skipped = 0
         self.n_held = 0  # evaluations whose raise was held back (the KL not following)
+        self.n_held_low = 0  # evaluations whose lowering was held back (the KL stuck above)
         self.batches_at_eval = 0
         self.kl_sum_at_eval = 0.0
         self.kl_count_at_eval = 0
         self._controller: KLControllerCallback | None = None
         self._monitors: list[KLDriftMonitor] = []
         self._warned_nonfinite = False
+        self._warned_stuck = False
 
     @property
     @override
@@ -298,15 +300,36 @@ class CapabilityBudget(Callback):
         excess = self._sign * math.log(self.ratio)
         error = budget_error(excess, self.budget_excess, self.error_floor)
         step = -self.rate * batches * error
+        step = min(max(step, -self.max_step), self.max_step)
         if step > 0 and not (kl_mean >= self.follow * self.target):
             step = 0.0  # the KL has not reached the target: integrating would wind up
             self.n_held += 1
+        # The KL law cannot bring the KL down to the target: a lower target would only wind
+        # the law's beta up (and PPO at a huge beta diverges), so the target is not lowered.
+        stuck = self.follow * kl_mean > self.target
+        if stuck and step < 0:
+            step = 0.0
         lo, hi = math.log(self.min_target), math.log(self.max_target)
         z = math.log(self.target) if self.integral is None else self.integral
         self.integral = min(max(z + step, lo), hi)
         now = math.log(self.target)
         u = self.integral - self.gain * error
         u = min(max(u, now - self.max_step), now + self.max_step)
+        if stuck and u < now:
+            u = now
+            self.n_held_low += 1
+            if not self._warned_stuck:
+                self._warned_stuck = True
+                rank_zero_warn(
+                    f"{type(self).__name__}: {self.monitor!r} is over budget "
+                    f"({self.ratio:.4g} x the reference's, budget {self.budget:g}) but the KL "
+                    f"law holds the KL at {kl_mean:.4g}, above the target {self.target:.4g} / "
+                    f"follow ({self.follow:g}): the target is not lowered further while the KL "
+                    "does not follow it down (the budget may be out of reach; see docs/budget.md, "
+                    "'When it cannot hold the budget'). Further such evaluations are counted in "
+                    "`n_held_low`.",
+                    category=RuntimeWarning,
+                )
         self.target = min(max(math.exp(u), self.min_target), self.max_target)
         return self.target
 
@@ -334,6 +357,7 @@ class CapabilityBudget(Callback):
             "n_evaluations": self.n_evaluations,
             "n_skipped": self.n_skipped,
             "n_held": self.n_held,
+            "n_held_low": self.n_held_low,
             "batches_at_eval": self.batches_at_eval,
             "kl_sum_at_eval": self.kl_sum_at_eval,
             "kl_count_at_eval": self.kl_count_at_eval,
@@ -352,6 +376,7 @@ class CapabilityBudget(Callback):
         self.n_evaluations = int(state_dict.get("n_evaluations", 0))
         self.n_skipped = int(state_dict.get("n_skipped", 0))
         self.n_held = int(state_dict.get("n_held", 0))
+        self.n_held_low = int(state_dict.get("n_held_low", 0))
         self.batches_at_eval = int(state_dict.get("batches_at_eval", 0))
         self.kl_sum_at_eval = float(state_dict.get("kl_sum_at_eval", 0.0))
         self.kl_count_at_eval = int(state_dict.get("kl_count_at_eval", 0))

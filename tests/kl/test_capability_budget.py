@@ -70,11 +70,16 @@ def _expected(
     """The PI law of the class docstring, written out again: returns (z, target)."""
     b = math.log(budget)
     e = math.log(max(math.log(ratio), 0.1 * b) / b)
-    dz = -rate * batches * e
+    dz = min(max(-rate * batches * e, -max_step), max_step)
     if dz > 0 and kl_mean < follow * target:
+        dz = 0.0
+    stuck = kl_mean > target / follow  # the KL law does not bring the KL down to the target
+    if stuck and dz < 0:
         dz = 0.0
     z = min(max(z + dz, math.log(lo)), math.log(hi))
     u = min(max(z - gain * e, math.log(target) - max_step), math.log(target) + max_step)
+    if stuck:
+        u = max(u, math.log(target))
     return z, min(max(math.exp(u), lo), hi)
 
 
@@ -90,10 +95,14 @@ def test_each_evaluation_follows_the_formula_with_its_clip_hold_floor_and_ceilin
         (1.15, 5, 2.0),  # at budget: no move
         (1.02, 5, 0.5),  # under, but the KL has not reached the target: held
         (1.02, 5, 3.9),  # under and following: raise (error floored at log 0.1)
-        *[(5.0, 100, 1.0)] * 12,  # far over: clipped at -max_step, down to the floor
+        *[(5.0, 100, None)] * 12,  # far over, the KL following: clipped steps, to the floor
+        (1.30, 5, 1.0),  # over, but the KL stays above target / follow: not lowered
+        (1.30, 5, 0.6),  # over and the KL follows again: lowered (already at the floor)
+        (1.02, 5, 1.0),  # under: raising is never held by a KL above the target
     ]
     z, target = math.log(3.5), 3.5
     for ratio, batches, kl_mean in steps:
+        kl_mean = target if kl_mean is None else kl_mean
         ctl.n_batches += batches
         ctl.kl_sum += kl_mean * batches
         ctl.kl_count += batches
@@ -102,7 +111,8 @@ def test_each_evaluation_follows_the_formula_with_its_clip_hold_floor_and_ceilin
         assert new == pytest.approx(target, rel=1e-14)
         assert budget.integral == pytest.approx(z, rel=1e-14, abs=1e-15)
         assert budget.ratio == pytest.approx(ratio, rel=1e-14)
-    assert target == 0.5 and budget.n_held == 1 and budget.n_evaluations == len(steps)
+    assert budget.n_held == 1 and budget.n_held_low == 1
+    assert budget.n_evaluations == len(steps) and target > 0.5
 
 
 def test_mode_max_steers_a_score_that_must_stay_above_budget_times_the_reference():
