@@ -115,6 +115,47 @@ def test_each_evaluation_follows_the_formula_with_its_clip_hold_floor_and_ceilin
     assert budget.n_evaluations == len(steps) and target > 0.5
 
 
+@pytest.mark.parametrize("rate", [0.0125, 0.05])
+def test_a_perplexity_drifting_at_a_constant_kl_is_followed_with_the_error_drift_over_rate(rate):
+    # The excess grows as c(t) * KL with c rising by a factor exp(rho) per batch; the KL holds
+    # the target. The integral then lowers log T by rho per batch at a steady error
+    # e = rho / rate (docs/budget.md, "When it cannot hold the budget").
+    # The plant answers at once here, so the proportional gain is 0.5 (at 1 this loop without
+    # lag is marginal: e' = -rate n e + e_prev; the KL law's lag steadies it in a real run).
+    rho, n = 0.001, 5
+    budget = CapabilityBudget(1.15, gain=0.5, rate=rate)
+    ctl = _wired(budget, 1.5)
+    b = math.log(1.15)
+    for k in range(400):  # log T falls by 2 in all, above the floor (0.1)
+        target = budget.target
+        ctl.n_batches += n
+        ctl.kl_sum += target * n
+        ctl.kl_count += n
+        excess = b * (target / 1.5) * math.exp(rho * n * k)
+        budget.step(math.exp(excess) * REF)
+    error = budget_error(math.log(budget.ratio), b, 0.1)
+    assert error == pytest.approx(rho / rate, rel=1e-5)
+
+
+def test_a_kl_that_does_not_follow_the_target_down_holds_the_target_and_warns_once():
+    # The KL law is stuck at 1.3 nats (PPO's floor on the default world): a budget that keeps
+    # lowering the target would wind the law's beta up without end.
+    budget = CapabilityBudget(1.15, min_target=0.1)
+    ctl = _wired(budget, 1.3)
+    targets = []
+    with pytest.warns(RuntimeWarning, match="not lowered further") as caught:
+        for _ in range(40):
+            ctl.n_batches += 5
+            ctl.kl_sum += 1.3 * 5
+            ctl.kl_count += 5
+            targets.append(budget.step(1.25 * REF))  # far over budget, every time
+    assert len([w for w in caught if "not lowered" in str(w.message)]) == 1
+    # Lowered (by at most max_step a time) until the target passed follow x the KL, then held.
+    assert targets[0] < 1.3 and min(targets) == targets[-1]
+    assert 1.3 * 0.7 * math.exp(-0.2) <= targets[-1] < 1.3 * 0.7
+    assert budget.n_held_low >= 30 and targets[-30:] == [targets[-1]] * 30
+
+
 def test_mode_max_steers_a_score_that_must_stay_above_budget_times_the_reference():
     budget = CapabilityBudget(0.9, mode="max", reference_key=None, gain=0.0, rate=0.02)
     ctl = _wired(budget, 3.0)
