@@ -67,22 +67,26 @@ class CapabilityBudget(Callback):
     ``n`` the training batches since the last evaluation, it does, in log-target space::
 
         e      = log(max(x, error_floor * b) / b)                  # budget_error
-        dz     = -rate * n * e                                     # integral action ...
-        dz     = 0 if dz > 0 and kl_mean < follow * target         # ... held (anti-windup)
+        dz     = clip(-rate * n * e, -max_step, max_raise)          # integral action ...
+        dz     = 0 if dz > 0 and kl_mean < follow * target         # ... held while the KL lags
+        stuck  = kl_mean > target / follow                          # the KL law cannot go lower
+        dz     = 0 if dz < 0 and stuck
         z      = clip(z + dz, log min_target, log max_target)
-        u      = clip(z - gain * e, log target -+ max_step)         # proportional action
+        u      = clip(z - gain * e, log target - max_step, log target + max_raise)
+        u      = max(u, log target) if stuck                        # proportional action
         target = clip(exp(u), min_target, max_target)
 
     a PI law in log target (the target settles where ``e = 0``, i.e. ``m = budget * m_ref``;
-    ``z``, the integral, starts at ``log`` of the controller's target). The perplexity follows
-    the KL slowly (tens of batches after the KL law has followed the target), so the
-    proportional term answers an error at once and the integral, ``rate = gain / tau``, only
-    as fast as the perplexity catches up: the PI's zero cancels that slow lag
-    (docs/budget.md). The integral rises only while the KL law follows the target:
-    ``kl_mean``, the mean batch KL since the last evaluation (from the controller callback's
-    ``kl_sum``/``kl_count``), must reach ``follow`` x the target; otherwise a KL still climbing
-    towards its target would have the outer loop integrate a perplexity deficit that no target
-    can remove yet (cascade windup). Lowering is never held back: it protects the budget.
+    ``z``, the integral, starts at ``log`` of the controller's target). The integral follows a
+    perplexity that keeps rising at a constant KL with the error ``drift / rate``; the
+    proportional term answers an error at once. Moves are asymmetric: the perplexity lost is
+    not all won back by a lower KL, so the target rises slowly (``max_raise``) and falls
+    quickly (``max_step``). Two holds keep the outer loop from winding up against the KL law
+    (``kl_mean`` is the mean batch KL since the last evaluation, from the controller
+    callback's ``kl_sum``/``kl_count``): the integral does not rise while the KL has not
+    reached ``follow`` x the target (it is still climbing), and the target does not fall while
+    the KL stays above target / ``follow`` (the law cannot bring it lower; a lower target
+    would only raise beta without end). docs/budget.md derives the law.
 
     The new target is handed to the controller callback
     (:meth:`~rlkl_lightning.kl.controller_callback.KLControllerCallback.set_target`: the law
@@ -110,7 +114,10 @@ class CapabilityBudget(Callback):
         rate: Integral gain, in log target per batch per unit of error, > 0: ``gain / tau``
             with ``tau = 80`` batches, the time the held-out perplexity takes to follow the
             KL (docs/budget.md).
-        max_step: Largest change of ``log target`` per evaluation, > 0 (0.2: x 1.22).
+        max_step: Largest fall of ``log target`` per evaluation, > 0 (0.2: x 0.82).
+        max_raise: Largest rise of ``log target`` per evaluation, > 0 (0.05: x 1.05). The
+            perplexity a policy has lost is not all won back by a lower KL, so the budget is
+            approached from below: slowly up, quickly down.
         min_target: Floor of the target (in the controller's unit), > 0.
         max_target: Ceiling of the target, > ``min_target``.
         follow: Fraction of the target the mean KL since the last evaluation must reach
@@ -127,8 +134,9 @@ class CapabilityBudget(Callback):
         reference_key: str | None = keys.PERPLEXITY_REF,
         mode: str = "min",
         gain: float = 1.0,
-        rate: float = 0.05,
+        rate: float = 0.1,
         max_step: float = 0.2,
+        max_raise: float = 0.05,
         min_target: float = 0.1,
         max_target: float = 100.0,
         follow: float = 0.7,
@@ -159,6 +167,7 @@ class CapabilityBudget(Callback):
         self.gain = float(gain)
         self.rate = _number(owner, "rate", rate, 0.0)
         self.max_step = _number(owner, "max_step", max_step, 0.0)
+        self.max_raise = _number(owner, "max_raise", max_raise, 0.0)
         self.min_target = _number(owner, "min_target", min_target, 0.0)
         self.max_target = _number(owner, "max_target", max_target, self.min_target)
         if (
@@ -300,7 +309,7 @@ class CapabilityBudget(Callback):
         excess = self._sign * math.log(self.ratio)
         error = budget_error(excess, self.budget_excess, self.error_floor)
         step = -self.rate * batches * error
-        step = min(max(step, -self.max_step), self.max_step)
+        step = min(max(step, -self.max_step), self.max_raise)
         if step > 0 and not (kl_mean >= self.follow * self.target):
             step = 0.0  # the KL has not reached the target: integrating would wind up
             self.n_held += 1
@@ -314,7 +323,7 @@ class CapabilityBudget(Callback):
         self.integral = min(max(z + step, lo), hi)
         now = math.log(self.target)
         u = self.integral - self.gain * error
-        u = min(max(u, now - self.max_step), now + self.max_step)
+        u = min(max(u, now - self.max_step), now + self.max_raise)
         if stuck and u < now:
             u = now
             self.n_held_low += 1

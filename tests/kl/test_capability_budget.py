@@ -63,6 +63,7 @@ def _expected(
     gain=1.0,
     rate=0.025,
     max_step=0.2,
+    max_raise=0.05,
     follow=0.7,
     lo=0.1,
     hi=100.0,
@@ -70,14 +71,14 @@ def _expected(
     """The PI law of the class docstring, written out again: returns (z, target)."""
     b = math.log(budget)
     e = math.log(max(math.log(ratio), 0.1 * b) / b)
-    dz = min(max(-rate * batches * e, -max_step), max_step)
+    dz = min(max(-rate * batches * e, -max_step), max_raise)
     if dz > 0 and kl_mean < follow * target:
         dz = 0.0
     stuck = kl_mean > target / follow  # the KL law does not bring the KL down to the target
     if stuck and dz < 0:
         dz = 0.0
     z = min(max(z + dz, math.log(lo)), math.log(hi))
-    u = min(max(z - gain * e, math.log(target) - max_step), math.log(target) + max_step)
+    u = min(max(z - gain * e, math.log(target) - max_step), math.log(target) + max_raise)
     if stuck:
         u = max(u, math.log(target))
     return z, min(max(math.exp(u), lo), hi)
@@ -85,12 +86,12 @@ def _expected(
 
 def test_each_evaluation_follows_the_formula_with_its_clip_hold_floor_and_ceiling():
     budget = CapabilityBudget(
-        1.15, gain=0.5, rate=0.025, max_step=0.2, min_target=0.5, max_target=4.0
+        1.15, gain=0.5, rate=0.025, max_step=0.2, max_raise=0.1, min_target=0.5, max_target=4.0
     )
     ctl = _wired(budget, 3.5)
     # (ratio measured, batches since the last evaluation, mean KL over them)
     steps = [
-        (1.02, 40, 3.4),  # under and following, a long interval: clipped raise, to the ceiling
+        (1.02, 40, 3.4),  # under and following, a long interval: a raise clipped at max_raise
         (1.30, 5, 2.1),  # over budget: lower, by rate * 5 * e
         (1.15, 5, 2.0),  # at budget: no move
         (1.02, 5, 0.5),  # under, but the KL has not reached the target: held
@@ -107,7 +108,9 @@ def test_each_evaluation_follows_the_formula_with_its_clip_hold_floor_and_ceilin
         ctl.kl_sum += kl_mean * batches
         ctl.kl_count += batches
         new = budget.step(ratio * REF)
-        z, target = _expected(z, target, ratio, batches, kl_mean, gain=0.5, lo=0.5, hi=4.0)
+        z, target = _expected(
+            z, target, ratio, batches, kl_mean, gain=0.5, max_raise=0.1, lo=0.5, hi=4.0
+        )
         assert new == pytest.approx(target, rel=1e-14)
         assert budget.integral == pytest.approx(z, rel=1e-14, abs=1e-15)
         assert budget.ratio == pytest.approx(ratio, rel=1e-14)
