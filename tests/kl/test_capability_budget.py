@@ -140,7 +140,7 @@ def test_a_perplexity_drifting_at_a_constant_kl_is_followed_with_the_error_drift
     assert error == pytest.approx(rho / rate, rel=1e-5)
 
 
-@pytest.mark.parametrize("rate", [0.0125, 0.05])
+@pytest.mark.parametrize("rate", [0.0125, 0.05, 0.1, 0.2])
 @pytest.mark.parametrize("tau_i,tau_p", [(10, 20), (20, 100)])
 def test_on_a_plant_of_two_lags_the_loop_settles_at_the_budget(rate, tau_i, tau_p):
     # The KL follows the target with a lag tau_i, the excess follows the KL's log with a lag
@@ -151,7 +151,7 @@ def test_on_a_plant_of_two_lags_the_loop_settles_at_the_budget(rate, tau_i, tau_
     ctl = _wired(budget, 1.5 * math.exp(0.5))
     log_kl = log_seen = math.log(1.5 * math.exp(0.5))  # the plant starts settled at the start
     errors = []
-    for _ in range(300):
+    for _ in range(700):
         log_kl = p * log_kl + (1 - p) * math.log(budget.target)
         log_seen = q * log_seen + (1 - q) * log_kl
         ctl.n_batches += n
@@ -160,8 +160,11 @@ def test_on_a_plant_of_two_lags_the_loop_settles_at_the_budget(rate, tau_i, tau_
         excess = b * math.exp(a * (log_seen - math.log(1.5)))  # at budget for a KL of 1.5
         budget.step(math.exp(excess) * REF)
         errors.append(budget_error(excess, b, 0.1))
-    assert abs(errors[-1]) < 1e-3 and max(abs(e) for e in errors[-50:]) < 2e-3
-    assert budget.target == pytest.approx(1.5, rel=3e-3)
+    settled = abs(errors[-1]) < 1e-3 and max(abs(e) for e in errors[-50:]) < 2e-3
+    # Twice the default rate is too fast for the slower plant: it keeps oscillating.
+    assert settled == (rate < 0.2 or tau_p < 50)
+    if settled:
+        assert budget.target == pytest.approx(1.5, rel=3e-3)
 
 
 def test_a_kl_that_does_not_follow_the_target_down_holds_the_target_and_warns_once():
