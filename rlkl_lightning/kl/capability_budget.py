@@ -45,14 +45,24 @@ def budget_error(excess: float, budget_excess: float, floor: float) -> float:
     return math.log(max(excess, floor * budget_excess) / budget_excess)
 
 
-def _number(owner: str, name: str, value: Any, low: float, high: float = math.inf) -> float:
+def _number(
+    owner: str, name: str, value: Any, low: float, high: float = math.inf, closed: bool = False
+) -> float:
+    """``value`` as a float after checking it is a finite number in ``(low, high)``.
+
+    ``closed``: the bounds themselves are allowed (``[low, high]``).
+    """
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
-        or not low < value < high
+        or not (low <= value <= high if closed else low < value < high)
     ):
-        span = f"> {low:g}" if high == math.inf else f"in ({low:g}, {high:g})"
+        left, right = ("[", "]") if closed else ("(", ")")
+        if high == math.inf:
+            span = f"{'>=' if closed else '>'} {low:g}"
+        else:
+            span = f"in {left}{low:g}, {high:g}{right}"
         raise ValueError(f"{owner}: `{name}` must be a finite number {span}, got {value!r}")
     return float(value)
 
@@ -158,25 +168,13 @@ class CapabilityBudget(Callback):
         self.monitor = monitor
         self.reference_key = reference_key
         self.mode = mode
-        if (
-            isinstance(gain, bool)
-            or not isinstance(gain, (int, float))
-            or not (0.0 <= gain < math.inf)
-        ):
-            raise ValueError(f"{owner}: `gain` must be a finite number >= 0, got {gain!r}")
-        self.gain = float(gain)
+        self.gain = _number(owner, "gain", gain, 0.0, closed=True)
         self.rate = _number(owner, "rate", rate, 0.0)
         self.max_step = _number(owner, "max_step", max_step, 0.0)
         self.max_raise = _number(owner, "max_raise", max_raise, 0.0)
         self.min_target = _number(owner, "min_target", min_target, 0.0)
         self.max_target = _number(owner, "max_target", max_target, self.min_target)
-        if (
-            isinstance(follow, bool)
-            or not isinstance(follow, (int, float))
-            or not (0.0 <= follow <= 1.0)
-        ):
-            raise ValueError(f"{owner}: `follow` must lie in [0, 1], got {follow!r}")
-        self.follow = float(follow)
+        self.follow = _number(owner, "follow", follow, 0.0, 1.0, closed=True)
         self.error_floor = _number(owner, "error_floor", error_floor, 0.0, 1.0)
         self.log_key = log_key
         self._sign = 1.0 if mode == "min" else -1.0
