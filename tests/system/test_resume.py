@@ -339,6 +339,7 @@ def test_cli_fit_ckpt_path_last_continues_exactly(tiny_lm_dir, prompts_file, tmp
         assert cut_log == full_log, key
 
 
+@pytest.mark.slow  # a resume case: make test-slow
 def test_cli_resume_of_a_finished_run_with_more_epochs_trains_them(
     tiny_lm_dir, prompts_file, tmp_path
 ):
@@ -372,6 +373,7 @@ def test_cli_resume_of_a_finished_run_with_more_epochs_trains_them(
         assert a["callbacks"][key] == b["callbacks"][key]
 
 
+@pytest.mark.slow  # a resume case: make test-slow
 @pytest.mark.parametrize("written", ["by_the_run", "after_fit"])
 def test_extending_a_finished_run_bounded_by_max_steps_trains_the_new_epoch(
     tiny_lm_dir, prompts_file, tmp_path, written
@@ -415,6 +417,7 @@ def test_extending_a_finished_run_bounded_by_max_steps_trains_the_new_epoch(
         assert a["callbacks"][key] == b["callbacks"][key]
 
 
+@pytest.mark.slow  # a resume case: make test-slow
 def test_last_ckpt_is_the_runs_final_batch_and_continues_exactly(
     tiny_lm_dir, prompts_file, tmp_path
 ):
