@@ -1,11 +1,12 @@
 # These commands do all their own set-up on a fresh machine:
 #   make study   runs the adaptive-vs-fixed KL study on the embedded default world
 #   make test    runs ruff and the test suite but for the slow tests below: every module at
-#                unit level and every config once, fast feedback (under 6 minutes on 2 cores)
+#                unit level and every config once (4 minutes on 2 cores; .ci/run fails it over 6)
 #   make test-dist      runs the tests marked `dist`: several training processes (DDP, FSDP)
 #   make test-slow      runs the tests marked `slow`: killed and resumed runs, studies,
-#                       benchmark smoke runs, config sweeps
+#                       benchmark smoke runs, long training runs, sweeps
 #   make test-compiled  runs tests/compiled/: the compiled decode step against the eager loop
+#   make test-vllm      runs tests/vllm/ in .venv-vllm: vLLM as the rollout engine
 #   make docs    builds the documentation into site/ (mkdocs build --strict)
 # The virtual environment lives in .venv; it is rebuilt only when pyproject.toml or
 # constraints.txt change. torch is installed first and pinned: an unpinned torch pulls
