@@ -1,7 +1,12 @@
 # These commands do all their own set-up on a fresh machine:
 #   make study   runs the adaptive-vs-fixed KL study on the embedded default world
-#   make test    runs ruff and the whole test suite
+#   make test    runs ruff and the test suite but for the slow tests below: every module at
+#                unit level and every config once (4 minutes on 2 cores; .ci/run fails it over 6)
+#   make test-dist      runs the tests marked `dist`: several training processes (DDP, FSDP)
+#   make test-slow      runs the tests marked `slow`: killed and resumed runs, studies,
+#                       benchmark smoke runs, long training runs, sweeps
 #   make test-compiled  runs tests/compiled/: the compiled decode step against the eager loop
+#   make test-vllm      runs tests/vllm/ in .venv-vllm: vLLM as the rollout engine
 #   make docs    builds the documentation into site/ (mkdocs build --strict)
 # The virtual environment lives in .venv; it is rebuilt only when pyproject.toml or
 # constraints.txt change. torch is installed first and pinned: an unpinned torch pulls
@@ -11,7 +16,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup study test test-compiled lint docs trl-env vllm-env test-vllm
+.PHONY: setup study test test-dist test-slow test-compiled lint docs trl-env vllm-env test-vllm
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,13 +33,25 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# PYTEST_ARGS: more pytest options for the suites below (.ci/run adds --durations=30).
+PYTEST_ARGS ?=
+
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 -q -m "not dist and not slow" $(PYTEST_ARGS)
+
+# The markers are registered in pyproject.toml. One test at a time under `dist`: each already
+# starts two processes. pytest's status 5 (no test selected) passes.
+test-dist: $(STAMP)
+	$(BIN)/python -m pytest -q -m dist $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # Kept out of `make test` (pyproject.toml's --ignore): every compiled step costs seconds of
-# torch.compile. Skipped, with the reason, where inductor has no C++ compiler for the CPU.
+# torch.compile. Skipped, with the reason, where inductor has no C++ compiler for the CPU; under
+# CI=true such a skip fails (tests/conftest.py), here and in tests/vllm/.
 test-compiled: $(STAMP)
-	$(BIN)/python -m pytest -q tests/compiled
+	$(BIN)/python -m pytest -q tests/compiled $(PYTEST_ARGS)
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site
@@ -67,4 +84,4 @@ vllm-env: $(VLLM_VENV)/.installed
 # tests/vllm/ (left out of `make test`): vLLM as the rollout engine, in .venv-vllm, with the
 # engine in the test process.
 test-vllm: $(VLLM_VENV)/.installed
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm $(PYTEST_ARGS)

@@ -97,6 +97,7 @@ def cli(config: Path, *args: str):
     return main(["fit", "--config", str(config), *args])
 
 
+@pytest.mark.slow  # a resume case: make test-slow
 def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version_directory(
     tiny_lm_dir, tmp_path, monkeypatch
 ):

@@ -106,6 +106,7 @@ def test_batched_scores_equal_per_sample_scores(tiny_lm_dir):
 
 
 # ---------------------------------------------------------------- learning and KL penalty
+@pytest.mark.slow  # a training run of 25-40 batches: make test-slow
 def test_policy_learns_a_trivial_reward(tiny_lm_dir):
     seed_everything(0)
     module = Recorder(**module_args(tiny_lm_dir))
@@ -117,6 +118,7 @@ def test_policy_learns_a_trivial_reward(tiny_lm_dir):
     assert last > first + 0.3, (first, last)
 
 
+@pytest.mark.slow  # a training run of 25-40 batches: make test-slow
 def test_large_fixed_beta_keeps_kl_near_zero(tiny_lm_dir):
     results = {}
     for beta in (0.0, 20.0):

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from helpers.trainers import fit_on_prompts
@@ -98,6 +100,29 @@ def run(policy_dir, tmp_path, ckpt_dir, extra=(), ckpt_path=None, hold=0, every=
     return model, controller, monitor, recorder
 
 
+@pytest.fixture(scope="module")
+def refreshed_run(tiny_lm_dir, tmp_path_factory):
+    """The uninterrupted run with hard resets every 2 batches, and its checkpoints of a run cut at
+    batch 3: trained once for the two tests that resume from that cut."""
+    tmp = tmp_path_factory.mktemp("refreshed_run")
+    full = run(tiny_lm_dir, tmp, tmp / "full")
+    with pytest.raises(SimulatedCrash):  # the last checkpoint is after batch 3: one refresh
+        run(tiny_lm_dir, tmp, tmp / "cut", extra=[Crash(at=3)])
+    return full, tmp / "cut"
+
+
+def cut_run(tiny_lm_dir, tmp_path, request, **settings):
+    """The uninterrupted run and the cut one's checkpoints in ``tmp_path / "cut"``."""
+    if not settings:  # the shared run, its checkpoints copied: a resume writes beside them
+        full, cut = request.getfixturevalue("refreshed_run")
+        shutil.copytree(cut, tmp_path / "cut")
+        return full
+    full = run(tiny_lm_dir, tmp_path, tmp_path / "full", **settings)
+    with pytest.raises(SimulatedCrash):
+        run(tiny_lm_dir, tmp_path, tmp_path / "cut", extra=[Crash(at=3)], **settings)
+    return full
+
+
 def reference_state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if k in model.refreshed_keys}
 
@@ -182,11 +207,12 @@ def test_bad_settings_name_the_option(tiny_lm_dir):
 # ---------------------------------------------------------------- runs that refresh and resume
 @pytest.mark.parametrize("every", [2, None], ids=["refreshed", "fixed"])
 @pytest.mark.parametrize("peft", [None, LORA], ids=["full", "lora"])
-def test_a_run_interrupted_after_a_refresh_resumes_bit_for_bit(tiny_lm_dir, tmp_path, peft, every):
+def test_a_run_interrupted_after_a_refresh_resumes_bit_for_bit(
+    tiny_lm_dir, tmp_path, peft, every, request
+):
     """With and without refreshes, full and LoRA: the resumed run is the uninterrupted one."""
-    full, full_ctl, full_mon, full_rec = run(
-        tiny_lm_dir, tmp_path, tmp_path / "full", peft=peft, every=every
-    )
+    settings = {} if (peft, every) == (None, 2) else {"peft": peft, "every": every}
+    full, full_ctl, full_mon, full_rec = cut_run(tiny_lm_dir, tmp_path, request, **settings)
     if every:
         assert [r["reference/refreshes"] for r in full_rec.rows] == [0, 0, 1, 1, 2, 2]
         # Right after each hard reset the KL is about zero (rollout and reference passes
@@ -197,9 +223,7 @@ def test_a_run_interrupted_after_a_refresh_resumes_bit_for_bit(tiny_lm_dir, tmp_
     else:
         assert all("reference/refreshes" not in r for r in full_rec.rows)
 
-    with pytest.raises(SimulatedCrash):  # the last checkpoint is after batch 3: one refresh
-        run(tiny_lm_dir, tmp_path, tmp_path / "cut", extra=[Crash(at=3)], peft=peft, every=every)
-    last = tmp_path / "cut" / "last.ckpt"
+    last = tmp_path / "cut" / "last.ckpt"  # after batch 3: one refresh
     saved = torch.load(last, weights_only=True)
     assert saved["rlkl_counters"]["reference_refreshes"] == (1 if every else 0)
     assert set(saved.get("rlkl_reference", {})) == set(full.refreshed_keys)
@@ -218,11 +242,9 @@ def test_a_run_interrupted_after_a_refresh_resumes_bit_for_bit(tiny_lm_dir, tmp_
         assert torch.equal(ours[key], theirs[key]), key
 
 
-def test_without_the_refreshed_weights_the_resume_would_differ(tiny_lm_dir, tmp_path):
+def test_without_the_refreshed_weights_the_resume_would_differ(tiny_lm_dir, tmp_path, request):
     """The resume test can fail: a checkpoint without its refreshed reference re-anchors."""
-    _, _, _, full_rec = run(tiny_lm_dir, tmp_path, tmp_path / "full")
-    with pytest.raises(SimulatedCrash):
-        run(tiny_lm_dir, tmp_path, tmp_path / "cut", extra=[Crash(at=3)])
+    _, _, _, full_rec = cut_run(tiny_lm_dir, tmp_path, request)
     last = tmp_path / "cut" / "last.ckpt"
     saved = torch.load(last, weights_only=True)
     del saved["rlkl_reference"]  # what a checkpoint without the refreshed reference holds

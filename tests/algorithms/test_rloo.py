@@ -194,6 +194,7 @@ def test_kl_in_the_loss_adds_beta_times_kl_loss(tiny_lm_dir, other_reference, cl
 
 
 # ---------------------------------------------------------------- training
+@pytest.mark.slow  # training runs of 25-30 batches: make test-slow
 def test_rloo_learns_a_trivial_reward(tiny_lm_dir):
     seed_everything(0)
     module = RecordingRLOO(**module_args(tiny_lm_dir, group={"responses_per_prompt": K}))
@@ -204,6 +205,7 @@ def test_rloo_learns_a_trivial_reward(tiny_lm_dir):
     assert last > first + 0.3, (first, last)
 
 
+@pytest.mark.slow  # training runs of 25-30 batches: make test-slow
 @pytest.mark.parametrize("cls", [PPOModule, RLOOModule])
 def test_a_large_beta_in_the_loss_keeps_the_kl_near_zero(tiny_lm_dir, cls):
     """k2 in the loss regularises: beta 20 holds the KL that beta 0 lets run away."""

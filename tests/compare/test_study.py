@@ -51,6 +51,7 @@ def events(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
+@pytest.mark.slow  # a study: make test-slow
 def test_quick_study_end_to_end(tiny_lm_dir, tmp_path_factory, capsys):
     """One study, several checks (one test, so `pytest -n` runs the study once)."""
     study = run_quick_study(tiny_lm_dir, tmp_path_factory)
@@ -205,6 +206,7 @@ def test_verdict_follows_the_two_standard_error_rule():
     assert verdict({"fixed": fixed}) is None
 
 
+@pytest.mark.slow  # a study: make test-slow
 def test_quick_algorithm_study_runs_rloo_as_another_entry(tiny_lm_dir, tmp_path):
     """configs/compare_algorithms.yaml, --quick, 1 seed x 2 batches: PPO, both RLOO runs, GRPO."""
     prompts = tmp_path / "prompts.txt"
@@ -374,6 +376,7 @@ def test_run_progress_replaces_its_count_file_whole(tmp_path):
     assert [p.name for p in (tmp_path / "progress").iterdir()] == ["fixed-seed0.txt"]
 
 
+@pytest.mark.slow  # a study: make test-slow
 def test_each_run_takes_the_study_environment_and_directory_at_its_start(
     tiny_lm_dir, tmp_path, monkeypatch
 ):
@@ -409,6 +412,7 @@ def test_each_run_takes_the_study_environment_and_directory_at_its_start(
     assert seen[0]["pid"] != seen[1]["pid"]  # a fresh process per run
 
 
+@pytest.mark.slow  # a study: make test-slow
 def test_a_script_that_starts_the_study_without_the_main_guard_is_told_so(tiny_lm_dir, tmp_path):
     """Each run's process imports the calling script again; unguarded, it never starts its run."""
     import subprocess

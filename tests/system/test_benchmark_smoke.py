@@ -16,6 +16,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+@pytest.mark.slow  # a benchmark smoke run: make test-slow
 def test_lora_reference_benchmark_runs_tiny_on_cpu(capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import lora_reference
@@ -36,6 +37,7 @@ def test_lora_reference_benchmark_runs_tiny_on_cpu(capsys, monkeypatch):
     assert "lora_reference" in sys.modules
 
 
+@pytest.mark.slow  # a benchmark smoke run: make test-slow
 def test_rollout_memory_benchmark_runs_tiny_on_cpu(capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import rollout_memory
@@ -70,6 +72,7 @@ def test_preset_flop_counts_follow_the_models(throughput, name):
         assert model.get_output_embeddings().weight.shape == (p.vocab, p.width)
 
 
+@pytest.mark.slow  # a benchmark smoke run: make test-slow
 def test_ppo_throughput_runs_tiny_presets_on_cpu(throughput, capsys, tmp_path):
     """Our side in a worker process, at a GPU preset's architecture, tiny."""
     # One worker: each costs an interpreter with torch, Lightning and transformers; a PPO
@@ -129,6 +132,7 @@ def test_profile_phases_runs_tiny(monkeypatch, capsys, tmp_path):
     assert "calls  aten::" in printed
 
 
+@pytest.mark.slow  # a benchmark smoke run: make test-slow
 def test_grpo_throughput_runs_tiny_on_cpu(monkeypatch, capsys, tmp_path):
     """Our GRPO side in a worker process, tiny; the steps and tokens it counts are the preset's."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))

@@ -282,6 +282,7 @@ def test_a_reward_named_by_class_path_in_the_config_is_the_one_used(
     assert 0.0 < score < 1.0  # a probability: the classifier scored the batch
 
 
+@pytest.mark.slow  # a train.py process: make test-slow
 def test_an_rloo_run_prints_no_warning(tiny_lm_dir, tmp_path):
     """The README says a warning on the console means something is wrong: RLOO and GRPO runs
     printed Lightning's note on their own ``on_before_batch_transfer``, which is the design."""

@@ -17,6 +17,8 @@ from helpers.ddp_runs import PER_RANK, PROMPTS, SEED, STEPS, TESTS, config, reco
 
 from rlkl_lightning.data.samplers import EpochShuffleSampler
 
+pytestmark = pytest.mark.dist  # several processes: make test-dist
+
 KL_SCORE = ("objective/kl", "objective/kl_per_token", "objective/score")
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "fan_in_fan_out": True}
 

@@ -51,6 +51,8 @@ from helpers.ddp_runs import PER_RANK, PROMPTS, SEED, STEPS, TESTS, config, reco
 
 from rlkl_lightning.data.samplers import EpochShuffleSampler
 
+pytestmark = pytest.mark.dist  # several processes: make test-dist
+
 
 def close(a, b, rel=1e-5, abs=1e-6):
     return a == pytest.approx(b, rel=rel, abs=abs)

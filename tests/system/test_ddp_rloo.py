@@ -17,6 +17,8 @@ from helpers.ddp_runs import train_py
 from rlkl_lightning.algorithms.advantages import group_advantages
 from rlkl_lightning.data.samplers import EpochShuffleSampler
 
+pytestmark = pytest.mark.dist  # several processes: make test-dist
+
 PROMPTS = ["the film was", "this book is", "the food", "a story", "it was", "not a", "very", "good"]
 SEED, PER_RANK, K, BATCHES = 3, 2, 3, 2
 

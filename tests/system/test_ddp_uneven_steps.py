@@ -24,6 +24,7 @@ from helpers.ddp_runs import STEPS, WORDS, config, records, train_py
 TIMEOUT_S = 180
 
 
+@pytest.mark.dist  # several processes: make test-dist
 @pytest.mark.parametrize(
     ("per_rank", "optimization"),
     [

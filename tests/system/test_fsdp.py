@@ -29,6 +29,8 @@ from helpers.ddp_runs import PROMPTS, SEED, STEPS, TESTS, config, records, train
 from rlkl_lightning.data.samplers import EpochShuffleSampler
 from rlkl_lightning.models.loading import load_causal_lm
 
+pytestmark = pytest.mark.dist  # several processes: make test-dist
+
 GLOBAL_BATCH = 4
 COMPARED = ("objective/kl", "objective/kl_per_token", "objective/score", "objective/entropy")
 

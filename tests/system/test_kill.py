@@ -49,6 +49,8 @@ from helpers.kill_runs import BATCHES, write_config
 
 from rlkl_lightning.checkpoints import check_checkpoint, partial_path
 
+pytestmark = pytest.mark.slow  # killed and resumed runs: make test-slow
+
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 

@@ -16,6 +16,8 @@ import pytest
 import yaml
 from helpers.cli_runs import ROOT, train_py
 
+pytestmark = pytest.mark.slow  # train.py processes: make test-slow
+
 PLUGINS = '''
 """A user's own KL estimator and control law."""
 

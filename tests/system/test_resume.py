@@ -121,6 +121,16 @@ def run(
     return trainer, model, controller, monitor, recorder
 
 
+@pytest.fixture(scope="module")
+def full_ppo_run(tiny_lm_dir, tmp_path_factory):
+    """The uninterrupted PPO run, a checkpoint after every batch, in ``ckpt_dir``: trained once
+    for the module's tests. ``(ckpt_dir, trainer, module, controller, monitor, recorder)``."""
+    tmp = tmp_path_factory.mktemp("full_ppo_run")
+    prompts = tmp / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    return tmp / "ckpt", *run(tiny_lm_dir, prompts, tmp / "ckpt")
+
+
 def _unique_storages(state: dict) -> list:
     seen, out = set(), []
     for tensor in state.values():
@@ -139,12 +149,16 @@ def assert_same_tensors(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_run(
-    tiny_lm_dir, prompts_file, tmp_path, algorithm
+    tiny_lm_dir, prompts_file, tmp_path, algorithm, request
 ):
     samples = BATCH * (RLOO["group"]["responses_per_prompt"] if algorithm == "rloo" else 1)
-    _, full, full_ctl, full_mon, full_rec = run(
-        tiny_lm_dir, prompts_file, tmp_path / "full", algorithm=algorithm
-    )
+    if algorithm == "ppo":
+        full_dir, _, full, full_ctl, full_mon, full_rec = request.getfixturevalue("full_ppo_run")
+    else:
+        full_dir = tmp_path / "full"
+        _, full, full_ctl, full_mon, full_rec = run(
+            tiny_lm_dir, prompts_file, full_dir, algorithm=algorithm
+        )
     assert len(full_rec.rows) == 6
     assert len({r["beta_used"] for r in full_rec.rows}) == 6  # beta moves every batch
 
@@ -171,7 +185,7 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_run(
         {k: v for k, v in resumed.state_dict().items()},
         {k: v for k, v in full.state_dict().items()},
     )
-    full_opt = torch.load(tmp_path / "full" / "last.ckpt", weights_only=True)
+    full_opt = torch.load(full_dir / "last.ckpt", weights_only=True)
     res_opt = torch.load(tmp_path / "cut" / "last.ckpt", weights_only=True)
     for a, b in zip(
         full_opt["optimizer_states"][0]["state"].values(),
@@ -181,11 +195,11 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_run(
         assert_same_tensors(a, b)
 
 
-def test_checkpoints_do_not_change_the_run(tiny_lm_dir, prompts_file, tmp_path):
+def test_checkpoints_do_not_change_the_run(tiny_lm_dir, prompts_file, full_ppo_run):
     """Writing a checkpoint after every batch draws no random number and changes nothing."""
-    _, with_ckpt, *_, rec = run(tiny_lm_dir, prompts_file, tmp_path / "a")
+    ckpt_dir, _, with_ckpt, *_, rec = full_ppo_run
     _, without, *_, rec_without = run(tiny_lm_dir, prompts_file, None, checkpoint=False)
-    assert len(list((tmp_path / "a").glob("*.ckpt"))) == 7  # a file per batch, and last.ckpt
+    assert len(list(ckpt_dir.glob("*.ckpt"))) == 7  # a file per batch, and last.ckpt
     assert rec.rows == rec_without.rows
     assert_same_tensors(with_ckpt.state_dict(), without.state_dict())
 
@@ -339,6 +353,7 @@ def test_cli_fit_ckpt_path_last_continues_exactly(tiny_lm_dir, prompts_file, tmp
         assert cut_log == full_log, key
 
 
+@pytest.mark.slow  # a resume case: make test-slow
 def test_cli_resume_of_a_finished_run_with_more_epochs_trains_them(
     tiny_lm_dir, prompts_file, tmp_path
 ):
@@ -372,6 +387,7 @@ def test_cli_resume_of_a_finished_run_with_more_epochs_trains_them(
         assert a["callbacks"][key] == b["callbacks"][key]
 
 
+@pytest.mark.slow  # a resume case: make test-slow
 @pytest.mark.parametrize("written", ["by_the_run", "after_fit"])
 def test_extending_a_finished_run_bounded_by_max_steps_trains_the_new_epoch(
     tiny_lm_dir, prompts_file, tmp_path, written
@@ -415,6 +431,7 @@ def test_extending_a_finished_run_bounded_by_max_steps_trains_the_new_epoch(
         assert a["callbacks"][key] == b["callbacks"][key]
 
 
+@pytest.mark.slow  # a resume case: make test-slow
 def test_last_ckpt_is_the_runs_final_batch_and_continues_exactly(
     tiny_lm_dir, prompts_file, tmp_path
 ):

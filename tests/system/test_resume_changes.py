@@ -179,6 +179,7 @@ def test_a_new_law_starts_from_the_checkpoints_beta(finished, law, caplog):
     assert f"the law changed ('adaptive' -> '{law}'): beta {beta:.6g} carries over" in caplog.text
 
 
+@pytest.mark.slow  # a resume case: make test-slow
 def test_a_changed_or_added_reference_refresh_is_refused(tiny_lm_dir, tmp_path, capfd):
     """A ``ReferenceRefresh`` changes the trajectory as the KL group does; it resumed unchecked."""
     checkpoint = {
@@ -220,6 +221,7 @@ def test_a_changed_or_added_reference_refresh_is_refused(tiny_lm_dir, tmp_path, 
         assert [line.strip() for line in message.splitlines()[1:-1]] == listed, message
 
 
+@pytest.mark.slow  # a resume case: make test-slow
 def test_a_changed_budget_or_steering_text_is_refused_and_the_same_run_resumes(
     tiny_lm_dir, tmp_path, capfd
 ):

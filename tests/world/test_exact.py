@@ -155,6 +155,7 @@ def test_only_k1_in_the_reward_has_its_exact_end_point_at_the_optimum(world):
         placement_end_point(world, beta, "loss", "exact")
 
 
+@pytest.mark.slow  # six exact end points, up to 3,000 steps each: make test-slow
 def test_whitening_without_scaling_the_kl_term_runs_away_with_k2_in_the_loss(world):
     """Issue 37's cause, by exact gradients: PPO whitened its advantages, not its KL term.
 
