@@ -128,9 +128,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/rlkl_law_calibration"))
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    import yaml
-
     from rlkl_lightning.compare.events import overshoot, read_curves, settle_batch
+    from rlkl_lightning.config_files import compose
     from rlkl_lightning.kl.settings import KLSettings
 
     fits = {}
@@ -156,7 +155,7 @@ def main() -> None:
     )
     print("predicted on this model (20 seeds), with the configs' gains:")
     for law in ("fixed", "adaptive", "exponential", "pi"):
-        config = yaml.safe_load((ROOT / "configs" / f"ppo_{law}.yaml").read_text())["kl"]
+        config = compose(ROOT / "configs" / f"ppo_{law}.yaml")["kl"]
         settings = KLSettings(**config)
         runs = [
             simulate(settings.kl_controller(BETAS[0]), hi, g, tau, theta, seed)

@@ -87,13 +87,12 @@ def judge(make, plants, seeds, noise=0.15):
 
 def laws():
     """Every law with its config's settings, starting at the configs' beta 0.1."""
-    import yaml
-
+    from rlkl_lightning.config_files import compose
     from rlkl_lightning.kl.controllers import KL_LAWS
     from rlkl_lightning.kl.settings import KLSettings
 
     for law in KL_LAWS:
-        kl = yaml.safe_load((ROOT / "configs" / f"ppo_{law}.yaml").read_text())["kl"]
+        kl = compose(ROOT / "configs" / f"ppo_{law}.yaml")["kl"]
         yield law, lambda kl=kl: KLSettings(**kl).kl_controller(0.1)
 
 

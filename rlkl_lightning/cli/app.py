@@ -81,7 +81,7 @@ class RLKLCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         """Add the ``kl`` group and ``--resume_with_changes``."""
-        parser.add_class_arguments(KLSettings, "kl")
+        parser.add_class_arguments(KLSettings, "kl", sub_configs=True)  # `kl: base/kl.yaml`
         parser.add_argument(
             "--resume_with_changes",
             type=bool,

@@ -30,6 +30,7 @@ from lightning.pytorch import Callback
 from typing_extensions import override
 
 from rlkl_lightning.compare.config import merge, run_entry, run_seeds
+from rlkl_lightning.config_files import compose
 from rlkl_lightning.defaults import default_of
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
         path, own = run_entry(group, entry)
         if not Path(path).is_file():
             raise ValueError(f"compare: `runs.{group}` config not found: {path!r}")
-        base = yaml.safe_load(Path(path).read_text()) or {}
+        base = compose(path)  # its bases and dotted keys resolved
         bases[group] = merge(merge(base, study.overrides), own)
         if world is not None:  # a custom world: its model, prompts and held-out text
             bases[group] = merge(without_replaced_options(bases[group]), world)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
+
+from rlkl_lightning.config_files import compose
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("law_gains", ROOT / "scripts" / "law_gains.py")
@@ -42,8 +43,8 @@ def test_the_gains_put_the_loop_crossover_where_simc_asks():
 def test_the_law_configs_hold_the_derived_gains():
     """The measured plant (calibration seed 10, README) gives the configs' gains, to 2 digits."""
     found = law_gains.gains(g=4.19, tau=11.5, theta=5)
-    exponential = yaml.safe_load((ROOT / "configs" / "ppo_exponential.yaml").read_text())["kl"]
-    pi = yaml.safe_load((ROOT / "configs" / "ppo_pi.yaml").read_text())["kl"]
+    exponential = compose(ROOT / "configs" / "ppo_exponential.yaml")["kl"]
+    pi = compose(ROOT / "configs" / "ppo_pi.yaml")["kl"]
     assert exponential["k"] == float(f"{found['k']:.2g}")
     assert (pi["kp"], pi["ki"]) == (float(f"{found['kp']:.2g}"), float(f"{found['ki']:.2g}"))
 

@@ -1,7 +1,10 @@
 """Every YAML in configs/ is a test case: run for two batches with tiny local overrides.
 
-The real-model config needs the Hugging Face hub, so it is only parsed; the study configs are
-parsed here and run end to end (``--quick``) in compare/test_study.py.
+Run configs are found in every folder but ``configs/base/`` (the shared blocks they start
+from) and composed with their bases as ``train.py`` composes them. The real-model configs need
+the Hugging Face hub and the vLLM ones the vLLM environment, so they are only parsed here
+(tests/vllm runs those); the study configs are parsed here and run end to end (``--quick``) in
+compare/test_study.py.
 """
 
 from __future__ import annotations
@@ -19,12 +22,21 @@ import yaml
 
 from rlkl_lightning import RLOOModule
 from rlkl_lightning.cli import main
+from rlkl_lightning.config_files import compose
 from rlkl_lightning.defaults import defaults_of
 from rlkl_lightning.kl.controllers import KL_LAWS
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+BASES = sorted((ROOT / "configs" / "base").rglob("*.yaml"))
+CONFIGS = sorted(set((ROOT / "configs").rglob("*.yaml")) - set(BASES))
 NEEDS_HUB = {"ppo_gpt2_imdb.yaml", "ppo_qwen_lora_bf16.yaml"}
+NEEDS_VLLM = {"ppo_vllm.yaml", "grpo_vllm.yaml"}
+#: The run configs that train offline with the native engine: each trains two batches here.
+NATIVE_RUNS = sorted(
+    c.name
+    for c in CONFIGS
+    if not c.name.startswith("compare") and c.name not in {"sft.yaml", *NEEDS_HUB, *NEEDS_VLLM}
+)
 
 
 def scalar_tags(log_dir: Path) -> set[str]:
@@ -43,7 +55,9 @@ def test_the_configs_are_all_here():
     assert {"rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml", "compare_algorithms.yaml"} <= names
     assert "grpo_adaptive.yaml" in names
     assert "ppo_reference_reset.yaml" in names
-    assert NEEDS_HUB <= names
+    assert NEEDS_HUB <= names and NEEDS_VLLM <= names
+    assert {"world.yaml", "ppo.yaml", "rloo.yaml", "exact.yaml"} <= {b.name for b in BASES}
+    assert len(NATIVE_RUNS) == 12 and "exact_ppo.yaml" in NATIVE_RUNS
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
@@ -52,6 +66,20 @@ def test_every_config_opens_with_what_it_runs_and_the_command(config):
     assert head.startswith("# "), "a config opens with a comment saying what it runs"
     assert config.name in head, "and the exact command"
     assert "here" in head, "and how long it took here (or why it did not run here)"
+
+
+@pytest.mark.parametrize("base", BASES, ids=[b.name for b in BASES])
+def test_every_base_says_what_it_holds_and_that_it_is_no_run(base):
+    head = base.read_text().split("\n")[0]
+    assert head.startswith("# ") and "Not a run" in base.read_text().split("\n\n")[0]
+
+
+def test_the_default_world_runs_say_only_what_differs():
+    """Each default-world run starts from a base and holds at most a screenful of its own."""
+    for name in NATIVE_RUNS:
+        raw = yaml.safe_load((ROOT / "configs" / name).read_text())
+        assert "config" in raw, f"{name} does not start from a base"
+        assert "seed_everything" not in raw and "data" not in raw, name  # the bases hold those
 
 
 def _defaults(target) -> dict[str, Any]:
@@ -88,8 +116,8 @@ def _restated(args: dict, defaults: dict[str, Any], where: str) -> list[str]:
 def test_configs_write_no_default_again(config):
     from lightning.pytorch import Trainer
 
-    data = yaml.safe_load(config.read_text())
     if config.name.startswith("compare"):  # a study config
+        data = yaml.safe_load(config.read_text())
         from rlkl_lightning.compare import StudyConfig
 
         fields = dataclasses.fields(StudyConfig)
@@ -99,6 +127,7 @@ def test_configs_write_no_default_again(config):
         }
         found = _restated(data, defaults, "")
     else:
+        data = compose(config)  # with its bases
         sections = {key: data[key] for key in ("model", "data") if key in data}
         found = _restated(sections, {}, "") + _restated(
             data["trainer"], _defaults(Trainer), "trainer"
@@ -116,35 +145,41 @@ LAW_CLASSES = {
 }
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["ppo_adaptive.yaml", "ppo_fixed.yaml", "ppo_exponential.yaml", "ppo_pi.yaml"]
-    + ["ppo_logpid.yaml"]
-    + ["rloo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml", "grpo_adaptive.yaml"]
-    + ["ppo_reference_reset.yaml"],
-)
+@pytest.mark.parametrize("name", NATIVE_RUNS)
 def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    config = compose(ROOT / "configs" / name)  # as train.py composes it with its bases
+    options = config["model"]["init_args"]
+    exact = options.get("policy") == "exact"  # the exact world: its own model and prompts
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(["the film was", "this book is", "the food", "a story"] * 4))
+    tiny = [f"--model.policy={tiny_lm_dir}", "--model.sampling.max_prompt_tokens=8"]
+    tiny += ["--model.sampling.max_new_tokens=6", "--model.logging.log_samples_every=1"]
+    tiny += [f"--data.prompts={prompts}", f"--data.heldout={prompts}", "--data.batch_size=4"]
+    if "test_heldout" in config["data"].get("init_args", {}):
+        tiny.append(f"--data.test_heldout={prompts}")
     cli = main(
         ["fit", "--config", str(ROOT / "configs" / name)]
-        + [f"--model.policy={tiny_lm_dir}", "--model.sampling.max_prompt_tokens=8"]
-        + ["--model.sampling.max_new_tokens=6", "--model.logging.log_samples_every=1"]
-        + [f"--data.prompts={prompts}", f"--data.heldout={prompts}", "--data.batch_size=4"]
-        + ["--trainer.max_steps=32", "--trainer.val_check_interval=2"]
+        + ([] if exact else tiny)
+        + ["--trainer.max_steps=32"]
+        + ([] if exact else ["--trainer.val_check_interval=2"])
         + [f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}"]
     )
-    config = yaml.safe_load((ROOT / "configs" / name).read_text())
-    options = config["model"]["init_args"]
     module = cli.model
     assert module.batches_seen == 2  # max_steps = 2 batches x 16 optimizer steps
     controller, monitor = cli.trainer.callbacks[:2]
-    # The callbacks count responses: 4 prompts per batch, times RLOO's responses per prompt.
+    # The callbacks count responses: a batch's prompts, times RLOO's responses per prompt.
     per_prompt = module.group.responses_per_prompt if isinstance(module, RLOOModule) else 1
-    assert controller.n_samples == monitor.n_samples == module.samples_seen == 2 * 4 * per_prompt
-    assert monitor.target == config["kl"]["target"]  # given once, shared
+    batch = config["data"]["init_args"]["batch_size"] if exact else 4
+    assert (
+        controller.n_samples == monitor.n_samples == module.samples_seen == 2 * batch * per_prompt
+    )
+    callbacks = [c["class_path"].rpartition(".")[2] for c in config["trainer"]["callbacks"]]
     law = controller.controller
+    if "CapabilityBudget" in callbacks:  # the budget moves the target of both at validation
+        assert monitor.target == law.target != config["kl"]["target"]
+    else:
+        assert monitor.target == config["kl"]["target"]  # given once, shared
     assert type(law).__name__ == LAW_CLASSES[config["kl"]["controller"]]
     for gain in ("k", "kp", "ki", "horizon"):  # the config's gains reach the law
         assert getattr(law, gain, None) == config["kl"].get(gain, getattr(law, gain, None))
@@ -156,14 +191,18 @@ def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeyp
     tags = scalar_tags(tmp_path / "runs")
     for tag in ("objective/kl", "objective/kl_coef", "objective/score", "kl_monitor/target"):
         assert tag in tags
-    assert {"val/perplexity", "val/perplexity_ref", "text:samples/text_summary"} <= tags
     assert ("loss/kl" in tags) == (options.get("kl", {}).get("placement") == "loss")
     grpo = options.get("group", {}).get("advantage") == "grpo"
     assert ("objective/frac_reward_zero_std" in tags) == grpo
     refreshes = "reference/refreshes" in tags  # logged with a ReferenceRefresh callback
-    assert refreshes == (name == "ppo_reference_reset.yaml")
+    assert refreshes == ("ReferenceRefresh" in callbacks)
     diagnostics = "kl_tokens/max_kl" in tags  # logged with logging.kl_token_threshold
     assert diagnostics == ("kl_token_threshold" in options.get("logging", {}))
+    if exact:  # no validation, no checkpoints: ExactMetrics logs the exact world's numbers
+        assert any(tag.startswith("exact/") for tag in tags), tags
+        assert not list((tmp_path / "runs").glob("*/version_0/checkpoints/*.ckpt"))
+        return
+    assert {"val/perplexity", "val/perplexity_ref", "text:samples/text_summary"} <= tags
     # The README's `--ckpt_path last` finds the run's end (rloo/grpo kept no last.ckpt).
     (last,) = (tmp_path / "runs").glob("*/version_0/checkpoints/last.ckpt")
     assert torch.load(last, weights_only=True)["rlkl_counters"]["batches_seen"] == 2
@@ -237,7 +276,7 @@ def test_study_config_parses_and_names_existing_run_configs(monkeypatch):
     assert set(study.runs) == {"fixed", "adaptive"}
     assert all((ROOT / path).is_file() for path in study.runs.values())
     study, _ = parse_args(["--config", "configs/compare_laws.yaml"])
-    configs = {name: yaml.safe_load((ROOT / p).read_text()) for name, p in study.runs.items()}
+    configs = {name: compose(ROOT / p) for name, p in study.runs.items()}
     assert {name: c["kl"]["controller"] for name, c in configs.items()} == {
         law: law for law in KL_LAWS
     }  # every law, once, each under its own name
@@ -299,3 +338,38 @@ def test_an_rloo_run_prints_no_warning(tiny_lm_dir, tmp_path):
     )
     assert status == 0, output
     assert not re.findall(r"^.*\.py:\d+: .*$", output, flags=re.MULTILINE), output
+
+
+def _parser():
+    """train.py's parser, as ``main`` builds it, without parsing or running anything."""
+    from rlkl_lightning.cli import app
+
+    class Built(Exception):
+        pass
+
+    class ParserOnly(app.RLKLCLI):
+        def parse_arguments(self, parser, args) -> None:
+            raise Built(parser)
+
+    cli_class, app.RLKLCLI = app.RLKLCLI, ParserOnly
+    try:
+        app._cli(["fit"])
+    except Built as built:
+        return built.args[0]
+    finally:
+        app.RLKLCLI = cli_class
+    raise AssertionError("the CLI parsed without calling parse_arguments")
+
+
+def test_a_config_composed_with_its_bases_reads_as_the_parser_reads_the_file(tmp_path):
+    """``compose`` (the study's and the scripts' view of a config) agrees with train.py's."""
+    parser = _parser()
+    for config in CONFIGS:
+        if config.name.startswith("compare") or config.name == "sft.yaml":
+            continue
+        composed = tmp_path / config.name
+        composed.write_text(yaml.safe_dump(compose(config)))
+        seen = [parser.parse_args(["fit", "--config", str(p)])["fit"] for p in (config, composed)]
+        for namespace in seen:
+            namespace.pop("config", None)
+        assert seen[0] == seen[1], config.name
