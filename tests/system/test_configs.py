@@ -361,6 +361,7 @@ def _parser():
     raise AssertionError("the CLI parsed without calling parse_arguments")
 
 
+@pytest.mark.slow  # a sweep: every config parsed twice
 def test_a_config_composed_with_its_bases_reads_as_the_parser_reads_the_file(tmp_path):
     """``compose`` (the study's and the scripts' view of a config) agrees with train.py's."""
     parser = _parser()
