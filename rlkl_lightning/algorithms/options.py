@@ -416,9 +416,13 @@ class Engine:
 
 @dataclass(frozen=True)
 class PPOOptions:
-    """PPO's own options: the value function and GAE.
+    """PPO's own options: the advantage estimator, the value function and GAE.
 
     Args:
+        advantage: the advantage estimator, a token-level one (it reads the values): ``gae``
+            (KL-shaped rewards, GAE, whitened advantages), another registered with
+            ``kind="token"`` (:mod:`~rlkl_lightning.algorithms.advantage_estimators`), or the
+            dotted path of a function.
         value_model: separate value model (a causal LM trunk plus a value head); by default the
             value head sits on the policy trunk.
         cliprange_value: value clip around the rollout-time values.
@@ -435,6 +439,11 @@ class PPOOptions:
 
     group: ClassVar[str] = "ppo"
     RULES: ClassVar[tuple] = (
+        (
+            "advantage",
+            lambda x: x in advantage_names("token") or "." in str(x),
+            f"one of {advantage_names('token')} or the dotted path of a function",
+        ),
         ("cliprange_value", _finite_above(0), "a finite number > 0"),
         ("vf_coef", _finite_above(0, strict=False), "a finite number >= 0"),
         ("gamma", lambda x: _number(x) and 0 <= x <= 1, "in [0, 1]"),
@@ -442,6 +451,7 @@ class PPOOptions:
         ("whiten_rewards", _boolean, "True or False"),
     )
 
+    advantage: str = "gae"
     value_model: str | None = None
     cliprange_value: float = 0.2
     vf_coef: float = 0.1
