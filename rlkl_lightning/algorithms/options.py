@@ -559,6 +559,10 @@ PIPELINE_GROUPS: dict[str, type] = {
 #: before a group existed ran with that group's defaults.
 ADDED_GROUPS: dict[str, str] = {"engine": "0.3.0"}
 
+#: The options added to a group after 0.1.0 (``group.field`` -> the version): no flat option of
+#: 0.1.0 names them; a checkpoint written before one existed ran with its default.
+ADDED_OPTIONS: dict[str, str] = {"ppo.advantage": "0.5.0"}
+
 #: Every group of the modules: the pipeline's and the algorithms' own.
 MODULE_GROUPS: dict[str, type] = {
     **PIPELINE_GROUPS,
@@ -584,6 +588,7 @@ def _flat_keys() -> dict[str, str]:
         for name, cls in MODULE_GROUPS.items()
         if name not in ADDED_GROUPS
         for f in fields(cls)
+        if f"{name}.{f.name}" not in ADDED_OPTIONS
     }
     moved.update(RENAMED)
     return moved
