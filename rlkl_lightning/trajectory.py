@@ -3,7 +3,8 @@
 Shapes: ``B`` sequences, ``P`` prompt tokens (left padded), ``R`` response tokens (right
 padded after the first EOS). The rollout fills the first five fields, scoring the next four,
 shaping the next three; with vLLM the rollout adds the engine's log-probs and scoring the
-correction's weights (the last two). Minibatches are ``trajectory.select(rows)``.
+correction's weights (the next two); the update weighs each micro-batch's tokens (the last).
+Minibatches are ``trajectory.select(rows)``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class Trajectory(NamedTuple):
         mismatch_weights: ``[B, R]`` detached weights of each token's surrogate term that
             correct for sampling from the engine instead of the trainer (``engine.correction``,
             :mod:`rlkl_lightning.algorithms.mismatch`), 0 on padding; None: no correction.
+        loss_weights: ``[B, R]`` each token's weight in its minibatch's loss, set on a
+            micro-batch by the update as the loss aggregation says
+            (:meth:`~rlkl_lightning.algorithms.objective.PolicyObjective.weigh`), 0 on padding;
+            None: the loss is the token mean.
     """
 
     input_ids: Tensor
@@ -55,6 +60,7 @@ class Trajectory(NamedTuple):
     kl_scale: Tensor | None = None
     sampler_logprobs: Tensor | None = None
     mismatch_weights: Tensor | None = None
+    loss_weights: Tensor | None = None
 
     def select(self, rows: Tensor) -> Trajectory:
         """The trajectory of the sequences ``rows`` (a minibatch); unset fields stay None."""

@@ -19,7 +19,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from rlkl_lightning.checkpoints import AtomicCheckpointIO, newest_last_checkpoint, partial_path
 from rlkl_lightning.cli import main
-from rlkl_lightning.cli.console import RunProgressBar
+from rlkl_lightning.console import RunProgressBar
 
 
 class Killed(BaseException):

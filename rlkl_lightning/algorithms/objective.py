@@ -14,8 +14,10 @@ One (micro-)minibatch's loss is, in this order of summation::
   (``Trajectory.kl_scale``: PPO's whitening; none for RLOO and GRPO), so that beta weighs the
   KL in the raw reward's units wherever the advantages are whitened (docs/kl.md, "What beta
   means in the loss");
-* every per-token term is made one number by ``reduce``, the loss aggregation
-  (:mod:`rlkl_lightning.algorithms.aggregation`);
+* every per-token term is made one number by the loss aggregation of ``objective.aggregation``
+  (:mod:`rlkl_lightning.algorithms.aggregation`), which the objective owns: the update asks it
+  to weigh each micro-batch's tokens (:meth:`PolicyObjective.weigh`) and every per-token term
+  of the micro-batch, an algorithm's own included, is reduced by :meth:`PolicyObjective.reduce`;
 * with ``Trajectory.mismatch_weights`` (``engine.correction``, docs/mismatch.md) each token's
   surrogate term is multiplied by its weight before ``reduce``; the entropy bonus and the KL
   term are not (:mod:`rlkl_lightning.algorithms.mismatch`).
@@ -27,11 +29,13 @@ term (:data:`ExtraTerm`), which is added right after the surrogate.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 
 from rlkl_lightning import metric_keys as keys
+from rlkl_lightning.algorithms.aggregation import token_weights, weighted_sum
 from rlkl_lightning.algorithms.losses import entropy_from_logits, policy_loss
 from rlkl_lightning.algorithms.mismatch import weighted
 from rlkl_lightning.algorithms.options import KLPenalty, Objective
@@ -53,19 +57,80 @@ class PolicyObjective:
         options: The ``objective`` group (clips, ratio, aggregation, entropy bonus).
         kl: The ``kl`` group (placement, loss estimator, weight cap, trust region).
         temperature: The sampling temperature the log-probs are taken at.
+        max_new_tokens: ``sampling.max_new_tokens``, the ``fixed_length`` aggregation's ``L``
+            (needed with it alone).
     """
 
-    def __init__(self, options: Objective, kl: KLPenalty, temperature: float) -> None:
+    def __init__(
+        self,
+        options: Objective,
+        kl: KLPenalty,
+        temperature: float,
+        max_new_tokens: int | None = None,
+    ) -> None:
         self.options = options
         self.kl = kl
         self.temperature = temperature
+        self.max_new_tokens = max_new_tokens
+        if options.aggregation == "fixed_length" and max_new_tokens is None:
+            raise ValueError(
+                "PolicyObjective: `objective.aggregation`='fixed_length' divides by "
+                "`sampling.max_new_tokens`: pass `max_new_tokens`"
+            )
+
+    # ------------------------------------------------------------------ the aggregation
+    def tokens_per_rank(
+        self, mask: Tensor, global_sum: Callable[[Tensor], Tensor], world: int
+    ) -> float:
+        """``batch_token_mean``'s normaliser ``N / world_size``; 0.0 for the other aggregations.
+
+        ``N`` is the batch's response tokens (``mask``) summed over every rank by
+        ``global_sum``, a collective under DDP, which only this aggregation calls.
+        """
+        if self.options.aggregation != "batch_token_mean":
+            return 0.0
+        local = mask.sum().to(torch.float32)
+        return float(global_sum(local)) / world
+
+    def weigh(
+        self, micro: Trajectory, minibatch_size: int, share: Tensor, tokens_per_rank: float
+    ) -> tuple[Trajectory, Tensor]:
+        """A micro-batch with its tokens' weights in its minibatch's loss, and its loss's factor.
+
+        ``token_mean`` keeps its original form: no weights (the loss is the micro-batch's token
+        mean) and the factor ``share``, the micro-batch's share of the minibatch's tokens. The
+        other aggregations weigh every token (``loss_weights``,
+        :func:`~rlkl_lightning.algorithms.aggregation.token_weights`) and the factor is 1.
+
+        Args:
+            micro: The micro-batch.
+            minibatch_size: ``n``, the responses of its minibatch on this rank.
+            share: The micro-batch's response tokens over its minibatch's.
+            tokens_per_rank: :meth:`tokens_per_rank` of the batch.
+        """
+        aggregation = self.options.aggregation
+        if aggregation == "token_mean":
+            return micro, share
+        weights = token_weights(
+            micro.response_mask, aggregation, minibatch_size, self.max_new_tokens, tokens_per_rank
+        )
+        return micro._replace(loss_weights=weights), torch.ones_like(share)
+
+    @staticmethod
+    def reduce(minibatch: Trajectory) -> Reduce:
+        """How a (micro-)minibatch's per-token terms become one number: ``reduce(x, mask)``.
+
+        The token mean, or the sum weighted by the ``loss_weights`` :meth:`weigh` set.
+        """
+        if minibatch.loss_weights is None:
+            return masked_mean
+        return partial(weighted_sum, weights=minibatch.loss_weights)
 
     def __call__(
         self,
         policy: nn.Module,
         minibatch: Trajectory,
         kl_coef: float,
-        reduce: Reduce = masked_mean,
         defer: Defer | None = None,
         extra: ExtraTerm | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -74,13 +139,13 @@ class PolicyObjective:
         Args:
             policy: The policy (its forward pass carries the gradient).
             minibatch: Supplies the sequences, the rollout and reference log-probs, the
-                advantages and the mask.
+                advantages, the mask and the tokens' weights in the loss (:meth:`reduce`).
             kl_coef: Beta, for the KL term of the loss.
-            reduce: The loss aggregation.
             defer: Where the fused head may hand its weight gradient off (a helper thread's).
             extra: The algorithm's own term (PPO's value loss), added after the surrogate.
         """
         opts, mb = self.options, minibatch
+        reduce = self.reduce(mb)
         # Without an entropy bonus no [B, R, V] logits are needed: the fused head (logprobs.py).
         new = score_tokens(policy, mb, self.temperature, bool(opts.ent_coef), defer)
         mask = mb.response_mask

@@ -416,9 +416,13 @@ class Engine:
 
 @dataclass(frozen=True)
 class PPOOptions:
-    """PPO's own options: the value function and GAE.
+    """PPO's own options: the advantage estimator, the value function and GAE.
 
     Args:
+        advantage: the advantage estimator, a token-level one (it reads the values): ``gae``
+            (KL-shaped rewards, GAE, whitened advantages), another registered with
+            ``kind="token"`` (:mod:`~rlkl_lightning.algorithms.advantage_estimators`), or the
+            dotted path of a function.
         value_model: separate value model (a causal LM trunk plus a value head); by default the
             value head sits on the policy trunk.
         cliprange_value: value clip around the rollout-time values.
@@ -435,6 +439,11 @@ class PPOOptions:
 
     group: ClassVar[str] = "ppo"
     RULES: ClassVar[tuple] = (
+        (
+            "advantage",
+            lambda x: x in advantage_names("token") or "." in str(x),
+            f"one of {advantage_names('token')} or the dotted path of a function",
+        ),
         ("cliprange_value", _finite_above(0), "a finite number > 0"),
         ("vf_coef", _finite_above(0, strict=False), "a finite number >= 0"),
         ("gamma", lambda x: _number(x) and 0 <= x <= 1, "in [0, 1]"),
@@ -442,6 +451,7 @@ class PPOOptions:
         ("whiten_rewards", _boolean, "True or False"),
     )
 
+    advantage: str = "gae"
     value_model: str | None = None
     cliprange_value: float = 0.2
     vf_coef: float = 0.1
@@ -549,6 +559,10 @@ PIPELINE_GROUPS: dict[str, type] = {
 #: before a group existed ran with that group's defaults.
 ADDED_GROUPS: dict[str, str] = {"engine": "0.3.0"}
 
+#: The options added to a group after 0.1.0 (``group.field`` -> the version): no flat option of
+#: 0.1.0 names them; a checkpoint written before one existed ran with its default.
+ADDED_OPTIONS: dict[str, str] = {"ppo.advantage": "0.5.0"}
+
 #: Every group of the modules: the pipeline's and the algorithms' own.
 MODULE_GROUPS: dict[str, type] = {
     **PIPELINE_GROUPS,
@@ -574,6 +588,7 @@ def _flat_keys() -> dict[str, str]:
         for name, cls in MODULE_GROUPS.items()
         if name not in ADDED_GROUPS
         for f in fields(cls)
+        if f"{name}.{f.name}" not in ADDED_OPTIONS
     }
     moved.update(RENAMED)
     return moved

@@ -78,7 +78,7 @@ from rlkl_lightning.algorithms.resume import (
     with_refreshed_weights,
 )
 from rlkl_lightning.algorithms.rollout import sample_and_score
-from rlkl_lightning.algorithms.update import OneThread, Reduce, run_update
+from rlkl_lightning.algorithms.update import OneThread, run_update
 from rlkl_lightning.algorithms.validation import HeldoutPerplexity, encode_texts
 from rlkl_lightning.algorithms.vllm_engine import (
     PRECISION_DTYPES,
@@ -92,7 +92,7 @@ from rlkl_lightning.algorithms.vllm_engine import (
 from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.kl import estimators as klmod
 from rlkl_lightning.kl.loss import within_trust_region
-from rlkl_lightning.masked import masked_mean, masked_sum
+from rlkl_lightning.masked import masked_sum
 from rlkl_lightning.models.forward import no_grad, plain_lm_head_weight
 from rlkl_lightning.models.loading import (
     disable_dropout,
@@ -107,7 +107,7 @@ from rlkl_lightning.models.sharding import shard_models
 from rlkl_lightning.perf.gelu import fuse_tanh_gelu
 from rlkl_lightning.perf.onednn import resolve, use_onednn
 from rlkl_lightning.perf.row_blocks import in_row_blocks
-from rlkl_lightning.perf.value_thread import ValueThread
+from rlkl_lightning.perf.value_thread import ValueThread, value_thread_on
 from rlkl_lightning.rewards import (
     RewardModel,
     RewardShapeError,
@@ -280,6 +280,16 @@ class RLPipeline(LightningModule):
         None (the default): everything runs in the calling thread.
         """
         return None
+
+    def value_thread_on(self, setting: bool | None, separate_model: bool) -> bool:
+        """Whether a separate value model runs in a helper thread in this run (at fit start).
+
+        ``setting`` (``ppo.value_model_thread``), or where it helps if None: the speed-up
+        decides (:func:`~rlkl_lightning.perf.value_thread.value_thread_on`) from this run's
+        strategy and device.
+        """
+        strategy = self.trainer.strategy
+        return value_thread_on(setting, separate_model, strategy, self.device.type, self.owner)
 
     @override
     def configure_optimizers(self):
@@ -551,18 +561,15 @@ class RLPipeline(LightningModule):
         """Phase 3: advantages (and returns) from scores, KL and ``kl_coef``; per algorithm."""
         raise NotImplementedError
 
-    def loss(
-        self, minibatch: Trajectory, reduce: Reduce = masked_mean
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of one (micro-)minibatch and its detached statistics: the policy objective.
 
-        ``reduce(per_token, mask)`` makes the per-token terms one number (the loss aggregation,
-        :mod:`rlkl_lightning.algorithms.aggregation`); by default their mean. An algorithm
-        with a loss term of its own (PPO's value loss) passes it as the objective's ``extra``.
+        The objective makes the per-token terms one number as the loss aggregation says
+        (:meth:`~rlkl_lightning.algorithms.objective.PolicyObjective.reduce`; the token mean
+        unless the update weighed the tokens). An algorithm with a loss term of its own (PPO's
+        value loss) passes it as the objective's ``extra``, reduced the same way.
         """
-        return self.policy_objective(
-            self.policy, minibatch, self.kl_coef, reduce, self.threads.defer
-        )
+        return self.policy_objective(self.policy, minibatch, self.kl_coef, self.threads.defer)
 
     @property
     def reward_kl_coef(self) -> float:

@@ -5,10 +5,11 @@ PPO adds a value function and its own shaping and loss:
 
 * score: value estimates at rollout time, from a head on the policy trunk (default) or a
   separate value model;
-* shape: the ``gae`` advantage estimator (:mod:`.advantage_estimators`): ``r_t = -kl_coef *
-  kl_t`` plus the score on the last response token (Ziegler et al. 2019, arXiv 1909.08593,
-  eq. 2; the score alone with ``kl.placement="loss"``), then GAE (Schulman et al. 2016, arXiv
-  1506.02438) and advantage whitening;
+* shape: the advantage estimator of ``ppo.advantage`` (:mod:`.advantage_estimators`), by
+  default ``gae``: ``r_t = -kl_coef * kl_t`` plus the score on the last response token
+  (Ziegler et al. 2019, arXiv 1909.08593, eq. 2; the score alone with
+  ``kl.placement="loss"``), then GAE (Schulman et al. 2016, arXiv 1506.02438) and advantage
+  whitening; any other registered token-level estimator, or a function by dotted path;
 * loss: the policy objective (:mod:`.objective`) with the clipped value loss (Schulman et al.
   2017, arXiv 1707.06347, eq. 9) times ``ppo.vf_coef`` added right after the surrogate.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import Tensor
 from typing_extensions import override
 
@@ -38,9 +38,7 @@ from rlkl_lightning.algorithms.options import (
     as_group,
 )
 from rlkl_lightning.algorithms.pipeline import RLPipeline
-from rlkl_lightning.algorithms.update import Reduce
 from rlkl_lightning.checkpoints import plain
-from rlkl_lightning.masked import masked_mean
 from rlkl_lightning.models.forward import trunk_forward
 from rlkl_lightning.models.loading import load_causal_lm
 from rlkl_lightning.models.logprobs import TokenScores
@@ -69,7 +67,8 @@ class PPOModule(RLPipeline):
         safeguards: as the pipeline's.
         logging: as the pipeline's.
         engine: as the pipeline's.
-        ppo: the value function and GAE (:class:`~rlkl_lightning.algorithms.options.PPOOptions`).
+        ppo: the advantage estimator, the value function and GAE
+            (:class:`~rlkl_lightning.algorithms.options.PPOOptions`).
     """
 
     owner: ClassVar[str] = "PPOModule"
@@ -93,6 +92,7 @@ class PPOModule(RLPipeline):
         ppo: PPOOptions = PPOOptions(),
     ):
         own = as_group(PPOOptions, ppo, "ppo")  # checked before the models load
+        advantage_estimator(own.advantage, "token", "ppo.advantage")
         super().__init__(
             policy,
             tokenizer,
@@ -132,24 +132,10 @@ class PPOModule(RLPipeline):
 
     @override
     def on_fit_start(self) -> None:
-        """The shared set-up; ``ppo.value_model_thread`` needs one process."""
+        """The shared set-up; whether the separate value model runs in a helper thread."""
         super().on_fit_start()
-        strategy = self.trainer.strategy
-        one_process = isinstance(strategy, SingleDeviceStrategy)
-        if self.ppo.value_model_thread and not one_process:
-            raise ValueError(
-                f"{self.owner}: `ppo.value_model_thread`=True needs one process with a "
-                f"single-device strategy, got {type(strategy).__name__}; set "
-                "value_model_thread=False"
-            )
-        self._value_thread = self.ppo.value_model_thread
-        if self._value_thread is None:  # on where it helps
-            self._value_thread = (
-                self.value_trunk is not None
-                and one_process
-                and self.device.type == "cpu"
-                and torch.get_num_threads() >= 2
-            )
+        separate = self.value_trunk is not None
+        self._value_thread = self.value_thread_on(self.ppo.value_model_thread, separate)
 
     @override
     def score(
@@ -171,20 +157,19 @@ class PPOModule(RLPipeline):
 
     @override
     def shape(self, traj: Trajectory) -> Trajectory:
-        """KL-shaped per-token rewards, GAE, and whitened advantages (the ``gae`` estimator)."""
-        estimate = advantage_estimator("gae", "token")
+        """The advantages of ``ppo.advantage`` (``gae``: KL-shaped rewards, GAE, whitening)."""
+        estimate = advantage_estimator(self.ppo.advantage, "token", "ppo.advantage")
         return estimate(traj, self.reward_kl_coef, self.ppo, self.global_sum)
 
     @override
-    def loss(
-        self, minibatch: Trajectory, reduce: Reduce = masked_mean
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
         """The policy objective with ``vf_coef`` x the clipped value loss after the surrogate.
 
         The value model's part starts first: in a helper thread, it runs beside the policy's.
+        The value loss is aggregated as the objective aggregates its terms.
         """
         threads = self.threads
-        value_side = threads.beside(self._value_loss, minibatch, reduce)  # now, if in a thread
+        value_side = threads.beside(self._value_loss, minibatch)  # now, if in a thread
 
         def value_term(new: TokenScores) -> tuple[Tensor, dict[str, Tensor]]:
             vf_loss, vf_clipfrac = value_side(new.hidden)
@@ -192,13 +177,14 @@ class PPOModule(RLPipeline):
             return self.ppo.vf_coef * vf_loss, stats
 
         return self.policy_objective(
-            self.policy, minibatch, self.kl_coef, reduce, threads.defer, value_term
+            self.policy, minibatch, self.kl_coef, threads.defer, value_term
         )
 
     def _value_loss(
-        self, mb: Trajectory, reduce: Reduce, policy_hidden: Tensor | None = None
+        self, mb: Trajectory, policy_hidden: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         values = self.values(mb, policy_hidden)
+        reduce = self.policy_objective.reduce(mb)
         return value_loss(
             values, mb.values, mb.returns, mb.response_mask, self.ppo.cliprange_value, reduce
         )

@@ -17,9 +17,7 @@ import torch
 from torch import Tensor
 
 from rlkl_lightning import metric_keys as keys
-from rlkl_lightning.algorithms.aggregation import token_weights, weighted_sum
 from rlkl_lightning.algorithms.gates import global_sum
-from rlkl_lightning.masked import masked_mean
 from rlkl_lightning.models.sharding import is_fsdp
 from rlkl_lightning.trajectory import Trajectory
 
@@ -67,18 +65,16 @@ class Updatable(Protocol):
     """
 
     optimization: Any  #: the ``optimization`` group (epochs, minibatches, clipping, ...)
-    objective: Any  #: the ``objective`` group (its ``aggregation``)
-    sampling: Any  #: the ``sampling`` group (its ``max_new_tokens``)
+    #: the policy objective, which owns the loss aggregation (``tokens_per_rank``, ``weigh``)
+    policy_objective: Any
     threads: OneThread  #: or a speed-up with the same methods
     sharded_models: tuple[str, ...]
     device: torch.device
     trainer: Any
     _trainer: Any
 
-    def loss(
-        self, minibatch: Trajectory, reduce: Reduce = masked_mean
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The algorithm's loss of a (micro-)minibatch, per-token terms reduced by ``reduce``."""
+    def loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
+        """The algorithm's loss of a (micro-)minibatch, reduced as the objective's aggregation."""
 
     def gate(self, bad: bool, why: str) -> None:
         """Skip the batch (raise ``SkipBatch`` on every rank) if ``bad`` on any rank."""
@@ -130,9 +126,10 @@ def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
 
     Each minibatch's loss aggregates its per-token terms as ``objective.aggregation`` says
     (:mod:`~rlkl_lightning.algorithms.aggregation`; by default the token-weighted mean of its
-    micro-batches' token means); the returned statistics are means over the optimizer steps
-    that had rows, plus the learning rate. The ``loss/*`` statistics are the minibatch's
-    aggregated losses, the others token means.
+    micro-batches' token means): the policy objective weighs each micro-batch
+    (:meth:`~rlkl_lightning.algorithms.objective.PolicyObjective.weigh`); the returned
+    statistics are means over the optimizer steps that had rows, plus the learning rate. The
+    ``loss/*`` statistics are the minibatch's aggregated losses, the others token means.
 
     The number of steps, and of micro-batches in each (``grad_accum_steps``), depends on the
     options alone, never on the rows: ranks with different numbers of rows make the same
@@ -143,14 +140,12 @@ def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
     the other ranks' alone, or zero (AdamW's moments and weight decay still move the weights).
     """
     hp = module.optimization
-    aggregation = module.objective.aggregation
+    objective = module.policy_objective
     optimizer = module.optimizers()
     scheduler = module.lr_schedulers()
     world = module.trainer.world_size if module._trainer is not None else 1
-    tokens_per_rank = 0.0
-    if aggregation == "batch_token_mean":  # DAPO's normaliser: the whole batch, every rank
-        local = traj.response_mask.sum().to(torch.float32)
-        tokens_per_rank = float(global_sum(module._trainer, local)) / world
+    everywhere = partial(global_sum, module._trainer)
+    tokens_per_rank = objective.tokens_per_rank(traj.response_mask, everywhere, world)
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
     for _ in range(hp.ppo_epochs):
@@ -167,19 +162,8 @@ def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
                     continue
                 part = traj.select(micro)
                 weight = part.response_mask.sum() / mb_tokens
-                if aggregation == "token_mean":
-                    loss, stats = module.loss(part)
-                    loss_weight = weight
-                else:
-                    w = token_weights(
-                        part.response_mask,
-                        aggregation,
-                        len(minibatch),
-                        module.sampling.max_new_tokens,
-                        tokens_per_rank,
-                    )
-                    loss, stats = module.loss(part, partial(weighted_sum, weights=w))
-                    loss_weight = torch.ones_like(weight)  # the weights are in the loss
+                part, loss_weight = objective.weigh(part, len(minibatch), weight, tokens_per_rank)
+                loss, stats = module.loss(part)
                 module.gate(not bool(torch.isfinite(loss)), "the loss is not finite")
                 module.manual_backward(loss * loss_weight)
                 for key, value in stats.items():

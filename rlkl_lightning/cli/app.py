@@ -39,10 +39,10 @@ from rlkl_lightning.checkpoints import (
     first_resumed_step,
     newest_last_checkpoint,
 )
-from rlkl_lightning.cli.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
-from rlkl_lightning.cli.errors import VERBOSE_ENV, user_message
 from rlkl_lightning.cli.run_end import ExtendFinishedEpoch, SaveLastAtEnd
 from rlkl_lightning.cli.run_settings import RunSettings, trajectory_settings
+from rlkl_lightning.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
+from rlkl_lightning.errors import VERBOSE_ENV, user_message
 from rlkl_lightning.kl.settings import KLSettings
 
 
@@ -63,7 +63,7 @@ class RLKLCLI(LightningCLI):
     * ``trainer.enable_checkpointing: false`` also drops the ``ModelCheckpoint`` callbacks a
       config lists (Lightning would refuse the combination);
     * the progress bar counts the batches of the run, and stock notes that do not apply to RL
-      runs are hidden (:mod:`rlkl_lightning.cli.console`);
+      runs are hidden (:mod:`rlkl_lightning.console`);
     * a resume whose settings change the trajectory (KL law, target, horizon, model, batch
       size, ...) is refused with the differences listed, unless ``--resume_with_changes true``
       (:class:`~rlkl_lightning.cli.run_settings.RunSettings`).
@@ -127,7 +127,7 @@ class RLKLCLI(LightningCLI):
         after the run's final batch, and a run under ``max_steps`` extended from a finished
         epoch trains the next one.
 
-        Lightning's default progress bar is swapped for :class:`~rlkl_lightning.cli.console.
+        Lightning's default progress bar is swapped for :class:`~rlkl_lightning.console.
         RunProgressBar`; a progress bar given in ``trainer.callbacks`` is kept. Lightning's
         default ``CheckpointIO`` is swapped for :class:`~rlkl_lightning.checkpoints.
         AtomicCheckpointIO`, and a plain ``ModelCheckpoint`` for :class:`~rlkl_lightning.

@@ -103,7 +103,8 @@ def nested_settings(saved: dict[str, str]) -> dict[str, str]:
 
     ``model.init_args.lr`` becomes ``model.init_args.optimization.lr``, so a checkpoint
     written before the option groups is compared like with like; a group added since the
-    checkpoint was written (``engine``) is filled in with its defaults, which that run used.
+    checkpoint was written (``engine``), or an option added to a group the checkpoint has
+    (``ppo.advantage``), is filled in with its defaults, which that run used.
     """
     from dataclasses import fields
 
@@ -124,6 +125,12 @@ def nested_settings(saved: dict[str, str]) -> dict[str, str]:
                 key = f"{prefix}{place}{dot}{rest}"
         if _kept(key, steered):
             out[key] = value
+    for group, cls in MODULE_GROUPS.items():  # an option added since: the run used its default
+        head = f"{prefix}{group}."
+        had = {key.removeprefix(head).partition(".")[0] for key in out if key.startswith(head)}
+        for f in fields(cls) if had else ():
+            if f.name not in had and _kept(f"{head}{f.name}", steered):
+                out[f"{head}{f.name}"] = repr(f.default)
     return out
 
 

@@ -145,7 +145,7 @@ def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
 
 def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
     """Write the derived config of every run; seeds outermost, so early results are balanced."""
-    from rlkl_lightning.world.custom import study_overrides, without_replaced_options
+    from rlkl_lightning.compare.custom_world import study_overrides, without_replaced_options
 
     world = study_overrides(study.world, extra=study.world_overrides) if study.world else None
     bases = {}

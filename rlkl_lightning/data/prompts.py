@@ -1,9 +1,10 @@
 """Prompts and held-out text for PPO.
 
-A source is ``"default"``, the offline default world (:mod:`rlkl_lightning.world`): review
-openings from its held-out split as prompts, the held-out reviews as held-out text; or
-anything :func:`~rlkl_lightning.texts.load_texts` reads: local files, a local dataset
-directory, or a dataset on the Hugging Face hub (``"imdb"``).
+A source is a registered name (:mod:`.sources`), such as ``"default"``, the offline default
+world (:mod:`rlkl_lightning.world` registers it): review openings from its held-out split as
+prompts, the held-out reviews as held-out text; or anything
+:func:`~rlkl_lightning.texts.load_texts` reads: local files, a local dataset directory, or a
+dataset on the Hugging Face hub (``"imdb"``).
 
 With ``chat_template`` each prompt becomes the user message of a chat (after an optional system
 message), written out through the tokenizer's chat template with the assistant's turn opened,
@@ -20,7 +21,7 @@ batches are sharded by Lightning's ``DistributedSampler``.
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
@@ -28,8 +29,8 @@ from typing_extensions import override
 
 from rlkl_lightning.checkpoints import plain
 from rlkl_lightning.data.samplers import EpochShuffleSampler, RankShardSampler, ResumableDataLoader
+from rlkl_lightning.data.sources import SourceFiles, named_source, source_file, text_source
 from rlkl_lightning.texts import first_words, load_texts
-from rlkl_lightning.world.config import WorldConfig
 
 if TYPE_CHECKING:
     import datasets
@@ -73,8 +74,10 @@ class PromptDataModule(LightningDataModule):
         seed: Seed of the subsets and of the shuffle.
         shuffle: Shuffle the prompts every epoch.
         num_workers: DataLoader worker processes.
-        world: Config of the default world (``None``: the standard one); used only
-            when ``prompts`` or ``heldout`` is ``"default"``.
+        world: Settings of the default world (``None``: the standard one), a mapping of the
+            fields of :class:`~rlkl_lightning.world.config.WorldConfig` or one itself; the
+            settings of whichever registered source (:mod:`.sources`) ``prompts``,
+            ``heldout`` or ``test_heldout`` names, checked here, used only then.
         chat_template: Present each prompt as a user message through the tokenizer's chat
             template, ending with the opened assistant turn (``add_generation_prompt``).
         system_prompt: A system message before every prompt (needs ``chat_template``).
@@ -102,7 +105,7 @@ class PromptDataModule(LightningDataModule):
         seed: int = 0,
         shuffle: bool = True,
         num_workers: int = 0,
-        world: WorldConfig | None = None,
+        world: dict[str, Any] | None = None,
         chat_template: bool = False,
         system_prompt: str | None = None,
         chat_tokenizer: str | None = None,
@@ -130,23 +133,25 @@ class PromptDataModule(LightningDataModule):
             )
         self.save_hyperparameters(ignore=["world"])
         self.hparams.update(plain(dict(self.hparams)))  # paths as str: see resumable.plain
+        #: The settings of each registered source a source option names (:mod:`.sources`).
+        self.named = {name: text_source(name).settings(world) for name in self._named_sources()}
         self.world = world
         self.prompt_dataset: datasets.Dataset | None = None
         self.heldout_dataset: datasets.Dataset | None = None
         self.test_dataset: datasets.Dataset | None = None
 
-    def _uses_world(self) -> bool:
+    def _named_sources(self) -> list[str]:
         hp = self.hparams
-        sources = (hp.prompts, hp.heldout, hp.test_heldout)
-        return any(isinstance(s, str) and s.partition(":")[0] == "default" for s in sources)
+        names = (named_source(s) for s in (hp.prompts, hp.heldout, hp.test_heldout))
+        return list(dict.fromkeys(n for n in names if n is not None))
+
+    def _build(self, progress: bool) -> dict[str, SourceFiles]:
+        return {name: text_source(name).build(s, progress) for name, s in self.named.items()}
 
     @override
     def prepare_data(self) -> None:
-        """Build the default world once (local rank 0) if a source is ``"default"``."""
-        if self._uses_world():
-            from rlkl_lightning.world import build_world
-
-            build_world(self.world)
+        """Build the registered sources (the default world) once (local rank 0), if named."""
+        self._build(progress=True)
 
     @override
     def setup(self, stage: str | None = None) -> None:
@@ -154,22 +159,13 @@ class PromptDataModule(LightningDataModule):
         if self.prompt_dataset is not None:
             return
         hp = self.hparams
-        world = None
-        if self._uses_world():
-            from rlkl_lightning.world import build_world
-
-            world = build_world(self.world, progress=False)
+        built = self._build(progress=False)
         # An over-long prompt keeps its end (the pipeline cuts prompts on the left), or its
         # start when only its first words are used.
         keep = "start" if hp.prompt_words else "end"
-        if hp.prompts == "default":
-            prompts = load_texts(
-                str(world.prompts_file), hp.prompt_column, column_option="prompt_column", keep=keep
-            )
-        elif (split_file := _world_split(world, hp.prompts, "prompts")) is not None:
-            prompts = load_texts(
-                split_file, hp.prompt_column, column_option="prompt_column", keep=keep
-            )
+        if (name := named_source(hp.prompts)) is not None:
+            path = source_file(hp.prompts, built[name], "prompts", "prompts")
+            prompts = load_texts(path, hp.prompt_column, column_option="prompt_column", keep=keep)
         else:
             prompts = load_texts(hp.prompts, hp.prompt_column, split=hp.prompt_split, keep=keep)
         prompts = self._subset(prompts, hp.num_prompts, hp.prompt_words, salt=0)
@@ -178,18 +174,18 @@ class PromptDataModule(LightningDataModule):
         self.prompt_dataset = _as_dataset("prompt", prompts)
         if hp.heldout is None:
             return
-        heldout = self._heldout_texts(world, hp.heldout, hp.heldout_split, "heldout")
+        heldout = self._heldout_texts(built, hp.heldout, hp.heldout_split, "heldout")
         heldout = self._subset(heldout, hp.num_heldout, hp.heldout_words, salt=1)
         self.heldout_dataset = _as_dataset("text", heldout)
         if hp.test_heldout is not None:
-            test = self._heldout_texts(world, hp.test_heldout, hp.test_split, "test_heldout")
+            test = self._heldout_texts(built, hp.test_heldout, hp.test_split, "test_heldout")
             test = self._subset(test, hp.num_test, hp.heldout_words, salt=2)
             self.test_dataset = _as_dataset("text", test)
 
-    def _heldout_texts(self, world, source, split: str, option: str) -> list[str]:
+    def _heldout_texts(self, built, source, split: str, option: str) -> list[str]:
         """The texts of a held-out source (``"default"``: the default world's test split)."""
-        source = "default:test" if source == "default" else source
-        source = _world_split(world, source, option) or source
+        if (name := named_source(source)) is not None:
+            source = source_file(source, built[name], "heldout", option)
         return load_texts(
             source,
             self.hparams.heldout_column,
@@ -321,20 +317,6 @@ def chat_prompts(prompts: list[str], tokenizer, system_prompt: str | None = None
             text = text[len(bos) :]
         out.append(text)
     return out
-
-
-def _world_split(world, source, option: str) -> str | None:
-    """The file of the default world's split a ``"default:SPLIT"`` source names, else None."""
-    if not (isinstance(source, str) and source.startswith("default:")):
-        return None
-    split = source.partition(":")[2]
-    if split not in world.splits:
-        allowed = tuple(f"default:{name}" for name in world.splits)
-        raise ValueError(
-            f"PromptDataModule: `{option}` names a split of the default world: one of "
-            f"{allowed} (or `default`), got {source!r}"
-        )
-    return str(world.splits[split])
 
 
 def _as_dataset(column: str, texts: list[str]) -> datasets.Dataset:

@@ -31,6 +31,32 @@ import torch
 from torch import Tensor
 
 
+def value_thread_on(
+    setting: bool | None, separate_model: bool, strategy: Any, device_type: str, owner: str
+) -> bool:
+    """Whether the separate value model runs in a helper thread: ``ppo.value_model_thread``.
+
+    ``True`` and ``False`` are kept; ``None`` (the default) turns it on where it helps: with a
+    separate value model, one process (Lightning's ``SingleDeviceStrategy``), on a CPU with at
+    least 2 of torch's threads (read now, when the run starts).
+
+    Raises:
+        ValueError: Starting with ``owner``, if ``setting`` is True and ``strategy`` is not a
+            single-device one (DDP's and FSDP's gradient hooks expect one backward pass).
+    """
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    one_process = isinstance(strategy, SingleDeviceStrategy)
+    if setting and not one_process:
+        raise ValueError(
+            f"{owner}: `ppo.value_model_thread`=True needs one process with a single-device "
+            f"strategy, got {type(strategy).__name__}; set value_model_thread=False"
+        )
+    if setting is not None:
+        return setting
+    return separate_model and one_process and device_type == "cpu" and torch.get_num_threads() >= 2
+
+
 class ValueThread:
     """A helper thread for the value model during an update; a context manager.
 

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None):
     """
     from argparse import ArgumentError
 
-    from rlkl_lightning.cli.errors import parser_message
+    from rlkl_lightning.errors import parser_message
 
     try:
         args = parse_args(argv)

@@ -179,7 +179,7 @@ def _train_and_evaluate(
     import torch
     from lightning.pytorch import Trainer
 
-    from rlkl_lightning.cli.console import RunProgressBar
+    from rlkl_lightning.console import RunProgressBar
     from rlkl_lightning.world.evaluate import perplexity, unigram_perplexity
     from rlkl_lightning.world.sft import SFTDataModule, SFTModule
 
@@ -268,7 +268,7 @@ def _quiet_lightning(progress: bool) -> Iterator[None]:
     import lightning.pytorch  # noqa: F401  (its import sets the logger's level)
     from transformers.utils import logging as hf_logging
 
-    from rlkl_lightning.cli.console import drop_lightning_tips
+    from rlkl_lightning.console import drop_lightning_tips
 
     drop_lightning_tips()
 

@@ -13,13 +13,13 @@ The world is one directory, named by a hash of the kept texts and the resolved s
 settings returns it at once. It holds ``train.jsonl``, ``validation.jsonl``, ``test.jsonl``
 and ``prompts.jsonl`` (field ``text``), ``tokenizer/``, ``model/`` (``save_pretrained``),
 ``corpus.json`` and ``report.json`` (counts, perplexities, timings), ``study.yaml`` (what
-a study on this world changes in every run, see :func:`study_overrides`) and ``world.json``
+a study on this world changes in every run, see
+:func:`rlkl_lightning.compare.custom_world.study_overrides`) and ``world.json``
 (its hash and settings; written last).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
@@ -31,7 +31,6 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlkl_lightning.algorithms.options import nest_flat_options
 from rlkl_lightning.world.cache import Corpus, build_stage, default_cache_dir, info, write_jsonl
 from rlkl_lightning.world.config import CustomWorldConfig, WorldConfig
 from rlkl_lightning.world.read import OWNER, read_corpus
@@ -53,17 +52,6 @@ STUDY_FILE = "study.yaml"
 _MARKER = "world.json"
 _LABEL = "Custom world"
 _READ_FIELDS = ("column", "split", "unit", "max_chars", "max_texts")
-
-#: Options of a run config that a custom world makes moot or that only the default world can
-#: serve: a run on a custom world drops them from its config (back to the class default) where
-#: the config sets them, before the world's ``study.yaml`` is merged in. So no run reads another
-#: tokenizer, reference, text column or cut of the world's prompts, and no run scores its text
-#: with the default world's gold reward (``gold_reward``: its lexicon knows nothing of the
-#: user's words; a world's ``study.yaml`` may set a gold reward of its own).
-REPLACED_OPTIONS = {
-    "model": ("reference", "tokenizer", "gold_reward"),
-    "data": ("prompt_column", "heldout_column", "prompt_words", "heldout_words", "world"),
-}
 
 
 def split_sizes(config: CustomWorldConfig, n_texts: int) -> tuple[int, int]:
@@ -368,47 +356,3 @@ def open_world(directory: str | Path, where: str = "compare: `world`") -> World:
         corpus=Corpus.at(root),
         report=json.loads((root / "report.json").read_text()),
     )
-
-
-def study_overrides(
-    directory: str | Path, where: str = "compare: `world`", extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """The world's ``study.yaml`` (``extra`` merged in), ``./`` values made paths in ``directory``.
-
-    Raises:
-        ValueError: Starting with ``where``, if ``directory`` is not a custom world.
-    """
-    import yaml
-
-    world = open_world(directory, where)
-
-    def resolve_paths(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: resolve_paths(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [resolve_paths(v) for v in value]
-        if isinstance(value, str) and value.startswith("./"):
-            return str((world.root / value[2:]).resolve())
-        return value
-
-    from rlkl_lightning.compare.config import merge
-
-    own = yaml.safe_load((world.root / STUDY_FILE).read_text()) or {}
-    overrides = resolve_paths(merge(own, extra or {}))
-    model = overrides.get("model") or {}
-    if isinstance(model.get("init_args"), dict):  # a world built before the option groups
-        model["init_args"] = nest_flat_options(model["init_args"])
-    return overrides
-
-
-def without_replaced_options(config: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a run config without the :data:`REPLACED_OPTIONS` a custom world makes moot.
-
-    A study on a custom world merges the world's :func:`study_overrides` into the result.
-    """
-    config = copy.deepcopy(config)
-    for group, names in REPLACED_OPTIONS.items():
-        args = (config.get(group) or {}).get("init_args") or {}
-        for name in names:
-            args.pop(name, None)
-    return config

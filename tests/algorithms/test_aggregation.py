@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlkl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS, token_weights
-from rlkl_lightning.algorithms.options import Objective, Optimization, Sampling
+from rlkl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS, token_weights, weighted_sum
+from rlkl_lightning.algorithms.objective import PolicyObjective
+from rlkl_lightning.algorithms.options import KLPenalty, Objective, Optimization
 from rlkl_lightning.algorithms.update import OneThread, run_update
 from rlkl_lightning.masked import masked_mean
 from rlkl_lightning.trajectory import Trajectory
@@ -45,7 +46,10 @@ def batch(lengths: list[int], seed: int) -> tuple[Trajectory, torch.Tensor]:
 
 
 class Linear(torch.nn.Module):
-    """The module contract of run_update around ``loss = reduce(theta * c, mask)``."""
+    """The module contract of run_update around ``loss = reduce(theta * c, mask)``.
+
+    ``reduce`` is the policy objective's, which owns the aggregation.
+    """
 
     def __init__(self, aggregation: str, minibatches: int, accum: int, world: int = 1):
         super().__init__()
@@ -53,8 +57,8 @@ class Linear(torch.nn.Module):
         self.optimization = Optimization(
             ppo_epochs=1, num_minibatches=minibatches, grad_accum_steps=accum, max_grad_norm=None
         )
-        self.objective = Objective(aggregation=aggregation)
-        self.sampling = Sampling(max_new_tokens=L)
+        objective = Objective(aggregation=aggregation)
+        self.policy_objective = PolicyObjective(objective, KLPenalty(), 1.0, L)
         self.threads = OneThread()
         self.sharded_models = ()
         self.device = torch.device("cpu")
@@ -71,7 +75,8 @@ class Linear(torch.nn.Module):
         dist.all_reduce(out)
         return out
 
-    def loss(self, minibatch, reduce=masked_mean):
+    def loss(self, minibatch):
+        reduce = self.policy_objective.reduce(minibatch)
         loss = reduce(self.theta * minibatch.logprobs, minibatch.response_mask)
         return loss, {"loss/policy": loss.detach(), "policy/clipfrac": torch.tensor(0.0)}
 
@@ -171,6 +176,48 @@ def test_the_token_weights_of_a_micro_batch():
     assert token_weights(mask, "batch_token_mean", 4, 3, 2.5).tolist() == (mask / 2.5).tolist()
     with pytest.raises(ValueError, match="`aggregation` must be one of"):
         token_weights(mask, "token_mean", 4, 3, 10.0)
+
+
+def old_micro_loss(aggregation, x, part, minibatch_size, share, tokens_per_rank):
+    """The update's computation before the objective owned the aggregation (0.4.0)."""
+    if aggregation == "token_mean":
+        return masked_mean(x, part.response_mask), share
+    w = token_weights(part.response_mask, aggregation, minibatch_size, L, tokens_per_rank)
+    return weighted_sum(x, part.response_mask, weights=w), torch.ones_like(share)
+
+
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
+def test_the_objective_aggregates_as_the_update_did_bit_for_bit(aggregation):
+    """``weigh`` then ``reduce``: each micro-batch's loss and factor equal 0.4.0's bits, and
+    only ``batch_token_mean`` sums the batch's tokens over the ranks."""
+    traj, c = batch(LENGTHS, seed=3)
+    objective = PolicyObjective(Objective(aggregation=aggregation), KLPenalty(), 1.0, L)
+    sums = []
+
+    def global_sum(x):
+        sums.append(x)
+        return x * 3  # three ranks holding as many tokens
+
+    tokens_per_rank = objective.tokens_per_rank(traj.response_mask, global_sum, 3)
+    dapo = aggregation == "batch_token_mean"
+    assert tokens_per_rank == (float(traj.response_mask.sum()) if dapo else 0.0)
+    assert len(sums) == dapo
+    minibatch = torch.tensor([6, 1, 3, 0, 5])
+    mb_tokens = traj.response_mask[minibatch].sum()
+    for micro in minibatch.split(2):
+        part = traj.select(micro)
+        share = part.response_mask.sum() / mb_tokens
+        x = c[micro].float()
+        want, want_factor = old_micro_loss(aggregation, x, part, 5, share, tokens_per_rank)
+        weighed, factor = objective.weigh(part, 5, share, tokens_per_rank)
+        got = objective.reduce(weighed)(x, weighed.response_mask)
+        assert torch.equal(got, want) and torch.equal(factor, want_factor)
+        assert (weighed.loss_weights is None) == (aggregation == "token_mean")
+
+
+def test_fixed_length_needs_the_response_length_limit():
+    with pytest.raises(ValueError, match="`objective.aggregation`='fixed_length' divides by"):
+        PolicyObjective(Objective(aggregation="fixed_length"), KLPenalty(), 1.0)
 
 
 # ---------------------------------------------------------------- two ranks, uneven tokens

@@ -213,13 +213,10 @@ def other_reference(tmp_path_factory):
 
 @pytest.mark.parametrize("cls", ["PPOModule", "RLOOModule"])
 def test_every_term_of_the_loss_goes_through_the_aggregation(tiny_lm_dir, other_reference, cls):
-    """Weights ``mask / sum(mask)`` make every aggregated term a token mean again, so the loss
-    and each statistic equal the default's (policy, value, entropy and KL terms alike); and
-    weights that double one response change every term."""
-    from functools import partial
-
+    """Loss weights ``mask / sum(mask)`` make every aggregated term a token mean again, so the
+    loss and each statistic equal the default's (policy, value, entropy and KL terms alike);
+    and weights that double one response change every term."""
     from rlkl_lightning import PPOModule
-    from rlkl_lightning.algorithms.aggregation import weighted_sum
 
     seed_everything(0)
     extra = {"group": {"responses_per_prompt": K}} if cls == "RLOOModule" else {}
@@ -239,12 +236,12 @@ def test_every_term_of_the_loss_goes_through_the_aggregation(tiny_lm_dir, other_
     traj = traj._replace(logprobs=traj.logprobs + 0.1)  # ratios and KL weights other than 1
     mask = traj.response_mask
     loss, stats = module.loss(traj)
-    same, same_stats = module.loss(traj, partial(weighted_sum, weights=mask / mask.sum()))
+    same, same_stats = module.loss(traj._replace(loss_weights=mask / mask.sum()))
     torch.testing.assert_close(same, loss, rtol=1e-6, atol=1e-7)
     for key, value in stats.items():
         torch.testing.assert_close(same_stats[key], value, rtol=1e-6, atol=1e-7)
     heavier = mask / mask.sum()
     heavier[0] *= 2
-    _, other = module.loss(traj, partial(weighted_sum, weights=heavier))
+    _, other = module.loss(traj._replace(loss_weights=heavier))
     for key in [k for k in stats if k.startswith("loss/")]:
         assert not torch.allclose(other[key], stats[key]), key

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from helpers.generate_reference import sample as generate_then_score
-from helpers.tiny_ppo import fit, module_args, text_loader
+from helpers.tiny_ppo import PROMPTS, fit, module_args, text_loader
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -209,3 +209,79 @@ def test_perplexity_matches_a_direct_computation(tiny_lm_dir):
     assert metrics["val/perplexity"] == pytest.approx(math.exp(nll / count), rel=1e-4)
     # Before any update the policy is the reference.
     assert metrics["val/perplexity_ref"] == pytest.approx(metrics["val/perplexity"], rel=1e-5)
+
+
+# ---------------------------------------------------------------- ppo.advantage
+CALLS: list[str] = []
+
+
+def sign_advantages(traj, kl_coef, options, global_sum):
+    """A token-level estimator of a user's (by dotted path): the sign of GAE's advantages."""
+    from rlkl_lightning.algorithms.advantage_estimators import gae_advantages
+
+    CALLS.append(type(options).__name__)
+    shaped = gae_advantages(traj, kl_coef, options, global_sum)
+    return shaped._replace(advantages=shaped.advantages.sign() * traj.response_mask)
+
+
+@pytest.fixture
+def registered_advantage(monkeypatch):
+    """``sign``, a token-level estimator registered from outside the package (undone after)."""
+    from rlkl_lightning.algorithms import advantage_estimators as registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    registry.register_advantage("sign", "token")(sign_advantages)
+    CALLS.clear()
+    return "sign"
+
+
+@pytest.mark.parametrize("how", ["registered", "dotted path"])
+def test_ppo_trains_with_a_plugged_token_level_advantage(tiny_lm_dir, registered_advantage, how):
+    """``ppo.advantage`` names the estimator PPO shapes every batch with, before the update."""
+    name = registered_advantage if how == "registered" else f"{__name__}.sign_advantages"
+    seed_everything(0)
+    module = tiny_module(tiny_lm_dir, ppo={"advantage": name})
+    assert module.hparams["ppo"]["advantage"] == name
+    prompts = PROMPTS[:4] * 2
+    traj, policy_scores = module.rollout(prompts)
+    traj = module.shape(module.score(prompts, traj, policy_scores)[0])
+    assert CALLS == ["PPOOptions"]
+    assert set(traj.advantages[traj.response_mask.bool()].tolist()) <= {-1.0, 0.0, 1.0}
+    fit(module, batches=2, batch_size=8)
+    assert CALLS == ["PPOOptions"] * 3  # once per batch
+
+
+def test_the_default_advantage_is_gae_bit_for_bit(tiny_lm_dir):
+    """``gae`` by name, by default and by its dotted path shape the same trajectory alike."""
+    path = "rlkl_lightning.algorithms.advantage_estimators.gae_advantages"
+    modules = [tiny_module(tiny_lm_dir, ppo=ppo) for ppo in ({}, {"advantage": "gae"})]
+    modules.append(tiny_module(tiny_lm_dir, ppo={"advantage": path}))
+    assert [m.ppo.advantage for m in modules] == ["gae", "gae", path]
+    seed_everything(0)
+    prompts = PROMPTS[:4] * 2
+    traj, policy_scores = modules[0].rollout(prompts)
+    traj = modules[0].score(prompts, traj, policy_scores)[0]
+    shaped = [m.shape(traj) for m in modules]
+    for other in shaped[1:]:
+        for a, b in zip(shaped[0], other, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (
+            "rloo",
+            r"^`ppo\.advantage` must be one of \('gae',\) or the dotted path of a function, "
+            r"got 'rloo'$",
+        ),
+        (
+            "nowhere.gae",
+            r"^`ppo\.advantage` must be one of \('gae',\) or the dotted path of a "
+            r"function, got 'nowhere.gae' \(No module named 'nowhere'\)$",
+        ),
+    ],
+)
+def test_a_bad_advantage_is_refused_in_one_line_before_the_models_load(tiny_lm_dir, bad, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_module("/nonexistent/policy", ppo={"advantage": bad})

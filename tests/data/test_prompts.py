@@ -262,4 +262,50 @@ def test_arguments_parse_with_jsonargparse_including_the_world_config():
     parser.add_class_arguments(PromptDataModule, "data")
     cfg = parser.parse_args(["--data.prompts=imdb", "--data.prompt_words=4", "--data.world.seed=3"])
     assert cfg.data.prompts == "imdb" and cfg.data.prompt_words == 4
-    assert cfg.data.world.seed == 3 and cfg.data.heldout == "default"
+    assert cfg.data.world == {"seed": 3} and cfg.data.heldout == "default"
+    from rlkl_lightning.world import WorldConfig
+
+    dm = PromptDataModule(**cfg.data.as_dict())  # the world's settings, checked here
+    assert dm.named == {"default": WorldConfig(seed=3)}
+
+
+def test_a_bad_world_option_is_refused_in_one_line_when_the_module_is_made():
+    with pytest.raises(ValueError, match=r"^PromptDataModule: `world` has no option 'sede'; its"):
+        PromptDataModule(world={"sede": 3})
+    with pytest.raises(ValueError, match=r"^WorldConfig: `num_reviews` must be an integer >= 1"):
+        PromptDataModule(world={"num_reviews": 0})
+    assert PromptDataModule(prompts="x.txt", heldout=None, world={"sede": 3}).named == {}
+
+
+def test_a_source_registered_from_outside_is_read_by_name(tmp_path, monkeypatch):
+    """A name registered from outside (as the world registers ``default``) reads its files."""
+    from rlkl_lightning.data import sources
+
+    monkeypatch.setattr(sources, "_SOURCES", dict(sources._SOURCES))
+    (tmp_path / "openings.txt").write_text("a\nb\nc\n")
+    (tmp_path / "long.txt").write_text("a long text\nanother long text\n")
+    (tmp_path / "dev.txt").write_text("dev text\n")
+    built = []
+
+    def build(settings, progress):
+        built.append((settings, progress))
+        files = {"long": str(tmp_path / "long.txt"), "dev": str(tmp_path / "dev.txt")}
+        return sources.SourceFiles(
+            str(tmp_path / "openings.txt"), files["long"], files, "a file of mine"
+        )
+
+    sources.register_text_source("mine", build, settings=lambda given: {"size": given})
+    assert sources.text_source_names() == ["default", "mine"]
+    dm = PromptDataModule(
+        prompts="mine", heldout="mine", test_heldout="mine:dev", world=2, shuffle=False
+    )
+    dm.prepare_data()
+    dm.setup("fit")
+    assert built == [({"size": 2}, True), ({"size": 2}, False)]
+    assert _all(dm.train_dataloader()) == ["a", "b", "c"]
+    steer, test = dm.val_dataloader()
+    assert _all(steer) == ["a long text", "another long text"] and _all(test) == ["dev text"]
+    words = _setup(prompts="mine:long", prompt_words=2, heldout=None, world=2)
+    assert sorted(_all(words.train_dataloader())) == ["a long", "another long"]
+    with pytest.raises(ValueError, match=r"`heldout` names a file of mine: one of \('mine:long'"):
+        _setup(prompts="mine", heldout="mine:test")

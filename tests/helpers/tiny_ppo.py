@@ -60,13 +60,15 @@ def with_options(module, **changes: dict[str, Any]):
     """``module`` with the fields ``changes`` gives of its groups (``kl={"placement": "loss"}``).
 
     A group is frozen: it is built again. The module's ``policy_objective`` holds the
-    ``objective`` and ``kl`` groups and the sampling temperature, so it follows them too.
+    ``objective`` and ``kl`` groups, the sampling temperature and ``max_new_tokens``, so it
+    follows them too.
     """
     for name, fields in changes.items():
         setattr(module, name, dataclasses.replace(getattr(module, name), **fields))
     module.policy_objective.kl = module.kl
     module.policy_objective.options = module.objective
     module.policy_objective.temperature = module.sampling.temperature
+    module.policy_objective.max_new_tokens = module.sampling.max_new_tokens
     return module
 
 

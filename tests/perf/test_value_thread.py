@@ -24,7 +24,7 @@ from rlkl_lightning import PPOModule
 from rlkl_lightning.models import logprobs
 from rlkl_lightning.models.forward import HeadProducts
 from rlkl_lightning.perf.onednn import available as onednn_available
-from rlkl_lightning.perf.value_thread import ValueThread
+from rlkl_lightning.perf.value_thread import ValueThread, value_thread_on
 from rlkl_lightning.rewards import FunctionReward
 
 
@@ -250,6 +250,37 @@ def test_the_default_runs_the_thread_where_it_helps(tiny_lm_dir, torch_threads, 
     assert module.ppo.value_model_thread is None and len(batches) == 1
     main = threading.current_thread().name
     assert threads and any(t != main for t in threads) == helper
+
+
+@pytest.mark.parametrize(
+    ("setting", "separate", "strategy", "device", "threads", "on"),
+    [
+        (None, True, "single", "cpu", 2, True),  # where it helps
+        (None, False, "single", "cpu", 2, False),  # the value head shares the policy's passes
+        (None, True, "ddp", "cpu", 2, False),
+        (None, True, "single", "cuda", 2, False),
+        (None, True, "single", "cpu", 1, False),
+        (False, True, "single", "cpu", 2, False),
+        (True, True, "single", "cpu", 1, True),  # asked for: kept
+        (False, True, "ddp", "cpu", 2, False),
+    ],
+)
+def test_the_speed_up_decides_when_the_value_thread_runs(
+    setting, separate, strategy, device, threads, on
+):
+    """``value_thread_on``: PPO's ``ppo.value_model_thread``, None decided beside the speed-up."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    made = SingleDeviceStrategy("cpu") if strategy == "single" else DDPStrategy()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert value_thread_on(setting, separate, made, device, "PPOModule") is on
+    finally:
+        torch.set_num_threads(before)
+    if strategy == "ddp":
+        with pytest.raises(ValueError, match=r"^PPOModule: `ppo\.value_model_thread`=True needs"):
+            value_thread_on(True, separate, made, device, "PPOModule")
 
 
 def test_bad_settings_are_refused(tiny_lm_dir):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers.cli_runs import cli_error, tiny_cli_config
 
-from rlkl_lightning.algorithms.options import ADDED_GROUPS, MODULE_GROUPS, RENAMED
+from rlkl_lightning.algorithms.options import ADDED_GROUPS, ADDED_OPTIONS, MODULE_GROUPS, RENAMED
 from rlkl_lightning.cli import main
 from rlkl_lightning.export import export_policy
 
@@ -24,6 +24,7 @@ OLD_NAME = {
         for group, cls in MODULE_GROUPS.items()
         if group not in ADDED_GROUPS
         for f in fields(cls)
+        if f"{group}.{f.name}" not in ADDED_OPTIONS
     },
     **{place: name for name, place in RENAMED.items()},
 }
@@ -36,7 +37,8 @@ def flat_layout(checkpoint: dict) -> dict:
         hparams.pop(group, None)
     for group in MODULE_GROUPS.keys() - ADDED_GROUPS.keys():
         for name, value in (hparams.pop(group, None) or {}).items():
-            hparams[OLD_NAME[f"{group}.{name}"]] = value
+            if f"{group}.{name}" not in ADDED_OPTIONS:  # options 0.1.0 did not have
+                hparams[OLD_NAME[f"{group}.{name}"]] = value
     checkpoint["hyper_parameters"] = hparams
     record = checkpoint["callbacks"]["RunSettings"]
     prefix = "model.init_args."
@@ -45,7 +47,7 @@ def flat_layout(checkpoint: dict) -> dict:
         if key.startswith(prefix):
             group, _, rest = key.removeprefix(prefix).partition(".")
             name, dot, deeper = rest.partition(".")
-            if group in ADDED_GROUPS:
+            if group in ADDED_GROUPS or f"{group}.{name}" in ADDED_OPTIONS:
                 continue
             if group in MODULE_GROUPS:
                 key = f"{prefix}{OLD_NAME[f'{group}.{name}']}{dot}{deeper}"
@@ -119,6 +121,29 @@ def test_an_old_checkpoint_resumes_as_the_new_one_does(written, tmp_path):
     assert len(states[0]) >= 3 and states[0] == states[1]
     # Written again in the new layout.
     assert "optimization" in from_old["hyper_parameters"]
+
+
+def without_added_options(checkpoint: dict) -> dict:
+    """``checkpoint`` as 0.4.0 wrote it: the groups, without the options added since."""
+    prefix = "model.init_args."
+    for place in ADDED_OPTIONS:
+        group, _, name = place.partition(".")
+        (checkpoint["hyper_parameters"].get(group) or {}).pop(name, None)
+        checkpoint["callbacks"]["RunSettings"]["settings"].pop(f"{prefix}{place}", None)
+    return checkpoint
+
+
+def test_a_checkpoint_from_before_an_added_option_resumes_as_the_new_one_does(written, tmp_path):
+    """A 0.4.0 PPO checkpoint has no ``ppo.advantage``: it resumes with the default, ``gae``."""
+    config, last, _ = written
+    older = tmp_path / "older.ckpt"
+    torch.save(without_added_options(torch.load(last, weights_only=True)), older)
+    assert "advantage" not in torch.load(older, weights_only=True)["hyper_parameters"]["ppo"]
+    from_new = _resume(config, last, tmp_path / "new")
+    from_older = _resume(config, older, tmp_path / "older")
+    assert from_older["hyper_parameters"]["ppo"]["advantage"] == "gae"
+    for key, value in from_new["state_dict"].items():
+        assert torch.equal(from_older["state_dict"][key], value), key
 
 
 def test_a_change_on_an_old_checkpoint_is_listed_under_its_new_name(written, capfd):

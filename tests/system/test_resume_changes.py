@@ -267,3 +267,23 @@ def test_a_changed_budget_or_steering_text_is_refused_and_the_same_run_resumes(
         ]
     )
     assert run.trainer.global_step == 3
+
+
+def test_an_option_added_to_a_group_since_the_checkpoint_was_written_is_its_default():
+    """A 0.4.0 PPO checkpoint has no ``ppo.advantage``: its run shaped with ``gae``, the default,
+    so a resume compares ``'gae'`` with ``'gae'`` instead of refusing ``(unset) -> 'gae'``."""
+    from rlkl_lightning.cli.run_settings import differences, nested_settings
+
+    prefix = "model.init_args."
+    saved = {
+        f"{prefix}ppo.vf_coef": "0.1",
+        f"{prefix}ppo.value_model": "None",
+        f"{prefix}models.peft.r": "8",  # a group option holding a mapping
+    }
+    out = nested_settings(saved)
+    assert out[f"{prefix}ppo.advantage"] == "'gae'"
+    assert out[f"{prefix}ppo.vf_coef"] == "0.1"  # what the checkpoint has is kept
+    assert f"{prefix}models.peft" not in out and out[f"{prefix}models.peft.r"] == "8"
+    assert not any(key.startswith(f"{prefix}group.") for key in out)  # RLOO's, not this run's
+    current = {**out, f"{prefix}ppo.advantage": "'sign'"}
+    assert differences(out, current) == [f"{prefix}ppo.advantage: 'gae' -> 'sign'"]

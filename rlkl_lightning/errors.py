@@ -5,7 +5,8 @@ is a ``ValueError`` or ``RuntimeError`` raised by this package, often wrapped by
 a "Does not validate against any of the Union subtypes" error that quotes the whole config; a
 value the parser itself refuses (``--kl.target=nan``, an unknown option) is jsonargparse's
 ``ArgumentError``, printed after a usage dump. :func:`user_message` reduces either to a few
-lines; :func:`rlkl_lightning.cli.main` prints them alone and exits with status 2.
+lines; :func:`rlkl_lightning.cli.main` prints them alone and exits with status 2, and the world's
+command line (``python -m rlkl_lightning.world``) prints a bad option the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import textwrap
 import traceback
 from argparse import ArgumentError
 
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # rlkl_lightning/
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))  # rlkl_lightning/
 VERBOSE_ENV = "RLKL_VERBOSE"  # set to 1 (or pass --verbose) to see the traceback instead
 MAX_LINES = 12  # of one parser message; a longer one is cut with a note
 
