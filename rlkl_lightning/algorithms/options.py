@@ -232,7 +232,7 @@ class KLPenalty:
             "A per-token trust region"); None: off.
     """
 
-    group: ClassVar[str] = "kl"
+    group: ClassVar[str] = "penalty"
     RULES: ClassVar[tuple] = (
         ("init_coef", _finite_above(0, strict=False), "a finite number >= 0"),
         ("placement", _one_of(KL_PLACEMENTS), f"one of {KL_PLACEMENTS}"),
@@ -254,8 +254,8 @@ class KLPenalty:
     def __post_init__(self) -> None:
         check_rules(self)
         # Registered names or the dotted path of a user's own estimator (docs/extending.md).
-        kl_estimator(self.estimator, "kl.estimator", role="reward")
-        kl_estimator(self.loss_estimator, "kl.loss_estimator", role="loss")
+        kl_estimator(self.estimator, "penalty.estimator", role="reward")
+        kl_estimator(self.loss_estimator, "penalty.loss_estimator", role="loss")
 
 
 @dataclass(frozen=True)
@@ -538,7 +538,7 @@ PIPELINE_GROUPS: dict[str, type] = {
     "sampling": Sampling,
     "optimization": Optimization,
     "objective": Objective,
-    "kl": KLPenalty,
+    "penalty": KLPenalty,
     "models": Models,
     "safeguards": Safeguards,
     "logging": Logging,
@@ -558,12 +558,12 @@ MODULE_GROUPS: dict[str, type] = {
 
 #: The flat options of the modules before the groups (0.1.0) whose name changed in their group.
 RENAMED = {
-    "init_kl_coef": "kl.init_coef",
-    "kl_estimator": "kl.estimator",
-    "kl_placement": "kl.placement",
-    "kl_loss_estimator": "kl.loss_estimator",
-    "kl_loss_weight_clip": "kl.loss_weight_clip",
-    "kl_trust_region": "kl.trust_region",
+    "init_kl_coef": "penalty.init_coef",
+    "kl_estimator": "penalty.estimator",
+    "kl_placement": "penalty.placement",
+    "kl_loss_estimator": "penalty.loss_estimator",
+    "kl_loss_weight_clip": "penalty.loss_weight_clip",
+    "kl_trust_region": "penalty.trust_region",
     "loss_aggregation": "objective.aggregation",
 }
 

@@ -3,7 +3,7 @@
 Beside Lightning's ``model``, ``data`` and ``trainer`` groups the CLI has a ``kl`` group: the
 KL target is given there once and shared by the controller and the drift monitor, whose
 callbacks the CLI adds to the trainer. The initial beta is the module's ``kl_coef`` when the
-trainer is built (``model.init_args.kl.init_coef`` for this package's modules).
+trainer is built (``model.init_args.penalty.init_coef`` for this package's modules).
 
 Checkpoints are not trusted (docs/checkpoints.md): every subcommand restores with
 ``weights_only=True``, ``--ckpt_path`` is checked before anything loads it, and no setting is

@@ -16,9 +16,10 @@ SHIPPED = "configs/ppo_adaptive.yaml"
 
 
 def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
-    option = "--model.init_args.kl.init_coef=nan"  # was 55 lines of usage and a validator note
+    option = "--model.init_args.penalty.init_coef=nan"  # was 55 lines of usage and a validator note
     message = (
-        "`model.init_args.kl.init_coef` must be a finite number (NaN and inf are refused), got nan"
+        "`model.init_args.penalty.init_coef` must be a finite number (NaN and inf are refused), "
+        "got nan"
     )
     status, output = train_py(
         ["fit", "--config", SHIPPED, option, f"--trainer.logger.init_args.save_dir={tmp_path}"]
@@ -58,12 +59,13 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
             "`model.init_args.sampling.max_new_tokens` must be an integer >= 1, got 0",
         ),
         (
-            ["--model.init_args.kl.estimator=k4"],
-            "`model.init_args.kl.estimator` must be one of ('k1', 'k2', 'k3', 'exact'), got 'k4'",
+            ["--model.init_args.penalty.estimator=k4"],
+            "`model.init_args.penalty.estimator` must be one of ('k1', 'k2', 'k3', 'exact'), "
+            "got 'k4'",
         ),
         (  # a flat option of 0.1.0 names its place in the groups
             ["--model.init_args.init_kl_coef=0.3"],
-            "`model.init_args.init_kl_coef` is now `model.init_args.kl.init_coef`",
+            "`model.init_args.init_kl_coef` is now `model.init_args.penalty.init_coef`",
         ),
         (["--data.init_args.batch_size=0"], "PromptDataModule: `batch_size` must be >= 1 or None"),
         (["--model.init_args.policy=/no/such/model"], "`policy`: model path '/no/such/model'"),
@@ -88,13 +90,13 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
             "loss_type 'dr_grpo' is `objective.aggregation: fixed_length` here",
         ),
         (
-            ["--model.init_args.kl.trust_region=nan"],
-            "`model.init_args.kl.trust_region` must be a finite number or null (NaN and inf are "
-            "refused), got nan",
+            ["--model.init_args.penalty.trust_region=nan"],
+            "`model.init_args.penalty.trust_region` must be a finite number or null (NaN and inf "
+            "are refused), got nan",
         ),
         (
-            ["--model.init_args.kl.trust_region=abc"],
-            "`model.init_args.kl.trust_region` must be a number or null, got abc",
+            ["--model.init_args.penalty.trust_region=abc"],
+            "`model.init_args.penalty.trust_region` must be a number or null, got abc",
         ),
         (["--weights_only=false"], "`weights_only` must be true or unset"),
         (["--ckpt_path=last"], "`--ckpt_path last`: there is no checkpoint to resume"),

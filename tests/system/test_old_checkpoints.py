@@ -17,7 +17,7 @@ from rlkl_lightning.algorithms.options import ADDED_GROUPS, MODULE_GROUPS, RENAM
 from rlkl_lightning.cli import main
 from rlkl_lightning.export import export_policy
 
-#: The new place of every 0.1.0 option -> its flat name (``"kl.init_coef" -> "init_kl_coef"``).
+#: The new place of every 0.1.0 option -> its flat name (``"penalty.init_coef" -> "init_kl_coef"``).
 OLD_NAME = {
     **{
         f"{group}.{f.name}": f.name
