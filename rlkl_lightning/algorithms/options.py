@@ -545,61 +545,9 @@ PIPELINE_GROUPS: dict[str, type] = {
     "engine": Engine,
 }
 
-#: The groups added after 0.1.0 (no flat option of 0.1.0 lives in them); a checkpoint written
-#: before a group existed ran with that group's defaults.
-ADDED_GROUPS: dict[str, str] = {"engine": "0.3.0"}
-
 #: Every group of the modules: the pipeline's and the algorithms' own.
 MODULE_GROUPS: dict[str, type] = {
     **PIPELINE_GROUPS,
     "ppo": PPOOptions,
     "group": GroupOptions,
 }
-
-#: The flat options of the modules before the groups (0.1.0) whose name changed in their group.
-RENAMED = {
-    "init_kl_coef": "penalty.init_coef",
-    "kl_estimator": "penalty.estimator",
-    "kl_placement": "penalty.placement",
-    "kl_loss_estimator": "penalty.loss_estimator",
-    "kl_loss_weight_clip": "penalty.loss_weight_clip",
-    "kl_trust_region": "penalty.trust_region",
-    "loss_aggregation": "objective.aggregation",
-}
-
-
-def _flat_keys() -> dict[str, str]:
-    moved = {
-        f.name: f"{name}.{f.name}"
-        for name, cls in MODULE_GROUPS.items()
-        if name not in ADDED_GROUPS
-        for f in fields(cls)
-    }
-    moved.update(RENAMED)
-    return moved
-
-
-#: Every flat option of 0.1.0 -> its place in the groups (``"top_p" -> "sampling.top_p"``).
-FLAT_KEYS: dict[str, str] = _flat_keys()
-
-
-def moved_option(name: str) -> str | None:
-    """Where a flat option of 0.1.0 lives now (``"top_p" -> "sampling.top_p"``), or None."""
-    return FLAT_KEYS.get(name)
-
-
-def nest_flat_options(flat: dict[str, Any]) -> dict[str, Any]:
-    """A 0.1.0 checkpoint's flat hyperparameters as the groups' nested ones.
-
-    Options that are not flat options of 0.1.0 (the model objects, a group already nested)
-    are kept as they are.
-    """
-    nested: dict[str, Any] = {}
-    for key, value in flat.items():
-        place = FLAT_KEYS.get(key)
-        if place is None or isinstance(value, dict) and key in PIPELINE_GROUPS:
-            nested[key] = value
-            continue
-        group, _, name = place.partition(".")
-        nested.setdefault(group, {})[name] = value
-    return nested

@@ -25,6 +25,7 @@ every model once it is loaded, and the update's threads (:meth:`RLPipeline.updat
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from functools import partial
@@ -93,6 +94,7 @@ from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.kl import estimators as klmod
 from rlkl_lightning.kl.loss import within_trust_region
 from rlkl_lightning.masked import masked_mean, masked_sum
+from rlkl_lightning.migrations import moved_option, renamed_group
 from rlkl_lightning.models.forward import no_grad, plain_lm_head_weight
 from rlkl_lightning.models.loading import (
     disable_dropout,
@@ -181,6 +183,21 @@ class RLPipeline(LightningModule):
     skipped_in_a_row: int  #: skips since the last trained batch
     reference_refreshes: int  #: refreshes of the reference (:meth:`refresh_reference`)
     last_refresh_batch: int  #: ``batches_seen`` at the last refresh (0: none)
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        """Refuse an option by its name of an older version (``kl=``), naming today's.
+
+        Python's own error would name the argument only; an argument a subclass takes under
+        that name is its own, and passes.
+        """
+        own = inspect.signature(cls.__init__).parameters
+        for name in kwargs:
+            new = renamed_group(name) or moved_option(name)
+            if new is not None and name not in own:
+                raise TypeError(
+                    f"{cls.__name__}: `{name}` is now `{new}` (docs/options.md, 'Migration')"
+                )
+        return super().__new__(cls)
 
     def __init__(
         self,

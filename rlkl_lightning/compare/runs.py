@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from rlkl_lightning.compare.config import merge, run_entry, run_seeds
 from rlkl_lightning.defaults import default_of
+from rlkl_lightning.migrations import upgrade_init_args
 
 if TYPE_CHECKING:
     from rlkl_lightning.compare.config import StudyConfig
@@ -122,6 +123,8 @@ def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
     """
     section = config.get(group) or {}
     args = section.get("init_args") or {}
+    if group == "model":  # a run config of an older version reads as today's
+        args = upgrade_init_args(args)
     outer, _, inner = name.partition(".")
     if outer in args and not inner:
         return args[outer]

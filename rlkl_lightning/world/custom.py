@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlkl_lightning.algorithms.options import nest_flat_options
+from rlkl_lightning.migrations import upgrade_init_args
 from rlkl_lightning.world.cache import Corpus, build_stage, default_cache_dir, info, write_jsonl
 from rlkl_lightning.world.config import CustomWorldConfig, WorldConfig
 from rlkl_lightning.world.read import OWNER, read_corpus
@@ -396,8 +396,8 @@ def study_overrides(
     own = yaml.safe_load((world.root / STUDY_FILE).read_text()) or {}
     overrides = resolve_paths(merge(own, extra or {}))
     model = overrides.get("model") or {}
-    if isinstance(model.get("init_args"), dict):  # a world built before the option groups
-        model["init_args"] = nest_flat_options(model["init_args"])
+    if isinstance(model.get("init_args"), dict):  # a world of an older version
+        model["init_args"] = upgrade_init_args(model["init_args"])
     return overrides
 
 

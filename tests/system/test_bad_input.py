@@ -162,6 +162,31 @@ def test_cli_beta_zero_with_the_fixed_law_trains_without_a_kl_penalty(tiny_lm_di
     assert float(metrics["objective/kl"]) != 0.0  # the KL is there, it is just not penalised
 
 
+@pytest.mark.parametrize(
+    ("old", "message"),
+    [
+        ({"kl": {"placement": "loss"}}, "PPOModule: `kl` is now `penalty` (docs/options.md"),
+        ({"init_kl_coef": 0.3}, "PPOModule: `init_kl_coef` is now `penalty.init_coef` ("),
+        ({"top_p": 0.9}, "PPOModule: `top_p` is now `sampling.top_p` (docs/options.md"),
+    ],
+)
+def test_an_old_argument_name_in_python_names_the_new_one(old, message):
+    with pytest.raises(TypeError) as raised:
+        PPOModule(policy="/no/such/model", **old)  # refused before any model loads
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+def test_a_subclass_keeps_an_argument_of_its_own_with_an_old_name(tiny_lm_dir):
+    class Tempered(PPOModule):
+        def __init__(self, temperature: float = 1.0, **kwargs):
+            super().__init__(
+                **kwargs, sampling={"temperature": temperature, "max_prompt_tokens": 8}
+            )
+
+    module = Tempered(temperature=0.5, policy=str(tiny_lm_dir))
+    assert module.sampling.temperature == 0.5
+
+
 def test_unknown_estimator_names_the_allowed_ones(tiny_lm_dir):
     with pytest.raises(
         ValueError,

@@ -67,6 +67,34 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
             ["--model.init_args.init_kl_coef=0.3"],
             "`model.init_args.init_kl_coef` is now `model.init_args.penalty.init_coef`",
         ),
+        # The module's KL penalty (`penalty`, `kl` until 0.4.0) and the run's KL control (`kl`).
+        (
+            ["--model.init_args.kl.placement=loss"],
+            "`model.init_args.kl.placement` is now `model.init_args.penalty.placement`: renamed "
+            "in 0.5.0; the top-level `kl` is the run's KL control (docs/options.md)",
+        ),
+        (
+            ["--kl.placement=loss"],
+            "`kl.placement` is the module's KL penalty: `model.init_args.penalty.placement`; the "
+            "top-level `kl` is the run's KL control (docs/options.md)",
+        ),
+        (
+            ["--kl.init_coef=0.3"],
+            "`kl.init_coef` is the module's KL penalty: `model.init_args.penalty.init_coef`;",
+        ),
+        (
+            ["--model.init_args.penalty.target=3"],
+            "`model.init_args.penalty.target` is the run's KL control: `kl.target` (top level); "
+            "the module's `penalty` is its KL penalty (docs/options.md)",
+        ),
+        (
+            ["--model.init_args.kl.target=3"],
+            "`model.init_args.kl.target` is the run's KL control: `kl.target` (top level);",
+        ),
+        (
+            ["--model.init_args.placement=loss"],
+            "`model.init_args.placement` is `model.init_args.penalty.placement`",
+        ),
         (["--data.init_args.batch_size=0"], "PromptDataModule: `batch_size` must be >= 1 or None"),
         (["--model.init_args.policy=/no/such/model"], "`policy`: model path '/no/such/model'"),
         (["--model.init_args.polcy=x"], "`model` (rlkl_lightning.PPOModule): Option 'polcy'"),
@@ -109,6 +137,43 @@ def test_cli_errors_end_with_the_projects_message(args, message, tiny_lm_dir, tm
     assert "\n" not in printed.strip() and "Given value" not in printed
     # PPOModule's and PromptDataModule's errors were wrapped in a Union error quoting the whole
     # config after two tracebacks (70-80 lines); the model's errors come after "Seed set to 0".
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (
+            {"model": {"init_args": {"kl": {"placement": "loss"}}}},
+            "`model.init_args.kl.placement` is now `model.init_args.penalty.placement`: renamed "
+            "in 0.5.0; the top-level `kl` is the run's KL control (docs/options.md)",
+        ),
+        (
+            {"kl": {"init_coef": 0.3}},
+            "`kl.init_coef` is the module's KL penalty: `model.init_args.penalty.init_coef`; the "
+            "top-level `kl` is the run's KL control (docs/options.md)",
+        ),
+        (
+            {"model": {"init_args": {"penalty": {"target": 3.0}}}},
+            "`model.init_args.penalty.target` is the run's KL control: `kl.target` (top level); "
+            "the module's `penalty` is its KL penalty (docs/options.md)",
+        ),
+        (
+            {"model": {"init_args": {"kl": {"horizon": 50.0}}}},
+            "`model.init_args.kl.horizon` is the run's KL control: `kl.horizon` (top level); "
+            "the module's `penalty` is its KL penalty (docs/options.md)",
+        ),
+    ],
+)
+def test_a_kl_option_in_the_other_kl_group_of_a_config_names_its_place(
+    given, message, tiny_lm_dir, tmp_path, capfd
+):
+    import yaml
+
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    mistake = tmp_path / "mistake.yaml"
+    mistake.write_text(yaml.safe_dump(given))
+    printed = cli_error(["fit", "--config", str(config), "--config", str(mistake)], capfd)
+    assert printed == message
 
 
 def test_an_empty_prompts_file_and_a_checkpoint_directory_are_named(tiny_lm_dir, tmp_path, capfd):
