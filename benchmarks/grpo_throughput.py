@@ -4,7 +4,7 @@ One iteration samples ``batch`` completions (``batch / generations`` prompts x `
 completions each), scores them with the reward model and the reference, and takes ``epochs x
 minibatches`` optimizer steps. Ours: ``RLOOModule`` with ``group={"advantage": "grpo",
 "scale_rewards": "group"}``, ``objective={"aggregation": "batch_token_mean"}`` and
-``kl={"placement": "loss", "loss_estimator": "k3"}``, beta fixed. TRL 1.16.0:
+``penalty={"placement": "loss", "loss_estimator": "k3"}``, beta fixed. TRL 1.16.0:
 ``GRPOTrainer`` with ``use_vllm=False`` (transformers' ``generate``), ``beta`` the same,
 ``use_bias_correction_kl=False``, ``loss_type="bnpo"``, ``scale_rewards="group"``,
 ``num_generations`` = generations, ``steps_per_generation`` = minibatches,

@@ -170,7 +170,7 @@ def _our_options(world: Path, settings: dict, p) -> tuple[dict, object]:
     options = dict(
         policy=str(world / "policy"),
         tokenizer=str(world / "tokenizer"),
-        kl={"init_coef": KL_COEF},
+        penalty={"init_coef": KL_COEF},
         sampling={"max_new_tokens": p.response, "temperature": TEMPERATURE, "stop_at_eos": False},
         optimization={"ppo_epochs": p.epochs, "num_minibatches": p.minibatches, "lr": LR},
         logging={"log_samples_every": 0},
@@ -188,7 +188,7 @@ def ours(world: Path, settings: dict, separate_value: bool, iterations: int, cal
 
     p = preset(settings["preset"], settings["tiny"], settings.get("batch"))
     options, reward = _our_options(world, settings, p)
-    options["kl"]["estimator"] = "k1"
+    options["penalty"]["estimator"] = "k1"
     options["sampling"]["max_prompt_tokens"] = p.prompt
     module = PPOModule(
         ppo={
@@ -371,7 +371,7 @@ def ours_grpo(world: Path, settings: dict, iterations: int, callbacks=()):
     p = preset(settings["preset"], settings["tiny"], settings.get("batch"))
     k = settings["generations"]
     options, reward = _our_options(world, settings, p)
-    options["kl"].update(placement="loss", loss_estimator="k3")
+    options["penalty"].update(placement="loss", loss_estimator="k3")
     options["sampling"]["max_prompt_tokens"] = p.prompt + 1
     module = RLOOModule(
         reward=reward,

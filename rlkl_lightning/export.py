@@ -22,6 +22,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from rlkl_lightning.migrations import upgrade_init_args
+
 
 def export_policy(
     hparams: Mapping[str, Any], state_dict: Mapping[str, Tensor], directory: str | Path
@@ -40,10 +42,10 @@ def export_policy(
     from rlkl_lightning.models.lora import attach_adapters, load_trainable
     from rlkl_lightning.models.tokenizer import pretrained_tokenizer
 
+    hparams = upgrade_init_args(hparams)  # a checkpoint of an older version: today's names
     model = load_causal_lm(hparams["policy"], option="policy")
     state = {k.removeprefix("policy."): v for k, v in state_dict.items() if k.startswith("policy.")}
-    # Adapters: the `models` group's, or a flat `peft` in a checkpoint of 0.1.0.
-    peft = (hparams.get("models") or {}).get("peft", hparams.get("peft"))
+    peft = (hparams.get("models") or {}).get("peft")
     wrapped = attach_adapters(model, peft) if peft is not None else None
     load_trainable(model, state, "export")
     if wrapped is not None:

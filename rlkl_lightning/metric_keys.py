@@ -17,7 +17,7 @@ ENTROPY = "objective/entropy"
 RESPONSE_TOKENS = "objective/response_tokens"
 FRAC_REWARD_ZERO_STD = "objective/frac_reward_zero_std"  #: RLOOModule: groups of equal scores
 TRAINED_FRACTION = "objective/trained_fraction"  #: RLOOModule: responses the update kept
-#: With `kl.trust_region`: the fraction of response tokens left out of the KL penalty
+#: With `penalty.trust_region`: the fraction of response tokens left out of the KL penalty
 TRUST_REGION_MASKED = "objective/trust_region_masked"
 
 

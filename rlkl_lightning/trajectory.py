@@ -25,7 +25,7 @@ class Trajectory(NamedTuple):
         logprobs: ``[B, R]`` float32 log-probs of the sampled tokens under the policy at
             rollout time (the "old" log-probs of PPO's ratio).
         ref_logprobs: ``[B, R]`` float32 log-probs of the same tokens under the reference.
-        kl: ``[B, R]`` per-token KL to the reference, by the run's ``kl.estimator``.
+        kl: ``[B, R]`` per-token KL to the reference, by the run's ``penalty.estimator``.
         scores: ``[B]`` reward-model scores (clipped if the run clips them).
         values: ``[B, R]`` value estimates at rollout time (None without a critic).
         advantages: ``[B, R]`` advantages (whitened where the algorithm whitens them).

@@ -110,7 +110,10 @@ def calibrate(out: Path, batches: int = 150) -> dict[float, Path]:
         args = [sys.executable, str(ROOT / "train.py"), "fit"]
         args += ["--config", str(ROOT / "configs" / "ppo_fixed.yaml")]
         args += [f"--seed_everything={SEED}", f"--data.init_args.seed={SEED}"]
-        args += [f"--model.init_args.kl.init_coef={beta}", f"--trainer.max_steps={batches * 16}"]
+        args += [
+            f"--model.init_args.penalty.init_coef={beta}",
+            f"--trainer.max_steps={batches * 16}",
+        ]
         args += ["--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false"]
         args += [f"--trainer.logger.init_args.save_dir={out}"]
         args += [f"--trainer.logger.init_args.name=fixed_{beta:g}"]

@@ -36,7 +36,7 @@ def batch_metrics(
         traj: The batch's trajectory (``scores``, ``kl`` and ``response_mask`` are read).
         diagnostics: Per-sequence KL ``[B]`` of every estimator (``kl_k1`` ... ``kl_exact``),
             the summed token entropy ``entropy_sum``, with a gold reward its ``[B]`` scores
-            ``gold``, and with ``kl.trust_region`` the ``[B]`` KL of the tokens inside it
+            ``gold``, and with ``penalty.trust_region`` the ``[B]`` KL of the tokens inside it
             (``penalized_kl``: the penalty applied) and the count of those outside
             (``outside_tokens``), from the scoring phase.
         kl_estimator: The estimator of ``objective/kl``: a registered name, or the option
@@ -72,7 +72,7 @@ def batch_metrics(
         metrics[keys.kl_of(name)] = diagnostics[f"kl_{name}"].mean()
     if "gold" in diagnostics:
         metrics[keys.GOLD_SCORE] = diagnostics["gold"].mean()
-    if "penalized_kl" in diagnostics:  # kl.trust_region: the penalty applied, what it left out
+    if "penalized_kl" in diagnostics:  # penalty.trust_region: the penalty applied, what it left out
         metrics[keys.NON_SCORE_REWARD] = -kl_coef * diagnostics["penalized_kl"].mean()
         outside = global_sum(diagnostics["outside_tokens"].to(all_tokens.dtype))
         metrics[keys.TRUST_REGION_MASKED] = outside / all_tokens

@@ -4,7 +4,7 @@ One (micro-)minibatch's loss is, in this order of summation::
 
     loss = surrogate [+ the algorithm's own term, e.g. PPO's vf_coef x value loss]
            - ent_coef x entropy            (with ent_coef > 0)
-           + kl_coef x kl_loss / kl_scale  (with kl.placement = "loss")
+           + kl_coef x kl_loss / kl_scale  (with penalty.placement = "loss")
 
 * the surrogate is PPO's clipped one (Schulman et al. 2017, arXiv 1707.06347, eq. 7) with a
   per-token or per-sequence ratio (GSPO, arXiv 2507.18071) and clip-higher (DAPO, arXiv
@@ -55,7 +55,7 @@ class PolicyObjective:
 
     Args:
         options: The ``objective`` group (clips, ratio, aggregation, entropy bonus).
-        kl: The ``kl`` group (placement, loss estimator, weight cap, trust region).
+        penalty: The ``penalty`` group (placement, loss estimator, weight cap, trust region).
         temperature: The sampling temperature the log-probs are taken at.
         max_new_tokens: ``sampling.max_new_tokens``, the ``fixed_length`` aggregation's ``L``
             (needed with it alone).
@@ -64,12 +64,12 @@ class PolicyObjective:
     def __init__(
         self,
         options: Objective,
-        kl: KLPenalty,
+        penalty: KLPenalty,
         temperature: float,
         max_new_tokens: int | None = None,
     ) -> None:
         self.options = options
-        self.kl = kl
+        self.penalty = penalty
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens
         if options.aggregation == "fixed_length" and max_new_tokens is None:
@@ -171,9 +171,9 @@ class PolicyObjective:
             entropy = reduce(entropy_from_logits(new.logits), mask)
             loss = loss - opts.ent_coef * entropy
             stats[keys.LOSS_ENTROPY_BONUS] = entropy.detach()
-        if self.kl.placement == "loss":
-            args = (new.logprobs, mb.logprobs, mb.ref_logprobs, mask, self.kl.loss_estimator)
-            kl_args = (self.kl.loss_weight_clip, reduce, self.kl.trust_region)
+        if self.penalty.placement == "loss":
+            args = (new.logprobs, mb.logprobs, mb.ref_logprobs, mask, self.penalty.loss_estimator)
+            kl_args = (self.penalty.loss_weight_clip, reduce, self.penalty.trust_region)
             term = kl_loss(*args, *kl_args, scale=mb.kl_scale)
             if mb.kl_scale is None:
                 stats[keys.LOSS_KL] = term.detach()

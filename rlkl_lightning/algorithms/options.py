@@ -232,7 +232,7 @@ class KLPenalty:
             "A per-token trust region"); None: off.
     """
 
-    group: ClassVar[str] = "kl"
+    group: ClassVar[str] = "penalty"
     RULES: ClassVar[tuple] = (
         ("init_coef", _finite_above(0, strict=False), "a finite number >= 0"),
         ("placement", _one_of(KL_PLACEMENTS), f"one of {KL_PLACEMENTS}"),
@@ -254,8 +254,8 @@ class KLPenalty:
     def __post_init__(self) -> None:
         check_rules(self)
         # Registered names or the dotted path of a user's own estimator (docs/extending.md).
-        kl_estimator(self.estimator, "kl.estimator", role="reward")
-        kl_estimator(self.loss_estimator, "kl.loss_estimator", role="loss")
+        kl_estimator(self.estimator, "penalty.estimator", role="reward")
+        kl_estimator(self.loss_estimator, "penalty.loss_estimator", role="loss")
 
 
 @dataclass(frozen=True)
@@ -548,20 +548,12 @@ PIPELINE_GROUPS: dict[str, type] = {
     "sampling": Sampling,
     "optimization": Optimization,
     "objective": Objective,
-    "kl": KLPenalty,
+    "penalty": KLPenalty,
     "models": Models,
     "safeguards": Safeguards,
     "logging": Logging,
     "engine": Engine,
 }
-
-#: The groups added after 0.1.0 (no flat option of 0.1.0 lives in them); a checkpoint written
-#: before a group existed ran with that group's defaults.
-ADDED_GROUPS: dict[str, str] = {"engine": "0.3.0"}
-
-#: The options added to a group after 0.1.0 (``group.field`` -> the version): no flat option of
-#: 0.1.0 names them; a checkpoint written before one existed ran with its default.
-ADDED_OPTIONS: dict[str, str] = {"ppo.advantage": "0.5.0"}
 
 #: Every group of the modules: the pipeline's and the algorithms' own.
 MODULE_GROUPS: dict[str, type] = {
@@ -569,52 +561,3 @@ MODULE_GROUPS: dict[str, type] = {
     "ppo": PPOOptions,
     "group": GroupOptions,
 }
-
-#: The flat options of the modules before the groups (0.1.0) whose name changed in their group.
-RENAMED = {
-    "init_kl_coef": "kl.init_coef",
-    "kl_estimator": "kl.estimator",
-    "kl_placement": "kl.placement",
-    "kl_loss_estimator": "kl.loss_estimator",
-    "kl_loss_weight_clip": "kl.loss_weight_clip",
-    "kl_trust_region": "kl.trust_region",
-    "loss_aggregation": "objective.aggregation",
-}
-
-
-def _flat_keys() -> dict[str, str]:
-    moved = {
-        f.name: f"{name}.{f.name}"
-        for name, cls in MODULE_GROUPS.items()
-        if name not in ADDED_GROUPS
-        for f in fields(cls)
-        if f"{name}.{f.name}" not in ADDED_OPTIONS
-    }
-    moved.update(RENAMED)
-    return moved
-
-
-#: Every flat option of 0.1.0 -> its place in the groups (``"top_p" -> "sampling.top_p"``).
-FLAT_KEYS: dict[str, str] = _flat_keys()
-
-
-def moved_option(name: str) -> str | None:
-    """Where a flat option of 0.1.0 lives now (``"top_p" -> "sampling.top_p"``), or None."""
-    return FLAT_KEYS.get(name)
-
-
-def nest_flat_options(flat: dict[str, Any]) -> dict[str, Any]:
-    """A 0.1.0 checkpoint's flat hyperparameters as the groups' nested ones.
-
-    Options that are not flat options of 0.1.0 (the model objects, a group already nested)
-    are kept as they are.
-    """
-    nested: dict[str, Any] = {}
-    for key, value in flat.items():
-        place = FLAT_KEYS.get(key)
-        if place is None or isinstance(value, dict) and key in PIPELINE_GROUPS:
-            nested[key] = value
-            continue
-        group, _, name = place.partition(".")
-        nested.setdefault(group, {})[name] = value
-    return nested

@@ -25,6 +25,7 @@ every model once it is loaded, and the update's threads (:meth:`RLPipeline.updat
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from functools import partial
@@ -93,6 +94,7 @@ from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.kl import estimators as klmod
 from rlkl_lightning.kl.loss import within_trust_region
 from rlkl_lightning.masked import masked_sum
+from rlkl_lightning.migrations import moved_option, renamed_group
 from rlkl_lightning.models.forward import no_grad, plain_lm_head_weight
 from rlkl_lightning.models.loading import (
     disable_dropout,
@@ -159,7 +161,7 @@ class RLPipeline(LightningModule):
         sampling: how responses are sampled (:class:`~.options.Sampling`).
         optimization: the update loop and AdamW (:class:`~.options.Optimization`).
         objective: the policy objective (:class:`~.options.Objective`).
-        kl: where and how the KL enters the update (:class:`~.options.KLPenalty`).
+        penalty: where and how the KL enters the update (:class:`~.options.KLPenalty`).
         models: how the models are loaded and run (:class:`~.options.Models`).
         safeguards: score clipping and the limit of skipped batches
             (:class:`~.options.Safeguards`).
@@ -182,6 +184,21 @@ class RLPipeline(LightningModule):
     reference_refreshes: int  #: refreshes of the reference (:meth:`refresh_reference`)
     last_refresh_batch: int  #: ``batches_seen`` at the last refresh (0: none)
 
+    def __new__(cls, *args: Any, **kwargs: Any):
+        """Refuse an option by its name of an older version (``kl=``), naming today's.
+
+        Python's own error would name the argument only; an argument a subclass takes under
+        that name is its own, and passes.
+        """
+        own = inspect.signature(cls.__init__).parameters
+        for name in kwargs:
+            new = renamed_group(name) or moved_option(name)
+            if new is not None and name not in own:
+                raise TypeError(
+                    f"{cls.__name__}: `{name}` is now `{new}` (docs/options.md, 'Migration')"
+                )
+        return super().__new__(cls)
+
     def __init__(
         self,
         policy: str = "default",
@@ -192,7 +209,7 @@ class RLPipeline(LightningModule):
         sampling: Sampling = Sampling(),
         optimization: Optimization = Optimization(),
         objective: Objective = Objective(),
-        kl: KLPenalty = KLPenalty(),
+        penalty: KLPenalty = KLPenalty(),
         models: Models = Models(),
         safeguards: Safeguards = Safeguards(),
         logging: Logging = Logging(),
@@ -225,7 +242,9 @@ class RLPipeline(LightningModule):
         self.hparams.update(plain({**objects, **{k: getattr(self, k) for k in groups}}))
         self.automatic_optimization = False
         #: The policy objective (surrogate, entropy bonus, KL term, aggregation).
-        self.policy_objective = PolicyObjective(self.objective, self.kl, self.sampling.temperature)
+        self.policy_objective = PolicyObjective(
+            self.objective, self.penalty, self.sampling.temperature
+        )
 
         trust = {"trust_remote_code": self.models.trust_remote_code}
         self.tokenizer = load_tokenizer(
@@ -245,7 +264,7 @@ class RLPipeline(LightningModule):
         )
         self.reward = reward if reward is not None else VaderSentimentReward()
         self.gold_reward = gold_reward
-        self.kl_coef = float(self.kl.init_coef)
+        self.kl_coef = float(self.penalty.init_coef)
 
     def _check_joint_options(self) -> None:
         """The rules that join two groups, or a group and this machine; before models load."""
@@ -482,8 +501,9 @@ class RLPipeline(LightningModule):
             the policy's summed token entropy (``entropy_sum``, from the full logits that are
             dropped after this phase), with a ``gold_reward`` its scores (``gold``), and with
             ``kl_token_threshold`` the ``kl_tokens/*`` diagnostics and the ``[B, R]`` per-token
-            KL (``token_kl``); with ``kl.trust_region`` the per-sequence KL of the tokens inside
-            it (``penalized_kl``, ``[B]``) and the count of those outside (``outside_tokens``).
+            KL (``token_kl``); with ``penalty.trust_region`` the per-sequence KL of the tokens
+            inside it (``penalized_kl``, ``[B]``) and the count of those outside
+            (``outside_tokens``).
             Where another engine sampled (``sampler_logprobs``), the trajectory also carries
             ``engine.correction``'s ``mismatch_weights`` and the diagnostics the ``mismatch/*``
             metrics (docs/mismatch.md).
@@ -502,22 +522,22 @@ class RLPipeline(LightningModule):
         scores = self._reward_scores(prompts, responses)
         per_token = {  # every registered estimator with a formula, and a plugged one
             name: estimator.per_token(traj.logprobs, ref_logprobs)
-            for name, estimator in klmod.sample_estimators(self.kl.estimator).items()
+            for name, estimator in klmod.sample_estimators(self.penalty.estimator).items()
         }
         exact, entropy = self._logit_diagnostics(policy_scores, ref_logits)
         per_token["exact"] = exact
-        kl = per_token[self.kl.estimator]
+        kl = per_token[self.penalty.estimator]
         diagnostics = {f"kl_{k}": klmod.sequence_kl(v, mask) for k, v in per_token.items()}
         if self.logging.kl_token_threshold is not None:  # collectives: every rank computes them
             diagnostics.update(self._token_kl_stats(per_token["k1"], kl, mask))
             diagnostics["token_kl"] = kl  # [B, R] for the samples table
-        if self.kl.trust_region is not None:  # the penalty only; the measured KL is whole
-            inside = within_trust_region(per_token["k1"], self.kl.trust_region)
+        if self.penalty.trust_region is not None:  # the penalty only; the measured KL is whole
+            inside = within_trust_region(per_token["k1"], self.penalty.trust_region)
             kl = kl * inside
             diagnostics["penalized_kl"] = klmod.sequence_kl(kl, mask)  # [B], inside only
             diagnostics["outside_tokens"] = masked_sum(1 - inside, mask)  # left out of it
         self.gate(
-            not bool(torch.isfinite(diagnostics[f"kl_{self.kl.estimator}"]).all()),
+            not bool(torch.isfinite(diagnostics[f"kl_{self.penalty.estimator}"]).all()),
             "the KL to the reference is not finite (on this or another rank)",
         )
         diagnostics["entropy_sum"] = masked_sum(entropy, mask)
@@ -573,8 +593,8 @@ class RLPipeline(LightningModule):
 
     @property
     def reward_kl_coef(self) -> float:
-        """Beta in the reward: ``kl_coef`` with ``kl.placement="reward"``, else 0."""
-        return self.kl_coef if self.kl.placement == "reward" else 0.0
+        """Beta in the reward: ``kl_coef`` with ``penalty.placement="reward"``, else 0."""
+        return self.kl_coef if self.penalty.placement == "reward" else 0.0
 
     def global_sum(self, values: Tensor) -> Tensor:
         """``values`` summed over every rank (a collective under DDP: call it on every rank)."""
@@ -621,7 +641,7 @@ class RLPipeline(LightningModule):
         metrics = batch_metrics(
             traj,
             diagnostics,
-            self.kl.estimator,
+            self.penalty.estimator,
             self.kl_coef,
             clock,
             partial(global_sum, self._trainer),
@@ -805,7 +825,7 @@ class RLPipeline(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Store counters, RNG states, plain hparams; drop the reference and frozen weights.
 
-        Beta is the KL controller callback's state (without one it is ``kl.init_coef``).
+        Beta is the KL controller callback's state (without one it is ``penalty.init_coef``).
         """
         plain_hyperparameters(checkpoint)
         if self.refreshed_keys:  # the reference differs from the one the config builds

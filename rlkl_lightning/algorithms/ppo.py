@@ -8,7 +8,7 @@ PPO adds a value function and its own shaping and loss:
 * shape: the advantage estimator of ``ppo.advantage`` (:mod:`.advantage_estimators`), by
   default ``gae``: ``r_t = -kl_coef * kl_t`` plus the score on the last response token
   (Ziegler et al. 2019, arXiv 1909.08593, eq. 2; the score alone with
-  ``kl.placement="loss"``), then GAE (Schulman et al. 2016, arXiv 1506.02438) and advantage
+  ``penalty.placement="loss"``), then GAE (Schulman et al. 2016, arXiv 1506.02438) and advantage
   whitening; any other registered token-level estimator, or a function by dotted path;
 * loss: the policy objective (:mod:`.objective`) with the clipped value loss (Schulman et al.
   2017, arXiv 1707.06347, eq. 9) times ``ppo.vf_coef`` added right after the surrogate.
@@ -62,7 +62,7 @@ class PPOModule(RLPipeline):
         sampling: as the pipeline's.
         optimization: as the pipeline's.
         objective: as the pipeline's.
-        kl: as the pipeline's.
+        penalty: as the pipeline's.
         models: as the pipeline's.
         safeguards: as the pipeline's.
         logging: as the pipeline's.
@@ -84,7 +84,7 @@ class PPOModule(RLPipeline):
         sampling: Sampling = Sampling(),
         optimization: Optimization = Optimization(),
         objective: Objective = Objective(),
-        kl: KLPenalty = KLPenalty(),
+        penalty: KLPenalty = KLPenalty(),
         models: Models = Models(),
         safeguards: Safeguards = Safeguards(),
         logging: Logging = Logging(),
@@ -102,7 +102,7 @@ class PPOModule(RLPipeline):
             sampling,
             optimization,
             objective,
-            kl,
+            penalty,
             models,
             safeguards,
             logging,

@@ -7,7 +7,7 @@ checkpoints) are :class:`RLPipeline`'s; RLOO has no value model and adds:
   row (:meth:`RLOOModule.on_before_batch_transfer`), so the rollout samples ``k`` responses per
   prompt and everything after it, the KL callbacks included, sees one row per response;
 * shape: one return per response, ``score - kl_coef * sum_t kl_t`` (the score alone with
-  ``kl.placement="loss"``), turned into advantages within each prompt's group by the
+  ``penalty.placement="loss"``), turned into advantages within each prompt's group by the
   leave-one-out baseline (Ahmadian et al. 2024, arXiv 2402.14740) or GRPO's group
   normalisation (Shao et al. 2024, arXiv 2402.03300); every token of a response gets its
   response's advantage;
@@ -101,7 +101,7 @@ class RLOOModule(RLPipeline):
         sampling: as the pipeline's.
         optimization: as the pipeline's.
         objective: as the pipeline's.
-        kl: as the pipeline's.
+        penalty: as the pipeline's.
         models: as the pipeline's.
         safeguards: as the pipeline's.
         logging: as the pipeline's.
@@ -122,7 +122,7 @@ class RLOOModule(RLPipeline):
         sampling: Sampling = Sampling(),
         optimization: Optimization = Optimization(),
         objective: Objective = Objective(),
-        kl: KLPenalty = KLPenalty(),
+        penalty: KLPenalty = KLPenalty(),
         models: Models = Models(),
         safeguards: Safeguards = Safeguards(),
         logging: Logging = Logging(),
@@ -140,7 +140,7 @@ class RLOOModule(RLPipeline):
             sampling,
             optimization,
             objective,
-            kl,
+            penalty,
             models,
             safeguards,
             logging,

@@ -4,7 +4,9 @@
   the ``kl`` group) and :func:`~rlkl_lightning.cli.app.main`, the entry point of ``train.py``
   and ``python -m rlkl_lightning.cli``;
 - :mod:`~rlkl_lightning.cli.run_settings`: a resume that would change the trajectory is refused;
-- :mod:`~rlkl_lightning.cli.run_end`: ``last.ckpt`` is the run's end, and extending a run trains.
+- :mod:`~rlkl_lightning.cli.run_end`: ``last.ckpt`` is the run's end, and extending a run trains;
+- :mod:`~rlkl_lightning.cli.migrate`: ``python -m rlkl_lightning.cli migrate OLD.yaml`` prints an
+  older run config as today's.
 
 What a run prints (:mod:`~rlkl_lightning.console`) and the message a user's mistake ends it with
 (:mod:`~rlkl_lightning.errors`) are shared modules below this package, which the world's own

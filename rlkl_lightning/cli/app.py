@@ -3,7 +3,7 @@
 Beside Lightning's ``model``, ``data`` and ``trainer`` groups the CLI has a ``kl`` group: the
 KL target is given there once and shared by the controller and the drift monitor, whose
 callbacks the CLI adds to the trainer. The initial beta is the module's ``kl_coef`` when the
-trainer is built (``model.init_args.kl.init_coef`` for this package's modules).
+trainer is built (``model.init_args.penalty.init_coef`` for this package's modules).
 
 Checkpoints are not trusted (docs/checkpoints.md): every subcommand restores with
 ``weights_only=True``, ``--ckpt_path`` is checked before anything loads it, and no setting is
@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from rlkl_lightning.algorithms.options import MODULE_GROUPS, moved_option
+from rlkl_lightning.algorithms.options import MODULE_GROUPS
 from rlkl_lightning.checkpoints import (
     AfterLoggingCheckpoint,
     AtomicCheckpointIO,
@@ -44,6 +44,10 @@ from rlkl_lightning.cli.run_settings import RunSettings, trajectory_settings
 from rlkl_lightning.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
 from rlkl_lightning.errors import VERBOSE_ENV, user_message
 from rlkl_lightning.kl.settings import KLSettings
+from rlkl_lightning.migrations import MODULE_PREFIX, moved_option, renamed_group
+
+#: The module's group of the KL penalty (``KLPenalty``).
+PENALTY = "penalty"
 
 
 class RLKLCLI(LightningCLI):
@@ -338,30 +342,76 @@ def _cli(args: list[str] | None) -> RLKLCLI:
     )
 
 
-_NOT_ACCEPTED = re.compile(
-    r"^`model` \([\w.]+\): Option '(?P<name>[A-Za-z_][A-Za-z0-9_]*)' is not accepted"
+# How the parser reports an option it does not know, in a config file or on the command line.
+_UNKNOWN_OPTION = (
+    re.compile(r"^`(?P<outer>model)` \([\w.]+\): Option '(?P<path>[\w.]+)' is not accepted"),
+    re.compile(
+        r"^`(?P<outer>model)` \([\w.]+\): Group '(?P<group>\w+)' does not accept option "
+        r"'(?P<path>[\w.]+)'"
+    ),
+    re.compile(r"^(?:`(?P<outer>model)` \([\w.]+\): )?unrecognized arguments: --(?P<path>[\w.]+)"),
+    re.compile(r"^Group '(?P<group>\w+)' does not accept option '(?P<path>[\w.]+)'"),
+    re.compile(r"^Subcommand '\w+' does not accept option '(?P<path>[\w.]+)'"),
 )
 _GROUP_FIELD = re.compile(r"^`(?P<field>[a-z_]+\.[a-z_]+)`")
+_RUN_KL = "the top-level `kl` is the run's KL control (docs/options.md)"
+_MODULE_KL = "the module's `penalty` is its KL penalty (docs/options.md)"
 
 
 def with_option_paths(message: str) -> str:
-    """A module option's message with its YAML path; an old flat option with its new place.
+    """A module option's message with its YAML path; an option at an old or wrong place, its own.
 
     ``model.init_args.top_p`` (0.1.0) is ``model.init_args.sampling.top_p``; a group's own
     error names ``sampling.top_p``, and the command line writes ``model.init_args.`` before it.
     """
-    moved = _NOT_ACCEPTED.match(message)
-    if moved and moved_option(moved["name"]):
-        name = moved["name"]
-        return (
-            f"`model.init_args.{name}` is now `model.init_args.{moved_option(name)}`: the "
-            "modules' options come in groups since 0.2.0 (CHANGELOG.md, docs/options.md)"
-        )
+    for pattern in _UNKNOWN_OPTION:
+        given = pattern.match(message)
+        if given:
+            found = given.groupdict()
+            parts = [found.get("outer") and "model.init_args", found.get("group"), found["path"]]
+            right = misplaced_option(".".join(p for p in parts if p))
+            if right is not None:
+                return right
     found = _GROUP_FIELD.match(message)
     fields_ = {f"{g}.{f.name}" for g, cls in MODULE_GROUPS.items() for f in fields(cls)}
     if found and found["field"] in fields_:
         return f"`model.init_args.{found['field']}`" + message[found.end() :]
     return message
+
+
+def misplaced_option(path: str) -> str | None:
+    """One line naming the place of an option given where it does not live, or None.
+
+    ``path`` is the option as given (``model.init_args.kl.placement``, ``kl.init_coef``): a
+    flat option of 0.1.0, the module's ``kl`` group of 0.4.0 (now ``penalty``), a field of the
+    KL penalty under the run's top-level ``kl`` or the reverse.
+    """
+    module = {g: {f.name for f in fields(cls)} for g, cls in MODULE_GROUPS.items()}
+    penalty = module[PENALTY]
+    control = {f.name for f in fields(KLSettings)}
+    if path.startswith(MODULE_PREFIX):
+        group, _, name = path.removeprefix(MODULE_PREFIX).partition(".")
+        name = name.partition(".")[0]
+        if not name and moved_option(group):
+            return (
+                f"`{path}` is now `{MODULE_PREFIX}{moved_option(group)}`: the modules' options "
+                "come in groups since 0.2.0 (CHANGELOG.md, docs/options.md)"
+            )
+        if renamed_group(group) == PENALTY and (not name or name in penalty):
+            new = f"{MODULE_PREFIX}{PENALTY}" + (f".{name}" if name else "")
+            return f"`{path}` is now `{new}`: renamed in 0.5.0; {_RUN_KL}"
+        field = name or group
+        if group in ("kl", PENALTY, field) and field in control:
+            return f"`{path}` is the run's KL control: `kl.{field}` (top level); {_MODULE_KL}"
+        for other, names in module.items():
+            if not name and group in names:
+                return f"`{path}` is `{MODULE_PREFIX}{other}.{group}` (docs/options.md)"
+        return None
+    group, _, name = path.partition(".")
+    name = name.partition(".")[0]
+    if group == "kl" and name in penalty:
+        return f"`{path}` is the module's KL penalty: `{MODULE_PREFIX}{PENALTY}.{name}`; {_RUN_KL}"
+    return None
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from rlkl_lightning.migrations import ADDED_GROUPS, MODULE_PREFIX, upgrade_settings_key
+
 # Options that change what is logged or how fast, never what is trained.
 NOT_TRAJECTORY = frozenset(
     {
@@ -99,34 +101,30 @@ def trajectory_settings(config: Any) -> dict[str, str]:
 
 
 def nested_settings(saved: dict[str, str]) -> dict[str, str]:
-    """A checkpoint's settings with the flat model options of 0.1.0 put in their groups.
+    """A checkpoint's settings under today's names (:mod:`rlkl_lightning.migrations`).
 
-    ``model.init_args.lr`` becomes ``model.init_args.optimization.lr``, so a checkpoint
-    written before the option groups is compared like with like; a group added since the
-    checkpoint was written (``engine``), or an option added to a group the checkpoint has
-    (``ppo.advantage``), is filled in with its defaults, which that run used.
+    ``model.init_args.lr`` (0.1.0) becomes ``model.init_args.optimization.lr`` and
+    ``model.init_args.kl.init_coef`` (0.2.0-0.4.0) ``model.init_args.penalty.init_coef``, so
+    an older checkpoint is compared like with like; a group added since the checkpoint was
+    written (``engine``), or an option added to a group the checkpoint has (``ppo.advantage``),
+    is filled in with its defaults, which that run used.
     """
     from dataclasses import fields
 
-    from rlkl_lightning.algorithms.options import ADDED_GROUPS, FLAT_KEYS, MODULE_GROUPS
+    from rlkl_lightning.algorithms.options import MODULE_GROUPS
 
-    prefix = "model.init_args."
     steered = "CapabilityBudget" in saved.get(CALLBACKS_KEY, "")
     out = {}
     for group in ADDED_GROUPS:  # a checkpoint from before the group ran with its defaults
-        if not any(key.startswith(f"{prefix}{group}.") for key in saved):
+        if not any(key.startswith(f"{MODULE_PREFIX}{group}.") for key in saved):
             for f in fields(MODULE_GROUPS[group]):
-                out[f"{prefix}{group}.{f.name}"] = repr(f.default)
+                out[f"{MODULE_PREFIX}{group}.{f.name}"] = repr(f.default)
     for key, value in saved.items():
-        if key.startswith(prefix):
-            name, dot, rest = key.removeprefix(prefix).partition(".")
-            place = FLAT_KEYS.get(name)
-            if place is not None and not place.startswith(f"{name}."):
-                key = f"{prefix}{place}{dot}{rest}"
+        key = upgrade_settings_key(key)
         if _kept(key, steered):
             out[key] = value
     for group, cls in MODULE_GROUPS.items():  # an option added since: the run used its default
-        head = f"{prefix}{group}."
+        head = f"{MODULE_PREFIX}{group}."
         had = {key.removeprefix(head).partition(".")[0] for key in out if key.startswith(head)}
         for f in fields(cls) if had else ():
             if f.name not in had and _kept(f"{head}{f.name}", steered):

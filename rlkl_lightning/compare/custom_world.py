@@ -13,8 +13,8 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from rlkl_lightning.algorithms.options import nest_flat_options
 from rlkl_lightning.compare.config import merge
+from rlkl_lightning.migrations import upgrade_init_args
 from rlkl_lightning.world.custom import STUDY_FILE, open_world
 
 #: Options of a run config that a custom world makes moot or that only the default world can
@@ -53,8 +53,8 @@ def study_overrides(
     own = yaml.safe_load((world.root / STUDY_FILE).read_text()) or {}
     overrides = resolve_paths(merge(own, extra or {}))
     model = overrides.get("model") or {}
-    if isinstance(model.get("init_args"), dict):  # a world built before the option groups
-        model["init_args"] = nest_flat_options(model["init_args"])
+    if isinstance(model.get("init_args"), dict):  # a world of an older version
+        model["init_args"] = upgrade_init_args(model["init_args"])
     return overrides
 
 

@@ -48,9 +48,9 @@ def run_settings(config: dict[str, Any]) -> dict[str, Any]:
     from rlkl_lightning.compare.runs import init_arg
 
     model = config.get("model") or {}
-    placement = init_arg(config, "model", "kl.placement")
+    placement = init_arg(config, "model", "penalty.placement")
     estimator = init_arg(
-        config, "model", "kl.estimator" if placement == "reward" else "kl.loss_estimator"
+        config, "model", "penalty.estimator" if placement == "reward" else "penalty.loss_estimator"
     )
     callbacks = (config.get("trainer") or {}).get("callbacks") or []
     world = [c.get("init_args") or {} for c in callbacks if c.get("class_path") == _CALLBACK]
@@ -63,7 +63,7 @@ def run_settings(config: dict[str, Any]) -> dict[str, Any]:
         "estimator": estimator,
         "law": kl.get("controller", "adaptive"),
         "target": kl.get("target", 6.0),
-        "init_kl_coef": float(init_arg(config, "model", "kl.init_coef")),
+        "init_kl_coef": float(init_arg(config, "model", "penalty.init_coef")),
         "world": {k: v for k, v in world[0].items() if k not in _NOT_WORLD},
     }
 

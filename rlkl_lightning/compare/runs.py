@@ -32,6 +32,7 @@ from typing_extensions import override
 from rlkl_lightning.compare.config import merge, run_entry, run_seeds
 from rlkl_lightning.config_files import compose
 from rlkl_lightning.defaults import default_of
+from rlkl_lightning.migrations import upgrade_init_args
 
 if TYPE_CHECKING:
     from rlkl_lightning.compare.config import StudyConfig
@@ -117,12 +118,14 @@ class Run:
 def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
     """A class's init argument in a config: its value there, else the class default.
 
-    ``name`` may be an option of a group, ``"kl.init_coef"``: its value in the config's
-    ``init_args.kl`` block, else the field's default in the group the class's signature
+    ``name`` may be an option of a group, ``"penalty.init_coef"``: its value in the config's
+    ``init_args.penalty`` block, else the field's default in the group the class's signature
     gives as that argument's default.
     """
     section = config.get(group) or {}
     args = section.get("init_args") or {}
+    if group == "model":  # a run config of an older version reads as today's
+        args = upgrade_init_args(args)
     outer, _, inner = name.partition(".")
     if outer in args and not inner:
         return args[outer]
@@ -165,11 +168,13 @@ def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
             if seed < run_seeds(study.runs[group], study.seeds)
         ]
     if study.sweep_kl_coefs:
-        fixed_beta = float(init_arg(bases["fixed"], "model", "kl.init_coef"))
+        fixed_beta = float(init_arg(bases["fixed"], "model", "penalty.init_coef"))
         for beta in study.sweep_kl_coefs:
             if beta == fixed_beta:  # the `fixed` runs already cover it
                 continue
-            swept = merge(bases["fixed"], {"model": {"init_args": {"kl": {"init_coef": beta}}}})
+            swept = merge(
+                bases["fixed"], {"model": {"init_args": {"penalty": {"init_coef": beta}}}}
+            )
             for seed in range(min(study.sweep_seeds, study.seeds)):
                 plan.append((f"fixed_{beta:g}", seed, swept))
     for sub in ("configs", "logs", "progress"):
@@ -185,7 +190,7 @@ def _derive(group: str, seed: int, base: dict[str, Any], study: StudyConfig, out
     run = Run(
         group=group,
         seed=seed,
-        kl_coef=float(init_arg(base, "model", "kl.init_coef")),
+        kl_coef=float(init_arg(base, "model", "penalty.init_coef")),
         config=out / "configs" / f"{group}-seed{seed}.yaml",
         log_dir=log_root / group / f"seed{seed}",
         out=out,

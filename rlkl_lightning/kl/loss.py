@@ -1,13 +1,13 @@
 """Where the KL penalty goes, and the KL term of the loss when it goes there.
 
-``beta * KL(pi‖ref)`` can enter the update in two places (``kl_placement``):
+``beta * KL(pi‖ref)`` can enter the update in two places (``penalty.placement``):
 
-* ``"reward"`` (the default): the per-token estimate ``kl_t`` (``kl_estimator``) is detached
+* ``"reward"`` (the default): the per-token estimate ``kl_t`` (``penalty.estimator``) is detached
   and subtracted from the reward, so it reaches the policy through the policy-gradient term
   (Ziegler et al. 2019, arXiv 1909.08593); the loss has no KL term.
 * ``"loss"`` (GRPO style, Shao et al. 2024, arXiv 2402.03300): the reward has no KL term, and
   the loss adds ``beta * kl_loss(...)`` (divided by PPO's whitening scale), an estimator
-  (``kl_loss_estimator``) that is differentiated through the policy's log-probabilities.
+  (``penalty.loss_estimator``) that is differentiated through the policy's log-probabilities.
 
 Which gradient each choice follows, on-policy (``y ~ pi``), with ``l_t = log pi(y_t|s_t) -
 log ref(y_t|s_t)`` and ``KL_t(s) = KL(pi(.|s)‖ref(.|s))`` (Tang & Munos 2025, arXiv 2506.09477;

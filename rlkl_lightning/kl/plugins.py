@@ -26,7 +26,7 @@ def import_path(path: str, option: str, what: str, names: tuple[str, ...]) -> An
 
     Args:
         path: ``mypackage.module.name``.
-        option: The option (``kl.estimator``) the path was given to, for the message.
+        option: The option (``penalty.estimator``) the path was given to, for the message.
         what: What it should name, for the message (``an Estimator``).
         names: The registered names, for the message.
     """

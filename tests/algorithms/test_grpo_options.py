@@ -133,7 +133,7 @@ def test_the_filter_trains_on_fewer_responses_but_the_kl_callbacks_count_them_al
     args = module_args(
         tiny_lm_dir,
         group={"responses_per_prompt": K, "advantage": "grpo", "drop_zero_std_groups": True},
-        kl={"init_coef": 0.5},
+        penalty={"init_coef": 0.5},
     )
     args["reward"] = FunctionReward(flat_for_the_food)
     module = RecordingRLOO(**args)
@@ -224,7 +224,7 @@ def test_every_term_of_the_loss_goes_through_the_aggregation(tiny_lm_dir, other_
     args = module_args(
         tiny_lm_dir,
         reference=other_reference,
-        kl={"init_coef": 0.5, "placement": "loss"},
+        penalty={"init_coef": 0.5, "placement": "loss"},
         objective={"ent_coef": 0.1},
         **extra,
     )

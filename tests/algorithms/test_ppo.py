@@ -123,7 +123,7 @@ def test_large_fixed_beta_keeps_kl_near_zero(tiny_lm_dir):
     results = {}
     for beta in (0.0, 20.0):
         seed_everything(1)
-        module = Recorder(**module_args(tiny_lm_dir, kl={"init_coef": beta}))
+        module = Recorder(**module_args(tiny_lm_dir, penalty={"init_coef": beta}))
         fit(module, batches=25)
         results[beta] = [h["objective/kl_k3"] for h in module.history[-5:]]
     free_kl = sum(results[0.0]) / 5
@@ -135,7 +135,7 @@ def test_large_fixed_beta_keeps_kl_near_zero(tiny_lm_dir):
 def test_controller_callback_sets_the_beta_of_the_next_batch(tiny_lm_dir):
     seed_everything(2)
     controller = AdaptiveKLController(init_kl_coef=0.5, target=0.5, horizon=64)
-    module = Recorder(**module_args(tiny_lm_dir, kl={"init_coef": 123.0}))
+    module = Recorder(**module_args(tiny_lm_dir, penalty={"init_coef": 123.0}))
     fit(module, batches=6, batch_size=8, callbacks=[KLControllerCallback(controller)])
     # Replay the controller on the logged KLs: batch i uses the beta after batch i - 1.
     replay = AdaptiveKLController(init_kl_coef=0.5, target=0.5, horizon=64)

@@ -42,7 +42,7 @@ STEPS_PER_BATCH = 2  # ppo_epochs 1 x num_minibatches 2
 def module(policy_dir, peft=None) -> PPOModule:
     return PPOModule(
         policy=str(policy_dir),
-        kl={"init_coef": 0.2},
+        penalty={"init_coef": 0.2},
         sampling={"max_prompt_tokens": 8, "max_new_tokens": 6},
         optimization={"ppo_epochs": 1, "num_minibatches": 2, "lr": 3e-3},
         logging={"log_samples_every": 0},

@@ -48,7 +48,7 @@ def test_the_callbacks_count_responses_with_no_batch_size_fn(tiny_lm_dir):
     controller = AdaptiveKLController(init_kl_coef=0.5, target=0.5, horizon=64)
     callbacks = [KLControllerCallback(controller), KLDriftMonitor(target=0.5, window=2)]
     module = RecordingRLOO(
-        **module_args(tiny_lm_dir, group={"responses_per_prompt": K}, kl={"init_coef": 0.5})
+        **module_args(tiny_lm_dir, group={"responses_per_prompt": K}, penalty={"init_coef": 0.5})
     )
     val = text_loader(["the film was very good", "bad food"], 2)
     trainer = fit(module, batches=3, batch_size=3, callbacks=callbacks, val=val)
@@ -94,7 +94,7 @@ def test_a_batch_that_is_not_in_groups_stops_with_a_clear_error(tiny_lm_dir):
             "ppo",
             r"one of \('rloo', 'grpo'\) or the dotted path of a function",
         ),
-        ("kl", "placement", "advantage", r"one of \('reward', 'loss'\)"),
+        ("penalty", "placement", "advantage", r"one of \('reward', 'loss'\)"),
     ],
 )
 def test_bad_options_name_the_option_and_the_allowed_values(
@@ -133,7 +133,7 @@ def test_rloo_shaping_is_the_group_advantage_of_the_sequence_return(
         reference=other_reference,
         reward=reward,
         group={"advantage": method},
-        kl={"init_coef": 0.3},
+        penalty={"init_coef": 0.3},
     )
     traj = scored(module, [p for p in PROMPTS[:3] for _ in range(K)])
     mask = traj.response_mask
@@ -142,19 +142,21 @@ def test_rloo_shaping_is_the_group_advantage_of_the_sequence_return(
     torch.testing.assert_close(module.shape(traj).advantages, want, rtol=0, atol=0)
     # With the KL in the loss the return is the score alone, whatever beta.
     module.kl_coef = 5.0
-    with_options(module, kl={"placement": "loss"})
+    with_options(module, penalty={"placement": "loss"})
     want = group_advantages(traj.scores, K, method)[:, None] * mask
     torch.testing.assert_close(module.shape(traj).advantages, want, rtol=0, atol=0)
 
 
 def test_ppo_rewards_hold_no_kl_when_the_kl_is_in_the_loss(tiny_lm_dir, other_reference):
     seed_everything(0)
-    module = PPOModule(**module_args(tiny_lm_dir, reference=other_reference, kl={"init_coef": 0.7}))
+    module = PPOModule(
+        **module_args(tiny_lm_dir, reference=other_reference, penalty={"init_coef": 0.7})
+    )
     traj = scored(module, PROMPTS[:4])
     in_reward = module.shape(traj)
-    with_options(module, kl={"placement": "loss"})
+    with_options(module, penalty={"placement": "loss"})
     in_loss = module.shape(traj)
-    with_options(module, kl={"placement": "reward"})
+    with_options(module, penalty={"placement": "reward"})
     module.kl_coef = 0.0
     torch.testing.assert_close(in_loss, module.shape(traj), rtol=0, atol=0)  # = beta 0
     assert not torch.allclose(in_loss.advantages, in_reward.advantages)
@@ -169,13 +171,13 @@ def test_kl_in_the_loss_adds_beta_times_kl_loss(tiny_lm_dir, other_reference, cl
     seed_everything(0)
     extra = {"group": {"responses_per_prompt": K}} if cls is RLOOModule else {}
     kl = {"init_coef": 0.7, "placement": "loss", "loss_estimator": "k3", "loss_weight_clip": 1.5}
-    module = cls(**module_args(tiny_lm_dir, reference=other_reference, kl=kl, **extra))
+    module = cls(**module_args(tiny_lm_dir, reference=other_reference, penalty=kl, **extra))
     traj = module.shape(scored(module, [p for p in PROMPTS[:2] for _ in range(K)]))
     # Log-probs "at rollout time" that differ from now: weights other than 1, some capped.
     old = traj.logprobs + 0.5 * torch.randn_like(traj.logprobs)
     traj = traj._replace(logprobs=old)
     loss, stats = module.loss(traj)
-    with_options(module, kl={"placement": "reward"})
+    with_options(module, penalty={"placement": "reward"})
     base, base_stats = module.loss(traj)
     assert "loss/kl" not in base_stats
     new = score_tokens(module.policy, traj, 1.0, logits=False).logprobs
@@ -216,7 +218,7 @@ def test_a_large_beta_in_the_loss_keeps_the_kl_near_zero(tiny_lm_dir, cls):
     for beta in (0.0, 20.0):
         seed_everything(1)
         kl = {"init_coef": beta, "placement": "loss", "loss_estimator": "k2"}
-        module = recorder(**module_args(tiny_lm_dir, kl=kl, **extra))
+        module = recorder(**module_args(tiny_lm_dir, penalty=kl, **extra))
         fit(module, batches=25, batch_size=batch_size)
         results[beta] = sum(h["objective/kl_k3"] for h in module.history[-5:]) / 5
         assert "loss/kl" in module.history[-1]

@@ -68,7 +68,7 @@ def test_the_table_is_logged_at_its_batchs_step_and_not_right_after_a_refresh(ti
         **module_args(
             tiny_lm_dir,
             reward=FunctionReward(reward),
-            kl={"init_coef": 0.1},
+            penalty={"init_coef": 0.1},
             logging={"log_samples_every": 2, "num_logged_samples": BATCH, "kl_token_threshold": 1},
         )
     )

@@ -2,7 +2,7 @@
 
 ``token_kl_stats`` reads only the response tokens (garbage in the padding changes nothing), and
 equals plain Python over the valid tokens; ``top_kl_tokens`` names the right tokens; a module
-with ``logging.kl_token_threshold`` logs every ``kl_tokens/*`` key, and ``kl.trust_region``
+with ``logging.kl_token_threshold`` logs every ``kl_tokens/*`` key, and ``penalty.trust_region``
 leaves the extreme tokens out of the penalty while ``objective/kl`` still measures them.
 """
 
@@ -88,7 +88,7 @@ def test_top_kl_tokens_names_the_largest_in_order():
 def test_a_module_logs_the_diagnostics_and_the_trust_region_cuts_the_penalty(tiny_lm_dir):
     torch.manual_seed(0)
     model = PPOModule(
-        **module_args(tiny_lm_dir, logging={"kl_token_threshold": 0.02}, kl={"init_coef": 0.1})
+        **module_args(tiny_lm_dir, logging={"kl_token_threshold": 0.02}, penalty={"init_coef": 0.1})
     )
     seen = {}
     trainer = fit(model, batches=3, batch_size=8)
@@ -108,9 +108,9 @@ def test_a_module_logs_the_diagnostics_and_the_trust_region_cuts_the_penalty(tin
 
     # The trust region: the penalty of the tokens beyond it is 0, objective/kl is unchanged.
     torch.manual_seed(0)
-    cut = PPOModule(**module_args(tiny_lm_dir, kl={"trust_region": 0.5, "init_coef": 0.1}))
+    cut = PPOModule(**module_args(tiny_lm_dir, penalty={"trust_region": 0.5, "init_coef": 0.1}))
     torch.manual_seed(0)
-    whole = PPOModule(**module_args(tiny_lm_dir, kl={"init_coef": 0.1}))
+    whole = PPOModule(**module_args(tiny_lm_dir, penalty={"init_coef": 0.1}))
     for m in (cut, whole):  # a policy away from its reference
         torch.manual_seed(1)
         with torch.no_grad():
@@ -148,7 +148,7 @@ def test_the_trust_region_logs_what_it_left_out_and_the_penalty_it_applied(
     a trust region neither changes (no new key, ``-kl_coef * objective/kl`` as before)."""
     torch.manual_seed(0)
     kl = {"init_coef": 0.1, "trust_region": trust_region}
-    model = ScoreCapture(**module_args(tiny_lm_dir, kl=kl))
+    model = ScoreCapture(**module_args(tiny_lm_dir, penalty=kl))
     torch.manual_seed(1)
     with torch.no_grad():  # a policy away from its reference
         for p in model.policy.parameters():

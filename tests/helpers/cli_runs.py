@@ -32,7 +32,7 @@ def tiny_cli_config(tiny_lm_dir, tmp_path, name="config.yaml", **groups) -> Path
             "class_path": "rlkl_lightning.PPOModule",
             "init_args": {
                 "policy": str(tiny_lm_dir),
-                "kl": {"init_coef": 0.2},
+                "penalty": {"init_coef": 0.2},
                 "sampling": {"max_prompt_tokens": 8, "max_new_tokens": 4},
                 "optimization": {"ppo_epochs": 1, "num_minibatches": 1},
                 "logging": {"log_samples_every": 0},

@@ -104,7 +104,7 @@ def config(
                 "record_dir": str(tmp_path / name),
                 "poison_prompt": poison,
                 "cut_batch": STEPS - 1,
-                "kl": {"init_coef": INIT_BETA},
+                "penalty": {"init_coef": INIT_BETA},
             },
         },
         "data": {

@@ -86,7 +86,7 @@ def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
             "class_path": "rlkl_lightning.PPOModule",
             "init_args": {
                 "policy": str(policy),
-                "kl": {"init_coef": 0.2},
+                "penalty": {"init_coef": 0.2},
                 "sampling": {"max_prompt_tokens": 8, "max_new_tokens": 6},
                 "optimization": {"ppo_epochs": 1, "num_minibatches": 2, "lr": 3e-3},
                 "logging": {"log_samples_every": 2},

@@ -64,19 +64,19 @@ class RecordingPPO(PPOModule):
         reference: str | None = None,
         poison_prompt: str = "",
         cut_batch: int = -1,
-        kl: dict | None = None,
+        penalty: dict | None = None,
         sampling: dict | None = None,
         optimization: dict | None = None,
         models: dict | None = None,
     ) -> None:
         """``kl``, ``sampling``, ``optimization``, ``models``: fields that change from the
-        recorder's own (``kl.init_coef=0.2``, 8 prompt and 6 response tokens, one step per
+        recorder's own (``penalty.init_coef=0.2``, 8 prompt and 6 response tokens, one step per
         batch at ``lr=3e-3``)."""
         super().__init__(
             policy=policy,
             reference=reference,
             reward=FunctionReward(PoisonableReward(poison_prompt), batched=True),
-            kl={"init_coef": 0.2, **(kl or {})},
+            penalty={"init_coef": 0.2, **(penalty or {})},
             sampling={
                 "max_prompt_tokens": 8,
                 "max_new_tokens": 6,

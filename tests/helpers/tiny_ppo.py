@@ -2,7 +2,7 @@
 
 ``module_args`` are the keyword arguments of a ``PPOModule`` (or ``RLOOModule``) that learns
 ``good_fraction`` in a few batches of ``PROMPTS``; ``fit`` trains it on the CPU. An override of
-an option group is a dict of the fields that change (``kl={"placement": "loss"}``), merged into
+an option group is a dict of the fields that change (``penalty={"placement": "loss"}``), merged into
 the group's arguments here; ``with_options`` changes the groups of a built module.
 """
 
@@ -33,7 +33,7 @@ def text_loader(texts: list[str], batch_size: int) -> DataLoader:
     return DataLoader(texts, batch_size=batch_size, collate_fn=lambda xs: {"text": xs})
 
 
-GROUPS = ("sampling", "optimization", "objective", "kl", "models", "safeguards", "logging")
+GROUPS = ("sampling", "optimization", "objective", "penalty", "models", "safeguards", "logging")
 GROUPS += ("ppo", "group")
 
 
@@ -42,7 +42,7 @@ def module_args(path, **overrides: Any) -> dict[str, Any]:
     args: dict[str, Any] = dict(
         policy=str(path),
         reward=FunctionReward(good_fraction),
-        kl={"init_coef": 0.0},
+        penalty={"init_coef": 0.0},
         # prompt + response must fit the tiny model's 64 positions
         sampling={"max_prompt_tokens": 16, "max_new_tokens": 8},
         optimization={"ppo_epochs": 2, "num_minibatches": 2, "lr": 3e-3},
@@ -57,15 +57,15 @@ def module_args(path, **overrides: Any) -> dict[str, Any]:
 
 
 def with_options(module, **changes: dict[str, Any]):
-    """``module`` with the fields ``changes`` gives of its groups (``kl={"placement": "loss"}``).
+    """``module`` with the fields ``changes`` gives of its groups (``penalty={"placement": ...}``).
 
     A group is frozen: it is built again. The module's ``policy_objective`` holds the
-    ``objective`` and ``kl`` groups, the sampling temperature and ``max_new_tokens``, so it
+    ``objective`` and ``penalty`` groups, the sampling temperature and ``max_new_tokens``, so it
     follows them too.
     """
     for name, fields in changes.items():
         setattr(module, name, dataclasses.replace(getattr(module, name), **fields))
-    module.policy_objective.kl = module.kl
+    module.policy_objective.penalty = module.penalty
     module.policy_objective.options = module.objective
     module.policy_objective.temperature = module.sampling.temperature
     module.policy_objective.max_new_tokens = module.sampling.max_new_tokens

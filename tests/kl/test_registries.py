@@ -104,14 +104,16 @@ def test_the_registered_estimators_and_the_derived_tuples():
 
 def test_an_unknown_estimator_names_the_option_and_lists_the_registered_ones():
     with pytest.raises(ValueError) as info:
-        kl_estimator("k9", "model.init_args.kl.estimator")
+        kl_estimator("k9", "model.init_args.penalty.estimator")
     message = str(info.value)
-    assert "`model.init_args.kl.estimator` must be one of ('k1', 'k2', 'k3', 'exact')" in message
+    assert (
+        "`model.init_args.penalty.estimator` must be one of ('k1', 'k2', 'k3', 'exact')" in message
+    )
     assert "got 'k9'" in message and "dotted path" in message
     with pytest.raises(
-        ValueError, match=r"`kl.loss_estimator` must be one of \('k1', 'k2', 'k3'\)"
+        ValueError, match=r"`penalty.loss_estimator` must be one of \('k1', 'k2', 'k3'\)"
     ):
-        kl_estimator("exact", "kl.loss_estimator", role="loss")
+        kl_estimator("exact", "penalty.loss_estimator", role="loss")
 
 
 def test_a_dotted_path_resolves_to_the_users_estimator(user):
@@ -125,16 +127,16 @@ def test_a_dotted_path_resolves_to_the_users_estimator(user):
 
 
 def test_a_plugged_estimator_is_refused_where_it_does_not_fit(user):
-    with pytest.raises(ValueError, match=r"`kl.loss_estimator`: estimator 'k4'.*loss=False"):
-        kl_estimator(f"{user}.k4", "kl.loss_estimator", role="loss")
+    with pytest.raises(ValueError, match=r"`penalty.loss_estimator`: estimator 'k4'.*loss=False"):
+        kl_estimator(f"{user}.k4", "penalty.loss_estimator", role="loss")
     with pytest.raises(ValueError, match=r"needs the full logits.*cannot be plugged"):
         kl_estimator(f"{user}.needs_logits")
     with pytest.raises(
         ValueError,
-        match=r"`kl.estimator` = .user_kl.not_an_estimator. must be an .*Estimator, got int 3",
+        match=r"`penalty.estimator` = .user_kl.not_an_estimator. must be an .*Estimator, got int 3",
     ):
         kl_estimator(f"{user}.not_an_estimator")
-    with pytest.raises(ValueError, match=r"`kl.estimator` must be one of .*does not import"):
+    with pytest.raises(ValueError, match=r"`penalty.estimator` must be one of .*does not import"):
         kl_estimator(f"{user}.missing")
     with pytest.raises(ValueError, match=r"does not import"):
         kl_estimator("no_such_package_xyz.k4")

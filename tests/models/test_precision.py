@@ -67,7 +67,7 @@ def test_bf16_kl_and_losses_stay_within_tolerance_of_float32(tiny_lm_dir, tmp_pa
     from helpers.tiny_models import make_tiny_lm
 
     reference = make_tiny_lm(tmp_path / "reference", seed=1)
-    fp32 = module(tiny_lm_dir, reference=str(reference), kl={"estimator": "k3"})
+    fp32 = module(tiny_lm_dir, reference=str(reference), penalty={"estimator": "k3"})
     prompts = PROMPTS * 3
     seed_everything(1)
     traj, _ = fp32.rollout(prompts)

@@ -51,7 +51,16 @@ def good_fraction(prompt: str, response: str) -> float:
     return sum(w == "good" for w in words) / max(len(words), 1)
 
 
-GROUPS = ("sampling", "optimization", "objective", "kl", "models", "safeguards", "logging", "ppo")
+GROUPS = (
+    "sampling",
+    "optimization",
+    "objective",
+    "penalty",
+    "models",
+    "safeguards",
+    "logging",
+    "ppo",
+)
 
 
 def ppo_args(path, **overrides):
@@ -59,7 +68,7 @@ def ppo_args(path, **overrides):
     args = dict(
         policy=str(path),
         reward=FunctionReward(good_fraction),
-        kl={"init_coef": 0.2},
+        penalty={"init_coef": 0.2},
         sampling={"max_prompt_tokens": 8, "max_new_tokens": 4},
         optimization={"ppo_epochs": 1, "num_minibatches": 1, "lr": 1e-2},
         logging={"log_samples_every": 0},
@@ -120,8 +129,8 @@ def test_cli_kl_group_law_and_monitor_options_are_validated(kwargs, match):
 
 def test_beta_out_of_range_or_nan_is_rejected(tiny_lm_dir):
     for bad in (-0.1, math.nan, math.inf):
-        with pytest.raises(ValueError, match=r"`kl\.init_coef` must be a finite number >= 0"):
-            PPOModule(**ppo_args(tiny_lm_dir, kl={"init_coef": bad}))
+        with pytest.raises(ValueError, match=r"`penalty\.init_coef` must be a finite number >= 0"):
+            PPOModule(**ppo_args(tiny_lm_dir, penalty={"init_coef": bad}))
     # The adaptive laws multiply beta: 0 could never move, and the error says to use `fixed`.
     for law in ("adaptive", "exponential", "pi", "logpid"):
         with pytest.raises(
@@ -137,7 +146,9 @@ def test_cli_beta_zero_with_the_fixed_law_trains_without_a_kl_penalty(tiny_lm_di
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    args = {k: v for k, v in ppo_args(tiny_lm_dir, kl={"init_coef": 0}).items() if k != "reward"}
+    args = {
+        k: v for k, v in ppo_args(tiny_lm_dir, penalty={"init_coef": 0}).items() if k != "reward"
+    }
     cli = main(
         ["fit", "--model=rlkl_lightning.PPOModule", f"--model.init_args={yaml.safe_dump(args)}"]
         + ["--data=rlkl_lightning.data.PromptDataModule", f"--data.prompts={prompts}"]
@@ -151,11 +162,37 @@ def test_cli_beta_zero_with_the_fixed_law_trains_without_a_kl_penalty(tiny_lm_di
     assert float(metrics["objective/kl"]) != 0.0  # the KL is there, it is just not penalised
 
 
+@pytest.mark.parametrize(
+    ("old", "message"),
+    [
+        ({"kl": {"placement": "loss"}}, "PPOModule: `kl` is now `penalty` (docs/options.md"),
+        ({"init_kl_coef": 0.3}, "PPOModule: `init_kl_coef` is now `penalty.init_coef` ("),
+        ({"top_p": 0.9}, "PPOModule: `top_p` is now `sampling.top_p` (docs/options.md"),
+    ],
+)
+def test_an_old_argument_name_in_python_names_the_new_one(old, message):
+    with pytest.raises(TypeError) as raised:
+        PPOModule(policy="/no/such/model", **old)  # refused before any model loads
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+def test_a_subclass_keeps_an_argument_of_its_own_with_an_old_name(tiny_lm_dir):
+    class Tempered(PPOModule):
+        def __init__(self, temperature: float = 1.0, **kwargs):
+            super().__init__(
+                **kwargs, sampling={"temperature": temperature, "max_prompt_tokens": 8}
+            )
+
+    module = Tempered(temperature=0.5, policy=str(tiny_lm_dir))
+    assert module.sampling.temperature == 0.5
+
+
 def test_unknown_estimator_names_the_allowed_ones(tiny_lm_dir):
     with pytest.raises(
-        ValueError, match=r"`kl\.estimator` must be one of \('k1', 'k2', 'k3', 'exact'\), got 'k4'"
+        ValueError,
+        match=r"`penalty\.estimator` must be one of \('k1', 'k2', 'k3', 'exact'\), got 'k4'",
     ):
-        PPOModule(**ppo_args(tiny_lm_dir, kl={"estimator": "k4"}))
+        PPOModule(**ppo_args(tiny_lm_dir, penalty={"estimator": "k4"}))
 
 
 @pytest.mark.parametrize(
@@ -171,11 +208,11 @@ def test_unknown_estimator_names_the_allowed_ones(tiny_lm_dir):
         ("optimization.max_grad_norm", 0.0, "None or a number > 0"),
         ("optimization.lr_schedule", "cosine", r"one of \('constant', 'linear'\)"),
         ("safeguards.max_skipped_in_a_row", 0, "None or an integer >= 1"),
-        ("kl.placement", "both", r"one of \('reward', 'loss'\)"),
-        ("kl.loss_estimator", "exact", r"one of \('k1', 'k2', 'k3'\)"),
-        ("kl.loss_weight_clip", 0.5, "None or a finite number >= 1"),
+        ("penalty.placement", "both", r"one of \('reward', 'loss'\)"),
+        ("penalty.loss_estimator", "exact", r"one of \('k1', 'k2', 'k3'\)"),
+        ("penalty.loss_weight_clip", 0.5, "None or a finite number >= 1"),
         ("logging.kl_token_threshold", 0.0, "None or a number > 0"),
-        ("kl.trust_region", math.inf, "None or a number > 0"),
+        ("penalty.trust_region", math.inf, "None or a number > 0"),
         ("engine.kind", "sglang", r"one of \('native', 'vllm'\)"),
         ("engine.correction", "tis", r"one of \('none', 'token_tis', 'sequence_mis'\)"),
         ("engine.correction_threshold", 1.0, "a finite number > 1"),

@@ -16,9 +16,10 @@ SHIPPED = "configs/ppo_adaptive.yaml"
 
 
 def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
-    option = "--model.init_args.kl.init_coef=nan"  # was 55 lines of usage and a validator note
+    option = "--model.init_args.penalty.init_coef=nan"  # was 55 lines of usage and a validator note
     message = (
-        "`model.init_args.kl.init_coef` must be a finite number (NaN and inf are refused), got nan"
+        "`model.init_args.penalty.init_coef` must be a finite number (NaN and inf are refused), "
+        "got nan"
     )
     status, output = train_py(
         ["fit", "--config", SHIPPED, option, f"--trainer.logger.init_args.save_dir={tmp_path}"]
@@ -58,12 +59,41 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
             "`model.init_args.sampling.max_new_tokens` must be an integer >= 1, got 0",
         ),
         (
-            ["--model.init_args.kl.estimator=k4"],
-            "`model.init_args.kl.estimator` must be one of ('k1', 'k2', 'k3', 'exact'), got 'k4'",
+            ["--model.init_args.penalty.estimator=k4"],
+            "`model.init_args.penalty.estimator` must be one of ('k1', 'k2', 'k3', 'exact'), "
+            "got 'k4'",
         ),
         (  # a flat option of 0.1.0 names its place in the groups
             ["--model.init_args.init_kl_coef=0.3"],
-            "`model.init_args.init_kl_coef` is now `model.init_args.kl.init_coef`",
+            "`model.init_args.init_kl_coef` is now `model.init_args.penalty.init_coef`",
+        ),
+        # The module's KL penalty (`penalty`, `kl` until 0.4.0) and the run's KL control (`kl`).
+        (
+            ["--model.init_args.kl.placement=loss"],
+            "`model.init_args.kl.placement` is now `model.init_args.penalty.placement`: renamed "
+            "in 0.5.0; the top-level `kl` is the run's KL control (docs/options.md)",
+        ),
+        (
+            ["--kl.placement=loss"],
+            "`kl.placement` is the module's KL penalty: `model.init_args.penalty.placement`; the "
+            "top-level `kl` is the run's KL control (docs/options.md)",
+        ),
+        (
+            ["--kl.init_coef=0.3"],
+            "`kl.init_coef` is the module's KL penalty: `model.init_args.penalty.init_coef`;",
+        ),
+        (
+            ["--model.init_args.penalty.target=3"],
+            "`model.init_args.penalty.target` is the run's KL control: `kl.target` (top level); "
+            "the module's `penalty` is its KL penalty (docs/options.md)",
+        ),
+        (
+            ["--model.init_args.kl.target=3"],
+            "`model.init_args.kl.target` is the run's KL control: `kl.target` (top level);",
+        ),
+        (
+            ["--model.init_args.placement=loss"],
+            "`model.init_args.placement` is `model.init_args.penalty.placement`",
         ),
         (["--data.init_args.batch_size=0"], "PromptDataModule: `batch_size` must be >= 1 or None"),
         (["--model.init_args.policy=/no/such/model"], "`policy`: model path '/no/such/model'"),
@@ -88,13 +118,13 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
             "loss_type 'dr_grpo' is `objective.aggregation: fixed_length` here",
         ),
         (
-            ["--model.init_args.kl.trust_region=nan"],
-            "`model.init_args.kl.trust_region` must be a finite number or null (NaN and inf are "
-            "refused), got nan",
+            ["--model.init_args.penalty.trust_region=nan"],
+            "`model.init_args.penalty.trust_region` must be a finite number or null (NaN and inf "
+            "are refused), got nan",
         ),
         (
-            ["--model.init_args.kl.trust_region=abc"],
-            "`model.init_args.kl.trust_region` must be a number or null, got abc",
+            ["--model.init_args.penalty.trust_region=abc"],
+            "`model.init_args.penalty.trust_region` must be a number or null, got abc",
         ),
         (["--weights_only=false"], "`weights_only` must be true or unset"),
         (["--ckpt_path=last"], "`--ckpt_path last`: there is no checkpoint to resume"),
@@ -107,6 +137,43 @@ def test_cli_errors_end_with_the_projects_message(args, message, tiny_lm_dir, tm
     assert "\n" not in printed.strip() and "Given value" not in printed
     # PPOModule's and PromptDataModule's errors were wrapped in a Union error quoting the whole
     # config after two tracebacks (70-80 lines); the model's errors come after "Seed set to 0".
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (
+            {"model": {"init_args": {"kl": {"placement": "loss"}}}},
+            "`model.init_args.kl.placement` is now `model.init_args.penalty.placement`: renamed "
+            "in 0.5.0; the top-level `kl` is the run's KL control (docs/options.md)",
+        ),
+        (
+            {"kl": {"init_coef": 0.3}},
+            "`kl.init_coef` is the module's KL penalty: `model.init_args.penalty.init_coef`; the "
+            "top-level `kl` is the run's KL control (docs/options.md)",
+        ),
+        (
+            {"model": {"init_args": {"penalty": {"target": 3.0}}}},
+            "`model.init_args.penalty.target` is the run's KL control: `kl.target` (top level); "
+            "the module's `penalty` is its KL penalty (docs/options.md)",
+        ),
+        (
+            {"model": {"init_args": {"kl": {"horizon": 50.0}}}},
+            "`model.init_args.kl.horizon` is the run's KL control: `kl.horizon` (top level); "
+            "the module's `penalty` is its KL penalty (docs/options.md)",
+        ),
+    ],
+)
+def test_a_kl_option_in_the_other_kl_group_of_a_config_names_its_place(
+    given, message, tiny_lm_dir, tmp_path, capfd
+):
+    import yaml
+
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    mistake = tmp_path / "mistake.yaml"
+    mistake.write_text(yaml.safe_dump(given))
+    printed = cli_error(["fit", "--config", str(config), "--config", str(mistake)], capfd)
+    assert printed == message
 
 
 def test_an_empty_prompts_file_and_a_checkpoint_directory_are_named(tiny_lm_dir, tmp_path, capfd):

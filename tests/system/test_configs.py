@@ -184,14 +184,14 @@ def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeyp
     for gain in ("k", "kp", "ki", "horizon"):  # the config's gains reach the law
         assert getattr(law, gain, None) == config["kl"].get(gain, getattr(law, gain, None))
     if config["kl"]["controller"] == "fixed":
-        assert module.kl_coef == module.kl.init_coef
+        assert module.kl_coef == module.penalty.init_coef
     else:
         assert controller.controller.target == monitor.target
-        assert module.kl_coef != module.kl.init_coef
+        assert module.kl_coef != module.penalty.init_coef
     tags = scalar_tags(tmp_path / "runs")
     for tag in ("objective/kl", "objective/kl_coef", "objective/score", "kl_monitor/target"):
         assert tag in tags
-    assert ("loss/kl" in tags) == (options.get("kl", {}).get("placement") == "loss")
+    assert ("loss/kl" in tags) == (options.get("penalty", {}).get("placement") == "loss")
     grpo = options.get("group", {}).get("advantage") == "grpo"
     assert ("objective/frac_reward_zero_std" in tags) == grpo
     refreshes = "reference/refreshes" in tags  # logged with a ReferenceRefresh callback

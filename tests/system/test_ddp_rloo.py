@@ -49,7 +49,7 @@ def test_rloo_groups_stay_on_one_rank_and_the_callbacks_count_responses(tmp_path
                 "policy": str(tiny_lm_dir),
                 "reference": str(reference),
                 "group": {"responses_per_prompt": K},
-                "kl": {"init_coef": 0.2},
+                "penalty": {"init_coef": 0.2},
                 "sampling": {"max_prompt_tokens": 8, "max_new_tokens": 6},
                 "optimization": {"ppo_epochs": 1, "num_minibatches": 1},
                 "logging": {"log_samples_every": 0},

@@ -1,67 +1,88 @@
-"""A checkpoint written before the option groups (0.1.0: flat options) resumes and exports.
+"""Checkpoints of older layouts resume and export as today's do.
 
-The test makes such a checkpoint itself: a run's ``last.ckpt`` whose module hyperparameters
-and ``RunSettings`` record are rewritten to the flat layout 0.1.0 wrote (``lr``,
-``init_kl_coef``, ``model.init_args.max_new_tokens``, ...), with the same weights and states.
+The test makes them itself: a run's ``last.ckpt`` whose module hyperparameters and
+``RunSettings`` record are rewritten to the layout an older version wrote, with the same
+weights and states: 0.1.0's flat options (``lr``, ``init_kl_coef``,
+``model.init_args.max_new_tokens``, ...) and 0.2.0-0.4.0's groups with the KL penalty's group
+named ``kl`` (``model.init_args.kl.init_coef``).
 """
 
 from __future__ import annotations
-
-from dataclasses import fields
 
 import pytest
 import torch
 from helpers.cli_runs import cli_error, tiny_cli_config
 
-from rlkl_lightning.algorithms.options import ADDED_GROUPS, ADDED_OPTIONS, MODULE_GROUPS, RENAMED
 from rlkl_lightning.cli import main
 from rlkl_lightning.export import export_policy
+from rlkl_lightning.migrations import ADDED_GROUPS, ADDED_OPTIONS, FLAT_KEYS, RENAMED_GROUPS
 
-#: The new place of every 0.1.0 option -> its flat name (``"kl.init_coef" -> "init_kl_coef"``).
-OLD_NAME = {
-    **{
-        f"{group}.{f.name}": f.name
-        for group, cls in MODULE_GROUPS.items()
-        if group not in ADDED_GROUPS
-        for f in fields(cls)
-        if f"{group}.{f.name}" not in ADDED_OPTIONS
-    },
-    **{place: name for name, place in RENAMED.items()},
-}
+#: The place today of every 0.1.0 option -> its flat name (``"penalty.init_coef" ->
+#: "init_kl_coef"``).
+OLD_NAME = {place: name for name, place in FLAT_KEYS.items()}
+#: Today's groups that hold the options of 0.1.0.
+GROUPS_010 = {place.partition(".")[0] for place in OLD_NAME}
+#: Today's name of a renamed group -> its name in 0.2.0-0.4.0 (``"penalty" -> "kl"``).
+OLD_GROUP = {new: old for old, (new, _) in RENAMED_GROUPS.items()}
+PREFIX = "model.init_args."
 
 
 def flat_layout(checkpoint: dict) -> dict:
     """``checkpoint`` as 0.1.0 wrote it: flat hyperparameters, flat settings keys."""
-    hparams = dict(checkpoint["hyper_parameters"])
-    for group in ADDED_GROUPS:  # groups 0.1.0 did not have
-        hparams.pop(group, None)
-    for group in MODULE_GROUPS.keys() - ADDED_GROUPS.keys():
-        for name, value in (hparams.pop(group, None) or {}).items():
-            if f"{group}.{name}" not in ADDED_OPTIONS:  # options 0.1.0 did not have
-                hparams[OLD_NAME[f"{group}.{name}"]] = value
+    hparams = {}
+    for key, value in checkpoint["hyper_parameters"].items():
+        if key in ADDED_GROUPS:  # groups 0.1.0 did not have
+            continue
+        if isinstance(value, dict) and any(f"{key}.{name}" in OLD_NAME for name in value):
+            old = {OLD_NAME.get(f"{key}.{name}"): v for name, v in value.items()}
+            hparams.update({name: v for name, v in old.items() if name})  # 0.1.0 had these
+        else:
+            hparams[key] = value
     checkpoint["hyper_parameters"] = hparams
     record = checkpoint["callbacks"]["RunSettings"]
-    prefix = "model.init_args."
     flat = {}
     for key, value in record["settings"].items():
-        if key.startswith(prefix):
-            group, _, rest = key.removeprefix(prefix).partition(".")
+        if key.startswith(PREFIX):
+            group, _, rest = key.removeprefix(PREFIX).partition(".")
             name, dot, deeper = rest.partition(".")
             if group in ADDED_GROUPS or f"{group}.{name}" in ADDED_OPTIONS:
                 continue
-            if group in MODULE_GROUPS:
-                key = f"{prefix}{OLD_NAME[f'{group}.{name}']}{dot}{deeper}"
+            if group in GROUPS_010 and f"{group}.{name}" not in OLD_NAME:
+                continue  # an option 0.1.0 did not have
+            if group in GROUPS_010:
+                key = f"{PREFIX}{OLD_NAME[f'{group}.{name}']}{dot}{deeper}"
         flat[key] = value
     # 0.1.0 recorded these too; they no longer shape the trajectory (the `logging` group).
-    flat[f"{prefix}num_logged_samples"] = "4"
-    flat[f"{prefix}kl_token_threshold"] = "None"
+    flat[f"{PREFIX}num_logged_samples"] = "4"
+    flat[f"{PREFIX}kl_token_threshold"] = "None"
     record["settings"] = flat
     return checkpoint
 
 
+def kl_group_layout(checkpoint: dict) -> dict:
+    """``checkpoint`` as 0.2.0-0.4.0 wrote it: the groups, the KL penalty's named ``kl``, no
+    option added since (``ppo.advantage``)."""
+    checkpoint = without_added_options(checkpoint)
+    checkpoint["hyper_parameters"] = {
+        OLD_GROUP.get(key, key): value for key, value in checkpoint["hyper_parameters"].items()
+    }
+    record = checkpoint["callbacks"]["RunSettings"]
+    settings = {}
+    for key, value in record["settings"].items():
+        group, dot, rest = key.removeprefix(PREFIX).partition(".")
+        if key.startswith(PREFIX) and group in OLD_GROUP:
+            key = f"{PREFIX}{OLD_GROUP[group]}{dot}{rest}"
+        settings[key] = value
+    record["settings"] = settings
+    return checkpoint
+
+
+LAYOUTS = {"0.1.0": flat_layout, "0.4.0": kl_group_layout}
+
+
 @pytest.fixture(scope="module")
 def written(tiny_lm_dir, tmp_path_factory):
-    """A run of 2 batches, its ``last.ckpt`` and the same checkpoint in the 0.1.0 layout."""
+    """A run of 2 batches, its ``last.ckpt`` and the same checkpoint in each old layout."""
     tmp = tmp_path_factory.mktemp("old_checkpoint")
     checkpoint = {
         "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -70,17 +91,25 @@ def written(tiny_lm_dir, tmp_path_factory):
     config = tiny_cli_config(tiny_lm_dir, tmp, trainer={"callbacks": [checkpoint]})
     main(["fit", "--config", str(config)])
     last = tmp / "ckpt" / "last.ckpt"
-    old = tmp / "old.ckpt"
-    torch.save(flat_layout(torch.load(last, weights_only=True)), old)
+    old = {}
+    for version, layout in LAYOUTS.items():
+        old[version] = tmp / f"{version}.ckpt"
+        torch.save(layout(torch.load(last, weights_only=True)), old[version])
     return config, last, old
 
 
-def test_the_made_checkpoint_has_the_old_layout(written):
+def test_the_made_checkpoints_have_the_old_layouts(written):
     _, _, old = written
-    saved = torch.load(old, weights_only=True)
-    assert "lr" in saved["hyper_parameters"] and "optimization" not in saved["hyper_parameters"]
-    assert saved["hyper_parameters"]["init_kl_coef"] == 0.2
-    assert "model.init_args.max_new_tokens" in saved["callbacks"]["RunSettings"]["settings"]
+    flat = torch.load(old["0.1.0"], weights_only=True)
+    assert "lr" in flat["hyper_parameters"] and "optimization" not in flat["hyper_parameters"]
+    assert flat["hyper_parameters"]["init_kl_coef"] == 0.2
+    assert "model.init_args.max_new_tokens" in flat["callbacks"]["RunSettings"]["settings"]
+    grouped = torch.load(old["0.4.0"], weights_only=True)
+    assert grouped["hyper_parameters"]["kl"]["init_coef"] == 0.2
+    assert "penalty" not in grouped["hyper_parameters"]
+    settings = grouped["callbacks"]["RunSettings"]["settings"]
+    assert "model.init_args.kl.init_coef" in settings and "kl.target" in settings
+    assert not any(key.startswith("model.init_args.penalty.") for key in settings)
 
 
 def _resume(config, checkpoint, out) -> dict:
@@ -104,10 +133,11 @@ def _resume(config, checkpoint, out) -> dict:
     return torch.load(out / "last.ckpt", weights_only=True)
 
 
-def test_an_old_checkpoint_resumes_as_the_new_one_does(written, tmp_path):
+@pytest.mark.parametrize("version", LAYOUTS)
+def test_an_old_checkpoint_resumes_as_the_new_one_does(written, tmp_path, version):
     config, last, old = written
     from_new = _resume(config, last, tmp_path / "new")
-    from_old = _resume(config, old, tmp_path / "old")
+    from_old = _resume(config, old[version], tmp_path / "old")
     assert from_old["global_step"] == from_new["global_step"] == 3
     assert from_old["state_dict"].keys() == from_new["state_dict"].keys()
     for key, value in from_new["state_dict"].items():
@@ -119,8 +149,9 @@ def test_an_old_checkpoint_resumes_as_the_new_one_does(written, tmp_path):
         for c in (from_old, from_new)
     ]
     assert len(states[0]) >= 3 and states[0] == states[1]
-    # Written again in the new layout.
-    assert "optimization" in from_old["hyper_parameters"]
+    # Written again in today's layout.
+    assert from_old["hyper_parameters"] == from_new["hyper_parameters"]
+    assert from_old["hyper_parameters"]["penalty"]["init_coef"] == 0.2
 
 
 def without_added_options(checkpoint: dict) -> dict:
@@ -146,19 +177,30 @@ def test_a_checkpoint_from_before_an_added_option_resumes_as_the_new_one_does(wr
         assert torch.equal(from_older["state_dict"][key], value), key
 
 
-def test_a_change_on_an_old_checkpoint_is_listed_under_its_new_name(written, capfd):
+@pytest.mark.parametrize(
+    ("version", "change", "listed"),
+    [
+        ("0.1.0", "sampling.max_new_tokens=3", "sampling.max_new_tokens: 4 -> 3"),
+        ("0.1.0", "penalty.init_coef=0.3", "penalty.init_coef: 0.2 -> 0.3"),
+        ("0.4.0", "penalty.init_coef=0.3", "penalty.init_coef: 0.2 -> 0.3"),
+    ],
+)
+def test_a_change_on_an_old_checkpoint_is_listed_under_its_new_name(
+    written, capfd, version, change, listed
+):
     config, _, old = written
-    args = ["fit", "--config", str(config), "--ckpt_path", str(old), "--trainer.max_steps=3"]
-    message = cli_error([*args, "--model.init_args.sampling.max_new_tokens=3"], capfd)
+    args = ["fit", "--config", str(config), "--ckpt_path", str(old[version])]
+    message = cli_error([*args, "--trainer.max_steps=3", f"--{PREFIX}{change}"], capfd)
     assert message.startswith("`ckpt_path`: this run's settings differ")
-    # Like with like: only the option that changed is listed, under its group's name.
-    listed = [line.strip() for line in message.splitlines()[1:] if line.startswith("  ")]
-    assert listed == ["model.init_args.sampling.max_new_tokens: 4 -> 3"]
+    # Like with like: only the option that changed is listed, under today's name.
+    lines = [line.strip() for line in message.splitlines()[1:] if line.startswith("  ")]
+    assert lines == [f"{PREFIX}{listed}"]
 
 
-def test_an_old_checkpoint_exports(written, tmp_path):
+@pytest.mark.parametrize("version", LAYOUTS)
+def test_an_old_checkpoint_exports(written, tmp_path, version):
     _, last, old = written
-    saved = torch.load(old, weights_only=True)
+    saved = torch.load(old[version], weights_only=True)
     out = export_policy(saved["hyper_parameters"], saved["state_dict"], tmp_path / "old")
     new = torch.load(last, weights_only=True)
     ref = export_policy(new["hyper_parameters"], new["state_dict"], tmp_path / "new")

@@ -130,7 +130,7 @@ def test_a_plugged_law_sets_beta(plugins, tiny_lm_dir):
 
 def test_a_plugged_estimator_is_the_measured_kl(plugins, tiny_lm_dir):
     logged, _ = _train(
-        plugins, tiny_lm_dir, "k4", "--model.init_args.kl.estimator", "myplugins.k4_estimator"
+        plugins, tiny_lm_dir, "k4", "--model.init_args.penalty.estimator", "myplugins.k4_estimator"
     )
     # Every registered estimator is logged beside the measured one, on the same samples:
     # k4 = l**2 is twice k2 = l**2 / 2, and unlike k1.

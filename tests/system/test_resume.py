@@ -43,7 +43,7 @@ def prompts_file(tmp_path):
 
 
 #: Responses per prompt of the RLOO runs (RLOO with the KL in the loss: the other code paths).
-RLOO = {"group": {"responses_per_prompt": 2}, "kl": {"placement": "loss"}}
+RLOO = {"group": {"responses_per_prompt": 2}, "penalty": {"placement": "loss"}}
 
 
 def module(policy_dir, algorithm: str = "ppo") -> PPOModule | RLOOModule:
@@ -51,7 +51,7 @@ def module(policy_dir, algorithm: str = "ppo") -> PPOModule | RLOOModule:
     cls, group = (RLOOModule, RLOO["group"]) if rloo else (PPOModule, None)
     return cls(
         policy=str(policy_dir),
-        kl={"init_coef": 0.2, **(RLOO["kl"] if rloo else {})},
+        penalty={"init_coef": 0.2, **(RLOO["penalty"] if rloo else {})},
         sampling={"max_prompt_tokens": 8, "max_new_tokens": 6},
         optimization={"ppo_epochs": PPO_EPOCHS, "num_minibatches": MINIBATCHES, "lr": 3e-3},
         logging={"log_samples_every": 0},
@@ -287,7 +287,7 @@ def cli_config(tmp_path, policy_dir, prompts_file, name: str) -> str:
             "class_path": "rlkl_lightning.PPOModule",
             "init_args": {
                 "policy": str(policy_dir),
-                "kl": {"init_coef": 0.2},
+                "penalty": {"init_coef": 0.2},
                 "sampling": {"max_prompt_tokens": 8, "max_new_tokens": 6},
                 "optimization": {
                     "ppo_epochs": PPO_EPOCHS,

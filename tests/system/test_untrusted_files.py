@@ -55,7 +55,7 @@ def ppo_args(policy, **overrides) -> dict:
     """The module's arguments; a group's override (a dict) is merged into its fields."""
     args = dict(
         policy=str(policy),
-        kl={"init_coef": 0.2},
+        penalty={"init_coef": 0.2},
         sampling={"max_prompt_tokens": 8, "max_new_tokens": 4},
         optimization={"ppo_epochs": 1, "num_minibatches": 1},
         logging={"log_samples_every": 0},

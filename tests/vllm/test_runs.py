@@ -31,7 +31,7 @@ def test_a_vllm_config_trains_ten_batches_with_beta_moving(name, world_dir, tmp_
     cli = main(["fit", "--config", str(ROOT / "configs" / name), *overrides])
     module = cli.model
     assert module.engine.kind == "vllm" and module.batches_seen == BATCHES
-    assert module.kl_coef != module.kl.init_coef  # beta moved
+    assert module.kl_coef != module.penalty.init_coef  # beta moved
     metrics = cli.trainer.callback_metrics
     assert float(metrics["objective/kl"]) > 0  # the policy left its reference
     logged = float(metrics["mismatch/token_abs_mean"])  # the last batch's, as logged

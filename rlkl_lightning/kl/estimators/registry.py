@@ -166,7 +166,7 @@ def estimator_names(role: str | None = None) -> tuple[str, ...]:
 
 def kl_estimator(
     name_or_path: str | Estimator,
-    option: str = "kl.estimator",
+    option: str = "penalty.estimator",
     role: str | None = None,
     owner: str | None = None,
 ) -> Estimator:
@@ -232,7 +232,7 @@ def sample_estimators(*chosen: str | Estimator) -> dict[str, Estimator]:
     needs the logits (``exact``) is left out: the pipeline computes it from the logits.
 
     Args:
-        chosen: The run's estimator options (e.g. ``kl.estimator``).
+        chosen: The run's estimator options (e.g. ``penalty.estimator``).
 
     Raises:
         ValueError: As :func:`kl_estimator`, for a chosen option that names none.

@@ -1,0 +1,91 @@
+"""``python -m rlkl_lightning.cli migrate OLD.yaml > NEW.yaml``: an older run config as today's.
+
+The modules' flat options of 0.1.0 go into their groups and the module's ``kl`` group of
+0.2.0-0.4.0 is named ``penalty`` (:mod:`rlkl_lightning.migrations`); everything else, the
+run's top-level ``kl`` included, is kept in its order. Where only a group is renamed the file is
+rewritten in place, comments and layout kept; where flat options move into groups it is written
+again from its values, and its comments are lost (the first line says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlkl_lightning.migrations import FLAT_KEYS, renamed_group, upgrade_config
+
+
+def migrate_text(text: str, name: str = "the config") -> str:
+    """The YAML ``text`` of a run config of any older version, as today's.
+
+    Raises:
+        ValueError: For a file that is not a YAML mapping (a run config).
+    """
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ValueError(f"`migrate`: {name} is not valid YAML: {error}") from None
+    if config is None:
+        return text
+    if not isinstance(config, dict):
+        raise ValueError(f"`migrate`: {name} must be a YAML mapping (a run config)")
+    wanted = upgrade_config(config)
+    if wanted == config:
+        return text
+    renamed = _renamed_in_place(text)
+    if renamed is not None and yaml.safe_load(renamed) == wanted:
+        return renamed
+    note = f"# {name}, migrated by `python -m rlkl_lightning.cli migrate` (comments not kept)\n"
+    return note + yaml.safe_dump(wanted, sort_keys=False, allow_unicode=True)
+
+
+def _renamed_in_place(text: str) -> str | None:
+    """``text`` with the module's renamed groups renamed where they stand, or None.
+
+    None where more must change than a key's name: a flat option of 0.1.0 to move, or an old
+    and a new group both given.
+    """
+    init_args = _child(_child(yaml.compose(text), "model"), "init_args")
+    if not isinstance(init_args, yaml.MappingNode):
+        return None
+    keys = [key.value for key, _ in init_args.value]
+    if any(key in FLAT_KEYS for key in keys):
+        return None
+    edits = []
+    for key, value in init_args.value:
+        new = renamed_group(key.value)
+        if new is None or not isinstance(value, yaml.MappingNode):
+            continue
+        if new in keys or key.start_mark.line != key.end_mark.line:
+            return None
+        edits.append((key.start_mark.line, key.start_mark.column, key.end_mark.column, new))
+    lines = text.splitlines(keepends=True)
+    for line, start, end, new in sorted(edits, reverse=True):  # right to left on a line
+        lines[line] = lines[line][:start] + new + lines[line][end:]
+    return "".join(lines)
+
+
+def _child(node: Any, name: str) -> Any:
+    """The value node of key ``name`` in a mapping node, or None."""
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    return next((value for key, value in node.value if key.value == name), None)
+
+
+def main(args: list[str] | None = None) -> None:
+    """Print the migrated config; a file that cannot be read ends with one line, status 2."""
+    parser = argparse.ArgumentParser(
+        prog="python -m rlkl_lightning.cli migrate",
+        description="Print a run config of an older version (0.1.0-0.4.0) as today's.",
+    )
+    parser.add_argument("config", help="the old YAML run config")
+    path = Path(parser.parse_args(args).config)
+    try:
+        sys.stdout.write(migrate_text(path.read_text(encoding="utf-8"), str(path)))
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

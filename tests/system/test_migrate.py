@@ -1,0 +1,128 @@
+"""``python -m rlkl_lightning.cli migrate``: a config of 0.1.0 or 0.4.0 parses as today's does.
+
+Each old config is converted by the command and parsed by ``train.py``'s parser
+(``--print_config``), and the values it prints are those of the same run written by hand in
+today's layout.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlkl_lightning.cli import main
+from rlkl_lightning.cli.migrate import migrate_text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TODAY = """\
+model:
+  class_path: rlkl_lightning.PPOModule
+  init_args:
+    policy: {policy}
+    sampling:
+      max_prompt_tokens: 8
+      max_new_tokens: 4
+    optimization:
+      lr: 1.0e-4
+      ppo_epochs: 1
+    penalty:
+      init_coef: 0.2
+      placement: loss
+    logging:
+      log_samples_every: 0
+kl:
+  target: 1.0  # the run's KL control keeps its name
+  horizon: 100.0
+"""
+
+#: 0.2.0-0.4.0: the groups, the KL penalty's named `kl`.
+GROUPS_040 = TODAY.replace("    penalty:\n", "    kl:  # where the KL goes\n")
+
+FLAT_010 = """\
+# 0.1.0: the modules' options were flat
+model:
+  class_path: rlkl_lightning.PPOModule
+  init_args:
+    policy: {policy}
+    max_prompt_tokens: 8
+    max_new_tokens: 4
+    lr: 1.0e-4
+    ppo_epochs: 1
+    init_kl_coef: 0.2
+    kl_placement: loss
+    log_samples_every: 0
+kl:
+  target: 1.0
+  horizon: 100.0
+"""
+
+
+def _migrate(path: Path) -> str:
+    """``python -m rlkl_lightning.cli migrate PATH``'s output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rlkl_lightning.cli", "migrate", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout
+
+
+def _printed(path: Path, capsys) -> dict:
+    """The values ``train.py fit --config PATH --print_config`` prints."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(path), "--print_config"])
+    assert exit_info.value.code == 0
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("old", [FLAT_010, GROUPS_040], ids=["0.1.0", "0.4.0"])
+def test_an_old_config_converted_parses_to_todays_values(old, tiny_lm_dir, tmp_path, capsys):
+    (tmp_path / "old.yaml").write_text(old.format(policy=tiny_lm_dir))
+    (tmp_path / "today.yaml").write_text(TODAY.format(policy=tiny_lm_dir))
+    (tmp_path / "new.yaml").write_text(_migrate(tmp_path / "old.yaml"))
+    wanted = _printed(tmp_path / "today.yaml", capsys)
+    assert wanted["model"]["init_args"]["penalty"]["placement"] == "loss"
+    assert _printed(tmp_path / "new.yaml", capsys) == wanted
+
+
+def test_a_renamed_group_is_renamed_in_place_with_its_comments(tiny_lm_dir):
+    old = GROUPS_040.format(policy=tiny_lm_dir)
+    assert migrate_text(old) == old.replace("    kl:  # where", "    penalty:  # where")
+    flow = "model: {init_args: {kl: {placement: loss}}}  # mine\nkl: {target: 2.0}\n"
+    assert migrate_text(flow) == flow.replace("{kl:", "{penalty:")
+
+
+def test_flat_options_are_moved_and_the_lost_comments_said():
+    new = migrate_text(FLAT_010.format(policy="gpt2"), "old.yaml")
+    assert new.startswith("# old.yaml, migrated by `python -m rlkl_lightning.cli migrate` (")
+    init_args = yaml.safe_load(new)["model"]["init_args"]
+    assert init_args["penalty"] == {"init_coef": 0.2, "placement": "loss"}
+    assert init_args["sampling"] == {"max_prompt_tokens": 8, "max_new_tokens": 4}
+    assert list(init_args) == ["policy", "sampling", "optimization", "penalty", "logging"]
+
+
+@pytest.mark.parametrize("name", ["ppo_adaptive.yaml", "rloo_adaptive_kl_loss.yaml"])
+def test_a_config_of_today_is_left_as_it_is(name):
+    text = (ROOT / "configs" / name).read_text()
+    assert migrate_text(text) == text
+
+
+def test_a_file_that_is_not_a_config_is_one_line(tmp_path):
+    bad = tmp_path / "list.yaml"
+    bad.write_text("- 1\n- 2\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "rlkl_lightning.cli", "migrate", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr == f"error: `migrate`: {bad} must be a YAML mapping (a run config)\n"
