@@ -39,11 +39,13 @@ from rlkl_lightning.checkpoints import (
     first_resumed_step,
     newest_last_checkpoint,
 )
+from rlkl_lightning.components import import_object, plain_spec
 from rlkl_lightning.cli.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
 from rlkl_lightning.cli.errors import VERBOSE_ENV, user_message
 from rlkl_lightning.cli.run_end import ExtendFinishedEpoch, SaveLastAtEnd
 from rlkl_lightning.cli.run_settings import RunSettings, trajectory_settings
-from rlkl_lightning.kl.settings import KLSettings
+from rlkl_lightning.kl.laws import LAWS
+from rlkl_lightning.kl.settings import KLSettings, moved_gain
 
 
 class RLKLCLI(LightningCLI):
@@ -96,9 +98,12 @@ class RLKLCLI(LightningCLI):
 
         Applies to a logger with ``save_dir``, ``name`` and ``version`` (``TensorBoardLogger``,
         ``CSVLogger``) whose ``version`` is not set. The checkpoint is checked here, before any
-        model loads. A logger whose package is missing stops the run first, naming the extra.
+        model loads. A logger whose package is missing stops the run first, naming the extra, and
+        so does a component the config names that does not import or does not take its
+        arguments (:meth:`_check_components`): before any weights load.
         """
         _check_logger_packages(self._get(self.config, "trainer").get("logger"))
+        self._check_components()
         if self.subcommand != "fit" or self._get(self.config, "ckpt_path") != "last":
             return
         logger = self._get(self.config, "trainer").get("logger")
@@ -119,6 +124,27 @@ class RLKLCLI(LightningCLI):
         step = first_resumed_step(checkpoint)
         if "purge_step" in vars(init) and step is not None:
             init.purge_step = step  # TensorBoard: drop events the killed run logged after it
+
+    def _check_components(self) -> None:
+        """Import the KL law and build it once with its arguments, before the model loads.
+
+        Building the module loads the policy's weights (minutes for a large one); a misspelt
+        ``kl.controller`` or a gain out of range is reported first, as the law's. The module's
+        own components (the KL estimators) are checked by their group, which the parser builds
+        before the module.
+        """
+        kl = self._get(self.config, "kl")
+        if kl is None:
+            return
+        settings = KLSettings(**(kl.as_dict() if hasattr(kl, "as_dict") else dict(kl)))
+        model = self._get(self.config, "model")
+        init = getattr(model, "init_args", None)
+        penalty = None
+        for group in ("penalty", "kl"):  # the module's KL group (its name since 0.5.0 first)
+            penalty = penalty or (getattr(init, group, None) if init is not None else None)
+        init_coef = getattr(penalty, "init_coef", None)
+        if isinstance(init_coef, int | float) and not isinstance(init_coef, bool):
+            settings.kl_controller(float(init_coef))  # the law's own checks of its gains
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """Build the trainer, then put the KL callbacks first (checkpointing stays last).
@@ -303,7 +329,7 @@ def main(args: list[str] | None = None) -> RLKLCLI:
     """
     given = list(sys.argv[1:] if args is None else args)
     verbose = "--verbose" in given or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
-    given = [a for a in given if a != "--verbose"]
+    given = _law_classes([a for a in given if a != "--verbose"])
     if args is None:
         sys.argv[1:] = given  # LightningCLI reads the command line itself
     try:
@@ -316,6 +342,26 @@ def main(args: list[str] | None = None) -> RLKLCLI:
         sys.stdout.flush()
         print(f"error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _law_classes(args: list[str]) -> list[str]:
+    """``--kl.controller=adaptive`` as the law's class, so that its ``init_args`` may follow.
+
+    The parser takes ``--kl.controller.init_args.horizon=2000`` after a class
+    (``--kl.controller=AdaptiveKLController``), not after a registered short name; the command
+    line's short name is written as its class, which is the same law.
+    """
+    out = list(args)
+    for i, arg in enumerate(out):
+        flag, eq, value = arg.partition("=")
+        if flag != "--kl.controller":
+            continue
+        if not eq and i + 1 < len(out):
+            i, value = i + 1, out[i + 1]
+        if value in LAWS:
+            path = plain_spec(LAWS[value], {})["class_path"]
+            out[i] = f"--kl.controller={path}" if eq else path
+    return out
 
 
 def _cli(args: list[str] | None) -> RLKLCLI:
@@ -338,10 +384,51 @@ def _cli(args: list[str] | None) -> RLKLCLI:
     )
 
 
+_MOVED_GAIN = re.compile(
+    r"(?:unrecognized arguments: --kl\.(?P<arg>horizon|kp|ki|k)[= ](?P<value>\S+))"
+    r"|(?:Key \"kl\.(?P<key>horizon|kp|ki|k)\" is not expected)"
+    r"|(?:does not accept option 'kl\.(?P<key2>horizon|kp|ki|k)')"
+)
+# A component's block refused by the parser: an argument its class does not take, or a value
+# of the wrong type, as one of the alternatives of the option's union.
+_COMPONENT = re.compile(
+    r"^Parser key \"(?P<key>[\w.]+)\":\s*Does not validate against any of the Union subtypes"
+    r".*?expects a function or a callable class: (?P<reason>.*?)\s*Got value: "
+    r"Namespace\(class_path='(?P<cls>[\w.]+)'",
+    re.DOTALL,
+)
+_UNKNOWN_ARGUMENT = re.compile(r"Option '(?P<name>\w+)' is not accepted")
+_WRONG_TYPE = re.compile(
+    r"Parser key \"(?P<name>\w+)\":\s*Expected a <class '(?P<type>\w+)'>\. Got value: "
+    r"(?P<value>.*?)\.?$",
+    re.DOTALL,
+)
 _NOT_ACCEPTED = re.compile(
     r"^`model` \([\w.]+\): Option '(?P<name>[A-Za-z_][A-Za-z0-9_]*)' is not accepted"
 )
 _GROUP_FIELD = re.compile(r"^`(?P<field>[a-z_]+\.[a-z_]+)`")
+
+
+def _component_message(found: re.Match) -> str:
+    """One line for a component's block the parser refused, naming the argument."""
+    key, cls, reason = found["key"], found["cls"], found["reason"].strip()
+    name = cls.rpartition(".")[2]
+    unknown = _UNKNOWN_ARGUMENT.search(reason)
+    if unknown:
+        skip = 2 if key.endswith("controller") else 0  # a law: init_kl_coef, target
+        try:
+            takes = list(plain_spec(import_object(cls), {}, skip=skip)["init_args"])
+        except (ImportError, AttributeError):
+            takes = []
+        listed = f": {name} takes {takes}" if takes else ""
+        return f"`{key}.init_args` has no argument {unknown['name']!r}{listed}"
+    wrong = _WRONG_TYPE.search(reason)
+    if wrong:
+        return (
+            f"`{key}.init_args.{wrong['name']}` ({name}) must be a {wrong['type']}, got "
+            f"{wrong['value'].strip()}"
+        )
+    return f"`{key}` ({name}): {' '.join(reason.split())}"
 
 
 def with_option_paths(message: str) -> str:
@@ -350,6 +437,13 @@ def with_option_paths(message: str) -> str:
     ``model.init_args.top_p`` (0.1.0) is ``model.init_args.sampling.top_p``; a group's own
     error names ``sampling.top_p``, and the command line writes ``model.init_args.`` before it.
     """
+    gain = _MOVED_GAIN.search(message)
+    if gain:
+        name = gain["arg"] or gain["key"] or gain["key2"]
+        return moved_gain(name, gain["value"] or "...")
+    component = _COMPONENT.match(message)
+    if component:
+        return _component_message(component)
     moved = _NOT_ACCEPTED.match(message)
     if moved and moved_option(moved["name"]):
         name = moved["name"]
