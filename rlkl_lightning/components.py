@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 __all__ = ["Registry", "import_object", "plain_spec"]
@@ -101,6 +101,12 @@ class Registry:
     def items(self) -> list[tuple[str, Any]]:
         """``(name, component)`` pairs, in the order of registration."""
         return list(self._entries.items())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries

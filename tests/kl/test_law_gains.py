@@ -42,8 +42,12 @@ def test_the_gains_put_the_loop_crossover_where_simc_asks():
 def test_the_law_configs_hold_the_derived_gains():
     """The measured plant (calibration seed 10, README) gives the configs' gains, to 2 digits."""
     found = law_gains.gains(g=4.19, tau=11.5, theta=5)
-    exponential = yaml.safe_load((ROOT / "configs" / "ppo_exponential.yaml").read_text())["kl"]
-    pi = yaml.safe_load((ROOT / "configs" / "ppo_pi.yaml").read_text())["kl"]
+    exponential, pi = (  # the law's arguments
+        yaml.safe_load((ROOT / "configs" / f"ppo_{law}.yaml").read_text())["kl"]["controller"][
+            "init_args"
+        ]
+        for law in ("exponential", "pi")
+    )
     assert exponential["k"] == float(f"{found['k']:.2g}")
     assert (pi["kp"], pi["ki"]) == (float(f"{found['kp']:.2g}"), float(f"{found['ki']:.2g}"))
 
