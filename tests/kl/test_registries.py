@@ -279,9 +279,10 @@ def test_every_form_of_a_law_gives_the_same_spec(user):
     assert want["init_args"]["horizon"] == 1000.0
     for form in (
         {"class_path": "adaptive", "init_args": {"horizon": 1000.0}},
-        {"class_path": "rlkl_lightning.kl.controllers.AdaptiveKLController", "init_args": {
-            "horizon": 1000.0
-        }},
+        {
+            "class_path": "rlkl_lightning.kl.controllers.AdaptiveKLController",
+            "init_args": {"horizon": 1000.0},
+        },
         partial(AdaptiveKLController, horizon=1000.0),
     ):
         assert law_spec(form) == want
@@ -386,7 +387,11 @@ def test_an_advantage_is_named_as_any_component(user):
 
 @pytest.mark.parametrize(
     ("registry", "option"),
-    [(LAWS, "kl.controller"), (ESTIMATORS, "kl.estimator"), (ADVANTAGES["group"], "group.advantage")],
+    [
+        (LAWS, "kl.controller"),
+        (ESTIMATORS, "kl.estimator"),
+        (ADVANTAGES["group"], "group.advantage"),
+    ],
 )
 def test_every_registry_is_one_registry_with_one_message(registry, option):
     assert isinstance(registry, Registry) and registry.option == option

@@ -124,7 +124,6 @@ def _train(plugins, tiny_lm_dir, name: str, *extra: str, config: str = "ppo_adap
     """Two batches of configs/CONFIG.yaml on the tiny model: every scalar in batch order, the
     module's hyperparameters and the last checkpoint (opened with ``weights_only=True``)."""
     import torch
-
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     prompts = plugins / "prompts.txt"
@@ -218,7 +217,9 @@ def test_a_plugged_estimator_takes_its_argument_and_is_logged_by_name(plugins, t
     config = _yaml(plugins, "scaled", {"model": {"init_args": {"kl": {"estimator": estimator}}}})
     logged, hparams, checkpoint = _train(plugins, tiny_lm_dir, "scaled", "--config", config)
     for kl, own, k2 in zip(
-        logged["objective/kl"], logged["objective/kl_scaled_square"], logged["objective/kl_k2"],
+        logged["objective/kl"],
+        logged["objective/kl_scaled_square"],
+        logged["objective/kl_k2"],
         strict=True,
     ):
         assert kl == own == pytest.approx(6 * k2, rel=1e-5, abs=1e-7)  # 3 l**2 = 6 k2
@@ -232,7 +233,9 @@ def test_a_plugged_advantage_takes_its_argument_into_the_checkpoint(plugins, tin
         "class_path": "myplugins.ShiftedAdvantage",
         "init_args": {"shift": 0.5, "record": str(record)},
     }
-    config = _yaml(plugins, "shifted", {"model": {"init_args": {"group": {"advantage": advantage}}}})
+    config = _yaml(
+        plugins, "shifted", {"model": {"init_args": {"group": {"advantage": advantage}}}}
+    )
     _, _, checkpoint = _train(
         plugins, tiny_lm_dir, "shifted", "--config", config, config="rloo_adaptive"
     )
