@@ -397,6 +397,7 @@ _COMPONENT = re.compile(
     r"Namespace\(class_path='(?P<cls>[\w.]+)'",
     re.DOTALL,
 )
+_NOT_FINITE = ("nan", "inf", "infinity")
 _UNKNOWN_ARGUMENT = re.compile(r"Option '(?P<name>\w+)' is not accepted")
 _WRONG_TYPE = re.compile(
     r"Parser key \"(?P<name>\w+)\":\s*Expected a <class '(?P<type>\w+)'>\. Got value: "
@@ -424,10 +425,12 @@ def _component_message(found: re.Match) -> str:
         return f"`{key}.init_args` has no argument {unknown['name']!r}{listed}"
     wrong = _WRONG_TYPE.search(reason)
     if wrong:
-        return (
-            f"`{key}.init_args.{wrong['name']}` ({name}) must be a {wrong['type']}, got "
-            f"{wrong['value'].strip()}"
-        )
+        value = wrong["value"].strip()
+        kind = {"float": "a number", "int": "an integer"}.get(wrong["type"], wrong["type"])
+        if wrong["type"] in ("float", "int") and value.lower().lstrip("+-") in _NOT_FINITE:
+            kind = f"{'a finite number' if wrong['type'] == 'float' else kind} (NaN and inf are "
+            kind += "refused)"
+        return f"`{key}.init_args.{wrong['name']}` ({name}) must be {kind}, got {value}"
     return f"`{key}` ({name}): {' '.join(reason.split())}"
 
 

@@ -35,7 +35,33 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
     [
         (["--kl.target=nan"], "`kl.target` must be a finite number (NaN and inf are refused)"),
         (["--kl.target=-inf"], "`kl.target` must be a finite number (NaN and inf are refused)"),
-        (["--kl.horizon=inf"], "`kl.horizon` must be a finite number (NaN and inf are refused)"),
+        (
+            ["--kl.controller.init_args.horizon=inf"],
+            "`kl.controller.init_args.horizon` (AdaptiveKLController) must be a finite number "
+            "(NaN and inf are refused), got inf",
+        ),
+        (
+            ["--kl.controller.init_args.horizon=abc"],
+            "`kl.controller.init_args.horizon` (AdaptiveKLController) must be a number, got abc",
+        ),
+        (
+            ["--kl.controller.init_args.horizn=5"],
+            "`kl.controller.init_args` has no argument 'horizn': AdaptiveKLController takes "
+            "['horizon', 'min_kl_coef', 'max_kl_coef']",
+        ),
+        (  # 0.4.0's gain options: the message names the new place
+            ["--kl.horizon=2000"],
+            "`kl.horizon` moved into the law's arguments: `kl.controller: {class_path: "
+            "AdaptiveKLController, init_args: {horizon: 2000}}` (command line: "
+            "`--kl.controller=AdaptiveKLController --kl.controller.init_args.horizon=2000`; "
+            "docs/controllers.md)",
+        ),
+        (
+            ["--kl.controller=pi", "--kl.kp=0.3"],
+            "`kl.kp` moved into the law's arguments: `kl.controller: {class_path: PIKLController, "
+            "init_args: {kp: 0.3}}` (command line: `--kl.controller=PIKLController "
+            "--kl.controller.init_args.kp=0.3`; docs/controllers.md)",
+        ),
         (
             ["--model.init_args.optimization.lr=nan"],
             "`model.init_args.optimization.lr` must be a finite number (NaN and inf are refused), "
@@ -59,7 +85,9 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
         ),
         (
             ["--model.init_args.kl.estimator=k4"],
-            "`model.init_args.kl.estimator` must be one of ('k1', 'k2', 'k3', 'exact'), got 'k4'",
+            "`model.init_args.kl.estimator` must be one of ('k1', 'k2', 'k3', 'exact') or the "
+            "dotted path of an Estimator (or a class or function that makes one from its "
+            "init_args) (mypackage.module.Name), got 'k4'",
         ),
         (  # a flat option of 0.1.0 names its place in the groups
             ["--model.init_args.init_kl_coef=0.3"],
@@ -107,6 +135,28 @@ def test_cli_errors_end_with_the_projects_message(args, message, tiny_lm_dir, tm
     assert "\n" not in printed.strip() and "Given value" not in printed
     # PPOModule's and PromptDataModule's errors were wrapped in a Union error quoting the whole
     # config after two tracebacks (70-80 lines); the model's errors come after "Seed set to 0".
+
+
+def test_a_misspelt_law_is_reported_before_the_policy_loads(tmp_path):
+    """Through train.py: the law is checked before the module (and its weights) are built."""
+    status, output = train_py(
+        ["fit", "--config", SHIPPED, "--kl.controller=adaptve"]
+        + [f"--model.init_args.policy={tmp_path / 'no_such_model'}"]
+        + [f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    )
+    assert status == 2
+    last = output.rstrip("\n").splitlines()[-1]
+    assert last.startswith("error: `kl.controller` must be one of ('fixed', 'adaptive', ")
+    assert last.endswith("got 'adaptve'")
+    # A gain out of range is the law's too, before the model.
+    status, output = train_py(
+        ["fit", "--config", SHIPPED, "--kl.controller.init_args.horizon=-5"]
+        + [f"--model.init_args.policy={tmp_path / 'no_such_model'}"]
+        + [f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    )
+    assert output.rstrip("\n").splitlines()[-1] == (
+        "error: AdaptiveKLController: `horizon` must be a finite number > 0 (samples), got -5.0"
+    )
 
 
 def test_an_empty_prompts_file_and_a_checkpoint_directory_are_named(tiny_lm_dir, tmp_path, capfd):

@@ -50,6 +50,12 @@ def flat_layout(checkpoint: dict) -> dict:
             if group in MODULE_GROUPS:
                 key = f"{prefix}{OLD_NAME[f'{group}.{name}']}{dot}{deeper}"
         flat[key] = value
+    # 0.1.0-0.4.0 named the law and kept every law's gain beside it in the `kl` group.
+    law = {key: flat.pop(key) for key in list(flat) if key.startswith("kl.controller.")}
+    assert law["kl.controller.class_path"].endswith(".AdaptiveKLController'")
+    flat["kl.controller"] = "'adaptive'"
+    flat.update({"kl.horizon": law["kl.controller.init_args.horizon"], "kl.k": "0.1"})
+    flat.update({"kl.kp": "0.5", "kl.ki": "0.05"})
     # 0.1.0 recorded these too; they no longer shape the trajectory (the `logging` group).
     flat[f"{prefix}num_logged_samples"] = "4"
     flat[f"{prefix}kl_token_threshold"] = "None"
@@ -78,7 +84,9 @@ def test_the_made_checkpoint_has_the_old_layout(written):
     saved = torch.load(old, weights_only=True)
     assert "lr" in saved["hyper_parameters"] and "optimization" not in saved["hyper_parameters"]
     assert saved["hyper_parameters"]["init_kl_coef"] == 0.2
-    assert "model.init_args.max_new_tokens" in saved["callbacks"]["RunSettings"]["settings"]
+    settings = saved["callbacks"]["RunSettings"]["settings"]
+    assert "model.init_args.max_new_tokens" in settings
+    assert (settings["kl.controller"], settings["kl.horizon"]) == ("'adaptive'", "100.0")
 
 
 def _resume(config, checkpoint, out) -> dict:
@@ -129,6 +137,10 @@ def test_a_change_on_an_old_checkpoint_is_listed_under_its_new_name(written, cap
     # Like with like: only the option that changed is listed, under its group's name.
     listed = [line.strip() for line in message.splitlines()[1:] if line.startswith("  ")]
     assert listed == ["model.init_args.sampling.max_new_tokens: 4 -> 3"]
+    # The law's name and gain of then are its spec of now: a changed gain is listed so.
+    message = cli_error([*args, "--kl.controller.init_args.horizon=50"], capfd)
+    listed = [line.strip() for line in message.splitlines()[1:] if line.startswith("  ")]
+    assert listed == ["kl.controller.init_args.horizon: 100.0 -> 50.0"]
 
 
 def test_an_old_checkpoint_exports(written, tmp_path):
