@@ -89,7 +89,7 @@ def laws():
     """Every law with its config's settings, starting at the configs' beta 0.1."""
     import yaml
 
-    from rlkl_lightning.kl.controllers import KL_LAWS
+    from rlkl_lightning.kl.laws import KL_LAWS
     from rlkl_lightning.kl.settings import KLSettings
 
     for law in KL_LAWS:
