@@ -203,9 +203,7 @@ def _partial_target(value: functools.partial) -> Any:
     return value.func
 
 
-def check_arguments(
-    target: Any, init_args: Mapping[str, Any], option: str, skip: int = 0
-) -> None:
+def check_arguments(target: Any, init_args: Mapping[str, Any], option: str, skip: int = 0) -> None:
     """Refuse ``init_args`` that ``target``'s signature does not take, naming those it does.
 
     Args:

@@ -39,11 +39,11 @@ from rlkl_lightning.checkpoints import (
     first_resumed_step,
     newest_last_checkpoint,
 )
-from rlkl_lightning.components import import_object, plain_spec
 from rlkl_lightning.cli.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
 from rlkl_lightning.cli.errors import VERBOSE_ENV, user_message
 from rlkl_lightning.cli.run_end import ExtendFinishedEpoch, SaveLastAtEnd
 from rlkl_lightning.cli.run_settings import RunSettings, trajectory_settings
+from rlkl_lightning.components import import_object, plain_spec
 from rlkl_lightning.kl.laws import LAWS
 from rlkl_lightning.kl.settings import KLSettings, moved_gain
 
@@ -125,19 +125,41 @@ class RLKLCLI(LightningCLI):
         if "purge_step" in vars(init) and step is not None:
             init.purge_step = step  # TensorBoard: drop events the killed run logged after it
 
-    def _check_components(self) -> None:
+    def parse_arguments(self, parser, args) -> None:
+        """Parse; with ``--print_config``, check the components first, then print.
+
+        The parser prints the config while it parses, before any check of this package: a
+        misspelt law would be printed as if it were one. The arguments are parsed once without
+        ``--print_config`` and checked (:meth:`_check_components`), then as given.
+        """
+        given = sys.argv[1:] if args is None else args
+        if isinstance(given, list):
+            printing = [a for a in given if str(a).partition("=")[0] == "--print_config"]
+            if printing:
+                rest = [a for a in given if a not in printing]
+                parsed = parser.parse_args(rest)
+                self._check_components(parsed.get(str(parsed.get("subcommand")), parsed))
+        super().parse_arguments(parser, args)
+
+    def _check_components(self, config: Any = None) -> None:
         """Import the KL law and build it once with its arguments, before the model loads.
 
         Building the module loads the policy's weights (minutes for a large one); a misspelt
         ``kl.controller`` or a gain out of range is reported first, as the law's. The module's
-        own components (the KL estimators) are checked by their group, which the parser builds
-        before the module.
+        own components (the KL estimators, the advantage) are checked by their groups, which
+        the parser builds before the module.
+
+        Args:
+            config: The subcommand's parsed config (default: this run's).
         """
-        kl = self._get(self.config, "kl")
+        config = (
+            config if config is not None else self.config.get(str(self.subcommand), self.config)
+        )
+        kl = config.get("kl")
         if kl is None:
             return
         settings = KLSettings(**(kl.as_dict() if hasattr(kl, "as_dict") else dict(kl)))
-        model = self._get(self.config, "model")
+        model = config.get("model")
         init = getattr(model, "init_args", None)
         penalty = None
         for group in ("penalty", "kl"):  # the module's KL group (its name since 0.5.0 first)

@@ -345,6 +345,7 @@ class FixedKLController(KLLaw):
         super().__init__(kl_coef, min_kl_coef, max_kl_coef, init_name="kl_coef")
 
     def step(self, kl: float, n_steps: int) -> float:
+        """The law's rule, above (:meth:`KLLaw.step`)."""
         return self._beta
 
 
@@ -391,6 +392,7 @@ class AdaptiveKLController(KLLaw):
         self.horizon = _finite(owner, "horizon", horizon, unit="samples")
 
     def step(self, kl: float, n_steps: int) -> float:
+        """The law's rule, above (:meth:`KLLaw.step`)."""
         if n_steps * self.error_clip >= self.horizon:
             raise ValueError(
                 f"{type(self).__name__}.update: `n_steps` ({n_steps} samples) must be < "
@@ -442,6 +444,7 @@ class ExponentialKLController(KLLaw):
         self.k = _finite(owner, "k", k, unit="1/nats")
 
     def step(self, kl: float, n_steps: int) -> float:
+        """The law's rule, above (:meth:`KLLaw.step`)."""
         # k * (kl - target) may overflow to +-inf for huge KL; _log_to_beta saturates it.
         return self._log_to_beta(math.log(self._beta) + self.k * (kl - self.target))
 
@@ -520,6 +523,7 @@ class PIKLController(_ClampedIntegral, KLLaw):
         self.error_clip = _finite(owner, "error_clip", error_clip)
 
     def step(self, kl: float, n_steps: int) -> float:
+        """The law's rule, above (:meth:`KLLaw.step`)."""
         error = min(max((kl - self.target) / self.target, -self.error_clip), self.error_clip)
         self.integral = self.integral + self.ki * error
         return self._log_to_beta(self.integral + self.kp * error)
@@ -651,6 +655,7 @@ class LogPIDKLController(_ClampedIntegral, KLLaw):
             self.log_error -= math.log(new / old)
 
     def step(self, kl: float, n_steps: int) -> float:
+        """The law's rule, above (:meth:`KLLaw.step`)."""
         if not self.started:
             if abs(kl) <= self.zero_kl * self.target:  # still the reference: nothing to see
                 return self._beta

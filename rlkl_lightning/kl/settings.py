@@ -7,7 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities import rank_zero_warn
 
 from rlkl_lightning.defaults import default_of
 from rlkl_lightning.kl.controller_callback import UNIT_NAMES, KLControllerCallback

@@ -32,10 +32,15 @@ def run_quick_study(tiny_lm_dir, tmp_path_factory):
             }
         },
         "data": {"init_args": {"prompts": str(prompts), "heldout": str(prompts), "batch_size": 8}},
-        "kl": {"target": 0.05, "horizon": 16, "window": 2},  # beta visibly moves in 3 batches
+        "kl": {"target": 0.05, "window": 2},
     }
+    adaptive = {  # beta visibly moves in 3 batches
+        "config": "configs/ppo_adaptive.yaml",
+        "overrides": {"kl": {"controller": {"init_args": {"horizon": 16}}}},
+    }
+    runs = {"fixed": "configs/ppo_fixed.yaml", "adaptive": adaptive}
     extra = tmp / "tiny.yaml"
-    extra.write_text(yaml.safe_dump({"overrides": overrides}))
+    extra.write_text(yaml.safe_dump({"overrides": overrides, "runs": runs}))
     out = tmp / "out"
     argv = ["--config", str(ROOT / "configs" / "compare.yaml"), "--config", str(extra)]
     argv += ["--quick", "--seeds", "2", "--batches", "3", "--val_every", "3", "--out", str(out)]

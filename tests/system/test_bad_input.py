@@ -110,7 +110,8 @@ def test_cli_kl_group_rejects_bad_values(kwargs, match):
         ({"controller": law_block("pi", kp=-1.0)}, r"`kp` must be a finite number >= 0"),
         (
             {"controller": "pid"},
-            r"`kl.controller` must be one of \('fixed', .*'logpid'\) or the dotted path .* got 'pid'",
+            r"`kl.controller` must be one of \('fixed', .*'logpid'\) or the dotted path "
+            r".* got 'pid'",
         ),
         ({"min_kl_coef": 0.0}, r"`min_kl_coef` must be a finite number > 0"),
         ({"min_kl_coef": 0.5, "max_kl_coef": 0.1}, r"`min_kl_coef` must be <= `max_kl_coef`"),

@@ -49,6 +49,12 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
             "`kl.controller.init_args` has no argument 'horizn': AdaptiveKLController takes "
             "['horizon', 'min_kl_coef', 'max_kl_coef']",
         ),
+        (  # --print_config checks the components before it prints
+            ["--kl.controller=adaptve", "--print_config"],
+            "`kl.controller` must be one of ('fixed', 'adaptive', 'exponential', 'pi', 'logpid') "
+            "or the dotted path of a KL control law (a KLLaw subclass, or a class of the "
+            "KLController protocol) (mypackage.module.Name), got 'adaptve'",
+        ),
         (  # 0.4.0's gain options: the message names the new place
             ["--kl.horizon=2000"],
             "`kl.horizon` moved into the law's arguments: `kl.controller: {class_path: "
