@@ -294,6 +294,11 @@ def test_every_form_of_a_law_gives_the_same_spec(user):
     assert torch.load(buffer, weights_only=True)["law"] == want
 
 
+def test_a_built_controller_is_refused_naming_the_forms_that_work():
+    with pytest.raises(ValueError, match=r"takes the law, not a built controller .*partial"):
+        KLSettings(controller=AdaptiveKLController(0.1, 6.0))
+
+
 def test_a_plugged_law_takes_its_gain_and_gets_the_bounds_from_kl_base(user):
     spec = {"class_path": f"{user}.Stepping", "init_args": {"factor": 4.0}}
     law = KLSettings(controller=spec, target=2.0, max_kl_coef=1.0).kl_controller(0.1)

@@ -56,6 +56,13 @@ def law_names() -> tuple[str, ...]:
 def _resolve(value: Any, option: str) -> tuple[Any, dict[str, Any]]:
     """The law's class and its arguments, checked against its signature."""
     target, init_args = LAWS.resolve(value, option)
+    if not inspect.isclass(target) and hasattr(target, "update"):  # a built controller
+        raise ValueError(
+            f"`{option}` takes the law, not a built controller ({type(target).__name__}): it is "
+            "built with the module's starting beta and the group's target. Pass the class with "
+            f"its arguments, functools.partial({type(target).__name__}, ...), or a "
+            "{class_path, init_args} mapping"
+        )
     if not (inspect.isclass(target) or callable(target)):
         raise LAWS.error(value, option, f", which names {type(target).__name__} {target!r}")
     check_arguments(target, init_args, option, skip=_CALLER_FILLS)
