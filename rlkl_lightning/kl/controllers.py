@@ -28,6 +28,11 @@ Every controller follows the :class:`KLController` protocol and these common rul
 
 Invalid parameters raise :class:`ValueError` at construction, naming the option and its
 allowed range.
+
+A law of its own subclasses :class:`KLLaw`, the public base that gives all of the above, and
+implements :meth:`KLLaw.step`; each package law is registered under its short name in
+:data:`LAWS` (``kl.controller: adaptive``), and a config gives a law its arguments (its gains)
+as a ``{class_path, init_args}`` block (docs/extending.md).
 """
 
 from __future__ import annotations

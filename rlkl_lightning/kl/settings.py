@@ -55,6 +55,10 @@ class KLSettings:
         hold_after_refresh: batches after a refresh of the reference during which beta holds
             (a ``ReferenceRefresh`` callback; docs/controllers.md, "Across a reference
             refresh").
+
+    Attributes:
+        law: the law as the plain ``{"class_path", "init_args"}`` a checkpoint keeps, every
+            argument written out (:func:`~rlkl_lightning.kl.laws.law_spec`).
     """
 
     controller: LawComponent = "adaptive"

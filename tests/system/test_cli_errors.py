@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import yaml
 from helpers.cli_runs import cli_error, tiny_cli_config, train_py
 
 SHIPPED = "configs/ppo_adaptive.yaml"
@@ -252,3 +253,24 @@ def test_a_callback_option_of_the_wrong_type_names_its_path(
     checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"}
     config = tiny_cli_config(tiny_lm_dir, tmp_path, trainer={"callbacks": [refresh, checkpoint]})
     assert cli_error(["fit", "--config", str(config)], capfd) == message
+
+
+def test_a_law_named_by_its_short_name_takes_its_arguments_on_the_command_line(capsys):
+    """`--kl.controller=pi --kl.controller.init_args.kp=0.3`: the short name is the class, and
+    --print_config shows that law's arguments alone (not every law's gains)."""
+    from rlkl_lightning.cli import main
+
+    args = ["fit", "--config", SHIPPED, "--kl.controller", "pi", "--kl.controller.init_args.kp=0.3"]
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--print_config"])
+    assert done.value.code in (0, None)
+    kl = yaml.safe_load(capsys.readouterr().out)["kl"]
+    assert kl["controller"]["class_path"].endswith("PIKLController")
+    assert kl["controller"]["init_args"] == {
+        "kp": 0.3,
+        "ki": 0.05,
+        "error_clip": 1.0,
+        "min_kl_coef": None,
+        "max_kl_coef": None,
+    }
+    assert not {"horizon", "k", "kp", "ki"} & set(kl)
