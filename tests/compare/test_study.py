@@ -135,7 +135,8 @@ def check_each_run_is_a_reproducible_train_config(out, _summary):
     config = yaml.safe_load((out / "configs" / "adaptive-seed1.yaml").read_text())
     assert config["seed_everything"] == 1 and config["data"]["init_args"]["seed"] == 1
     assert config["trainer"]["max_steps"] == 3 * 4 * 4  # batches x ppo_epochs x minibatches
-    assert config["kl"]["controller"] == "adaptive"
+    law = config["kl"]["controller"]  # the config's law, with the study's gain merged in
+    assert law == {"class_path": "AdaptiveKLController", "init_args": {"horizon": 16}}
     assert config["trainer"]["logger"]["init_args"]["version"] == "seed1"
 
 
