@@ -164,6 +164,14 @@ def test_a_misspelt_law_is_reported_before_the_policy_loads(tmp_path):
     assert output.rstrip("\n").splitlines()[-1] == (
         "error: AdaptiveKLController: `horizon` must be a finite number > 0 (samples), got -5.0"
     )
+    # So is the module's own component, checked by its group before the module is built.
+    status, output = train_py(
+        ["fit", "--config", SHIPPED, "--model.init_args.kl.estimator=k9"]
+        + [f"--model.init_args.policy={tmp_path / 'no_such_model'}"]
+        + [f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    )
+    last = output.rstrip("\n").splitlines()[-1]
+    assert last.startswith("error: `model.init_args.kl.estimator` must be one of ('k1',")
 
 
 def test_an_empty_prompts_file_and_a_checkpoint_directory_are_named(tiny_lm_dir, tmp_path, capfd):
