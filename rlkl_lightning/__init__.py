@@ -17,6 +17,7 @@ _LAZY = {
     "ExponentialKLController": "rlkl_lightning.kl.controllers",
     "FixedKLController": "rlkl_lightning.kl.controllers",
     "KLController": "rlkl_lightning.kl.controllers",
+    "KLLaw": "rlkl_lightning.kl.controllers",
     "LogPIDKLController": "rlkl_lightning.kl.controllers",
     "PIKLController": "rlkl_lightning.kl.controllers",
     "KLControllerCallback": "rlkl_lightning.kl.controller_callback",

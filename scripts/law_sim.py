@@ -88,7 +88,7 @@ def judge(make, plants, seeds, noise=0.15):
 def laws():
     """Every law with its config's settings, starting at the configs' beta 0.1."""
     from rlkl_lightning.config_files import compose
-    from rlkl_lightning.kl.controllers import KL_LAWS
+    from rlkl_lightning.kl.laws import KL_LAWS
     from rlkl_lightning.kl.settings import KLSettings
 
     for law in KL_LAWS:

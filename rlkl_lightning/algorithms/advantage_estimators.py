@@ -6,17 +6,19 @@ options group and a sum over ranks::
 
     estimator(traj, reward_kl_coef, options, global_sum) -> traj with advantages (and returns)
 
-Each is of a ``kind``: ``token`` estimators need a value per token (PPO's group,
-:class:`~rlkl_lightning.algorithms.options.PPOOptions`), ``group`` estimators one return per
-response in groups of ``k`` (:class:`~rlkl_lightning.algorithms.options.GroupOptions`). A new
-one is a function registered with :func:`register_advantage`, or any importable function named
-by its dotted path in the config (``group: {advantage: mypackage.my_advantage}``; docs/
-extending.md).
+Each is of a ``kind``, with a registry of its own (:data:`ADVANTAGES`): ``token`` estimators
+need a value per token (PPO's group, :class:`~rlkl_lightning.algorithms.options.PPOOptions`),
+``group`` estimators one return per response in groups of ``k``
+(:class:`~rlkl_lightning.algorithms.options.GroupOptions`). A new one is a function registered
+with the one call shape of every registry, ``@ADVANTAGES["group"].register("name")``, or a
+component the config names (:mod:`rlkl_lightning.components`): the dotted path of a function
+(``group: {advantage: mypackage.my_advantage}``), or a ``{class_path, init_args}`` block of a
+class whose instances are estimators, built with its arguments (docs/extending.md).
 """
 
 from __future__ import annotations
 
-import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 
 from rlkl_lightning.algorithms.advantages import gae, group_advantages, shape_rewards
+from rlkl_lightning.components import Registry, check_arguments, plain_spec
 from rlkl_lightning.kl.estimators import sequence_kl
 from rlkl_lightning.masked import masked_whiten
 from rlkl_lightning.trajectory import Trajectory
@@ -33,47 +36,57 @@ GlobalSum = Callable[[Tensor], Tensor]
 AdvantageEstimator = Callable[[Trajectory, float, Any, GlobalSum], Trajectory]
 KINDS = ("token", "group")
 
-_REGISTRY: dict[str, tuple[str, AdvantageEstimator]] = {}
-
-
-def register_advantage(name: str, kind: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Register an estimator under ``name`` for the algorithms of ``kind`` (a decorator)."""
-    if kind not in KINDS:
-        raise ValueError(f"register_advantage: `kind` must be one of {KINDS}, got {kind!r}")
-
-    def add(estimator: AdvantageEstimator) -> AdvantageEstimator:
-        _REGISTRY[name] = (kind, estimator)
-        return estimator
-
-    return add
+#: The registered estimators of each kind, by name.
+ADVANTAGES: dict[str, Registry] = {
+    kind: Registry(
+        f"{'ppo' if kind == 'token' else 'group'}.advantage",
+        f"a {kind}-level advantage estimator (a function, or a class whose instances are one)",
+    )
+    for kind in KINDS
+}
 
 
 def advantage_names(kind: str) -> tuple[str, ...]:
     """The registered estimators of ``kind``."""
-    return tuple(name for name, (k, _) in _REGISTRY.items() if k == kind)
+    return ADVANTAGES[kind].names()
 
 
-def advantage_estimator(name: str, kind: str, option: str = "advantage") -> AdvantageEstimator:
-    """The estimator registered as ``name``, or the function at the dotted path ``name``.
+def advantage_estimator(value: Any, kind: str, option: str = "advantage") -> AdvantageEstimator:
+    """The estimator a registered name, a dotted path or a ``{class_path, init_args}`` names.
+
+    A class (a ``class_path`` block, or a path to it) is built with its ``init_args``; a
+    function is used as it is.
 
     Raises:
-        ValueError: Naming ``option`` and the registered estimators of ``kind``.
+        ValueError: Naming ``option`` and the registered estimators of ``kind``, for a value
+            that names none, arguments the class does not take, or what is not callable.
     """
-    if name in _REGISTRY and _REGISTRY[name][0] == kind:
-        return _REGISTRY[name][1]
-    allowed = f"one of {advantage_names(kind)} or the dotted path of a function"
-    if name not in _REGISTRY and "." in str(name):
-        module, _, attribute = str(name).rpartition(".")
-        try:
-            found = getattr(importlib.import_module(module), attribute)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"`{option}` must be {allowed}, got {name!r} ({error})") from None
-        if callable(found):
-            return found
-    raise ValueError(f"`{option}` must be {allowed}, got {name!r}")
+    if kind not in KINDS:
+        raise ValueError(f"advantage_estimator: `kind` must be one of {KINDS}, got {kind!r}")
+    registry = ADVANTAGES[kind]
+    target, init_args = registry.resolve(value, option)
+    if inspect.isclass(target):
+        check_arguments(target, init_args, option)
+        target = target(**init_args)
+    elif init_args:
+        raise ValueError(f"`{option}`: {value!r} names no class to give `init_args` to")
+    if not callable(target):
+        raise registry.error(value, option, f", which names {type(target).__name__} {target!r}")
+    return target
 
 
-@register_advantage("gae", "token")
+def advantage_spec(value: Any, kind: str, option: str = "advantage") -> str | dict[str, Any]:
+    """An advantage option as a plain value: a name or path as it is, a class as its spec."""
+    if isinstance(value, str):
+        advantage_estimator(value, kind, option)
+        return value
+    target, init_args = ADVANTAGES[kind].resolve(value, option)
+    advantage_estimator(value, kind, option)
+    name = ADVANTAGES[kind].name_of(target)
+    return name if name is not None else plain_spec(target, init_args)
+
+
+@ADVANTAGES["token"].register("gae")
 def gae_advantages(traj: Trajectory, kl_coef: float, options: Any, global_sum: GlobalSum):
     """KL-shaped per-token rewards, GAE, and whitened advantages (PPO).
 
@@ -139,8 +152,8 @@ def _group_estimator(method: str) -> AdvantageEstimator:
     return estimate
 
 
-register_advantage("rloo", "group")(_group_estimator("rloo"))
-register_advantage("grpo", "group")(_group_estimator("grpo"))
+ADVANTAGES["group"].register("rloo")(_group_estimator("rloo"))
+ADVANTAGES["group"].register("grpo")(_group_estimator("grpo"))
 
 
 def batch_std_of(returns: Tensor, global_sum: GlobalSum) -> Tensor:

@@ -16,9 +16,15 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from rlkl_lightning import metric_keys as keys
-from rlkl_lightning.kl.estimators import KL_ESTIMATORS
+from rlkl_lightning.kl.estimators import estimator_names
 from rlkl_lightning.rewards import InvalidRewardError, RewardShapeError, validate_scores
 from rlkl_lightning.trajectory import Trajectory
+
+
+def logged_estimators(measured: str) -> tuple[str, ...]:
+    """The estimators whose KL a batch logs: every registered one, then a plugged ``measured``."""
+    registered = estimator_names()
+    return registered if measured in registered else (*registered, measured)
 
 
 def batch_metrics(
@@ -39,8 +45,8 @@ def batch_metrics(
             ``gold``, and with ``penalty.trust_region`` the ``[B]`` KL of the tokens inside it
             (``penalized_kl``: the penalty applied) and the count of those outside
             (``outside_tokens``), from the scoring phase.
-        kl_estimator: The estimator of ``objective/kl``: a registered name, or the option
-            string of a plugged one (its ``kl_<option>`` diagnostic is read, not logged apart).
+        kl_estimator: The name of the estimator of ``objective/kl``; a plugged one's KL is
+            logged under its own name too (``objective/kl_<name>``), beside the registered ones.
         kl_coef: The beta the batch's rewards or losses used.
         clock: ``perf_counter`` times at the start, after rollout, after shaping, at the end.
         global_sum: Sums a tensor over all ranks (identity on one process).
@@ -68,7 +74,7 @@ def batch_metrics(
         keys.SCORE_S: torch.tensor(t_scored - t_rollout, dtype=torch.float32),
         keys.UPDATE_S: torch.tensor(t_end - t_scored, dtype=torch.float32),
     }
-    for name in KL_ESTIMATORS:
+    for name in logged_estimators(kl_estimator):
         metrics[keys.kl_of(name)] = diagnostics[f"kl_{name}"].mean()
     if "gold" in diagnostics:
         metrics[keys.GOLD_SCORE] = diagnostics["gold"].mean()
@@ -89,10 +95,9 @@ def _global_sample_means(
     global_sum: Callable[[Tensor], Tensor],
 ) -> dict[str, Tensor]:
     """The per-sample means of :func:`batch_metrics` over the samples of all ranks (one sum)."""
-    per_sample = {keys.kl_of(name): diagnostics[f"kl_{name}"] for name in KL_ESTIMATORS}
-    plugged = keys.kl_of(kl_estimator) not in per_sample  # a user's estimator by dotted path
-    if plugged:
-        per_sample[keys.kl_of(kl_estimator)] = diagnostics[f"kl_{kl_estimator}"]
+    per_sample = {
+        keys.kl_of(name): diagnostics[f"kl_{name}"] for name in logged_estimators(kl_estimator)
+    }
     per_sample[keys.SCORE] = traj.scores
     per_sample[keys.RESPONSE_TOKENS] = traj.response_mask.sum(1)
     if "gold" in diagnostics:
@@ -104,9 +109,7 @@ def _global_sample_means(
     n = torch.tensor(float(traj.response_mask.shape[0]), dtype=torch.float64, device=device)
     *sums, total = global_sum(torch.stack([*local, n])).unbind()
     means = {key: value / total for key, value in zip(per_sample, sums, strict=True)}
-    means[keys.KL] = (
-        means.pop(keys.kl_of(kl_estimator)) if plugged else means[keys.kl_of(kl_estimator)]
-    )
+    means[keys.KL] = means[keys.kl_of(kl_estimator)]
     means[keys.NON_SCORE_REWARD] = -kl_coef * means.get(keys.NON_SCORE_REWARD, means[keys.KL])
     return means
 

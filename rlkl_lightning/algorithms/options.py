@@ -20,12 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from rlkl_lightning.algorithms.advantage_estimators import advantage_names
+from rlkl_lightning.algorithms.advantage_estimators import advantage_spec
 from rlkl_lightning.algorithms.advantages import GROUP_SCALES
 from rlkl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS
 from rlkl_lightning.algorithms.losses import IMPORTANCE_RATIOS
 from rlkl_lightning.checkpoints import plain
-from rlkl_lightning.kl.estimators import kl_estimator
+from rlkl_lightning.kl.estimators import estimator_spec, kl_estimator
 from rlkl_lightning.kl.loss import KL_PLACEMENTS
 from rlkl_lightning.perf.onednn import check_cpu_matmul
 
@@ -214,15 +214,17 @@ class KLPenalty:
             module's ``kl_coef`` at fit start with its controller's value).
         estimator: the measured per-token KL: ``objective/kl`` (the controller's input) and,
             with ``placement="reward"``, the penalty in the reward: ``k1``, ``k2``, ``k3`` or
-            ``exact`` (docs/kl.md, "Units and estimators"), or the dotted path of your own
-            estimator (docs/extending.md).
+            ``exact`` (docs/kl.md, "Units and estimators"), or your own estimator as a
+            component: its dotted path, or ``{class_path, init_args}`` of a class or function
+            that makes it (docs/extending.md); in Python also the ``Estimator`` itself.
         placement: where ``kl_coef x KL`` enters the update: ``reward`` (subtracted from the
             reward, reaching the policy through the policy-gradient term) or ``loss`` (added
             to the loss as ``kl_coef x kl_loss``, divided by PPO's whitening scale; the
             reward has no KL term); see
             :mod:`rlkl_lightning.kl.loss` and docs/kl.md, "Where the KL goes".
         loss_estimator: with ``placement="loss"``, the estimator that is differentiated:
-            ``k1``, ``k2`` or ``k3`` (``k2`` follows the per-token KL gradient on-policy).
+            ``k1``, ``k2`` or ``k3`` (``k2`` follows the per-token KL gradient on-policy), or
+            your own, named as ``estimator``.
         loss_weight_clip: with ``placement="loss"``, the cap of the importance weights
             ``pi / pi_old`` (detached) of the KL loss on samples from an earlier policy
             (``>= 1``; None: no cap).
@@ -245,17 +247,20 @@ class KLPenalty:
     )
 
     init_coef: float = 0.1
-    estimator: str = "k1"
+    estimator: str | dict[str, Any] = "k1"
     placement: str = "reward"
-    loss_estimator: str = "k2"
+    loss_estimator: str | dict[str, Any] = "k2"
     loss_weight_clip: float | None = 2.0
     trust_region: float | None = None
 
     def __post_init__(self) -> None:
         check_rules(self)
-        # Registered names or the dotted path of a user's own estimator (docs/extending.md).
-        kl_estimator(self.estimator, "penalty.estimator", role="reward")
-        kl_estimator(self.loss_estimator, "penalty.loss_estimator", role="loss")
+        # Components (docs/extending.md): each is resolved and checked here, and kept as a
+        # plain value (a name, a path or a {class_path, init_args} spec) for the checkpoint.
+        for name, role in (("estimator", "reward"), ("loss_estimator", "loss")):
+            value = getattr(self, name)
+            kl_estimator(value, f"penalty.{name}", role=role)
+            object.__setattr__(self, name, estimator_spec(value, f"penalty.{name}"))
 
 
 @dataclass(frozen=True)
@@ -421,8 +426,8 @@ class PPOOptions:
     Args:
         advantage: the advantage estimator, a token-level one (it reads the values): ``gae``
             (KL-shaped rewards, GAE, whitened advantages), another registered with
-            ``kind="token"`` (:mod:`~rlkl_lightning.algorithms.advantage_estimators`), or the
-            dotted path of a function.
+            ``kind="token"`` (:mod:`~rlkl_lightning.algorithms.advantage_estimators`), or a
+            component of your own: its dotted path or ``{class_path, init_args}``.
         value_model: separate value model (a causal LM trunk plus a value head); by default the
             value head sits on the policy trunk.
         cliprange_value: value clip around the rollout-time values.
@@ -439,11 +444,6 @@ class PPOOptions:
 
     group: ClassVar[str] = "ppo"
     RULES: ClassVar[tuple] = (
-        (
-            "advantage",
-            lambda x: x in advantage_names("token") or "." in str(x),
-            f"one of {advantage_names('token')} or the dotted path of a function",
-        ),
         ("cliprange_value", _finite_above(0), "a finite number > 0"),
         ("vf_coef", _finite_above(0, strict=False), "a finite number >= 0"),
         ("gamma", lambda x: _number(x) and 0 <= x <= 1, "in [0, 1]"),
@@ -451,7 +451,7 @@ class PPOOptions:
         ("whiten_rewards", _boolean, "True or False"),
     )
 
-    advantage: str = "gae"
+    advantage: str | dict[str, Any] = "gae"
     value_model: str | None = None
     cliprange_value: float = 0.2
     vf_coef: float = 0.1
@@ -462,6 +462,9 @@ class PPOOptions:
 
     def __post_init__(self) -> None:
         check_rules(self)
+        # A component (docs/extending.md), kept as a plain value for the checkpoint.
+        spec = advantage_spec(self.advantage, "token", "ppo.advantage")
+        object.__setattr__(self, "advantage", spec)
         if self.value_model_thread and self.value_model is None:
             raise ValueError(
                 "`ppo.value_model_thread` must be False or None without a separate "
@@ -478,7 +481,9 @@ class GroupOptions:
             batch of ``b`` prompts is repeated ``k`` times: ``b * k`` responses per batch, the
             samples the KL callbacks count).
         advantage: ``rloo`` (leave-one-out baseline, unbiased) or ``grpo`` (the group's mean
-            subtracted, then divided by its standard deviation).
+            subtracted, then divided by its standard deviation), or your own group-level
+            estimator as a component: its dotted path, or ``{class_path, init_args}`` of a
+            class whose instances are one (docs/extending.md).
         scale_rewards: with ``advantage="grpo"``, what the centred returns are divided by:
             ``group`` (the group's standard deviation), ``batch`` (that of the whole batch,
             every rank's) or ``none`` (Dr. GRPO). ``rloo`` takes only ``group``.
@@ -496,24 +501,22 @@ class GroupOptions:
     group: ClassVar[str] = "group"
     RULES: ClassVar[tuple] = (
         ("responses_per_prompt", _int_at_least(2), "an integer >= 2"),
-        (
-            "advantage",
-            lambda x: x in advantage_names("group") or "." in str(x),
-            f"one of {advantage_names('group')} or the dotted path of a function",
-        ),
         ("scale_rewards", _one_of(GROUP_SCALES), f"one of {GROUP_SCALES}"),
         ("mask_truncated_completions", _boolean, "True or False"),
         ("drop_zero_std_groups", _boolean, "True or False"),
     )
 
     responses_per_prompt: int = 4
-    advantage: str = "rloo"
+    advantage: str | dict[str, Any] = "rloo"
     scale_rewards: str = "group"
     mask_truncated_completions: bool = False
     drop_zero_std_groups: bool = False
 
     def __post_init__(self) -> None:
         check_rules(self)
+        # A component (docs/extending.md), kept as a plain value for the checkpoint.
+        spec = advantage_spec(self.advantage, "group", "group.advantage")
+        object.__setattr__(self, "advantage", spec)
         if self.advantage == "rloo" and self.scale_rewards != "group":
             raise ValueError(
                 "`group.scale_rewards` must be 'group' with advantage='rloo' (the leave-one-out "

@@ -520,13 +520,14 @@ class RLPipeline(LightningModule):
             for row, m in zip(ids, valid, strict=True)
         ]
         scores = self._reward_scores(prompts, responses)
+        measured = klmod.kl_estimator(self.penalty.estimator).name  # a plugged one: its own name
         per_token = {  # every registered estimator with a formula, and a plugged one
             name: estimator.per_token(traj.logprobs, ref_logprobs)
             for name, estimator in klmod.sample_estimators(self.penalty.estimator).items()
         }
         exact, entropy = self._logit_diagnostics(policy_scores, ref_logits)
         per_token["exact"] = exact
-        kl = per_token[self.penalty.estimator]
+        kl = per_token[measured]
         diagnostics = {f"kl_{k}": klmod.sequence_kl(v, mask) for k, v in per_token.items()}
         if self.logging.kl_token_threshold is not None:  # collectives: every rank computes them
             diagnostics.update(self._token_kl_stats(per_token["k1"], kl, mask))
@@ -537,7 +538,7 @@ class RLPipeline(LightningModule):
             diagnostics["penalized_kl"] = klmod.sequence_kl(kl, mask)  # [B], inside only
             diagnostics["outside_tokens"] = masked_sum(1 - inside, mask)  # left out of it
         self.gate(
-            not bool(torch.isfinite(diagnostics[f"kl_{self.penalty.estimator}"]).all()),
+            not bool(torch.isfinite(diagnostics[f"kl_{measured}"]).all()),
             "the KL to the reference is not finite (on this or another rank)",
         )
         diagnostics["entropy_sum"] = masked_sum(entropy, mask)
@@ -641,7 +642,7 @@ class RLPipeline(LightningModule):
         metrics = batch_metrics(
             traj,
             diagnostics,
-            self.penalty.estimator,
+            klmod.kl_estimator(self.penalty.estimator).name,
             self.kl_coef,
             clock,
             partial(global_sum, self._trainer),

@@ -41,9 +41,11 @@ from rlkl_lightning.checkpoints import (
 )
 from rlkl_lightning.cli.run_end import ExtendFinishedEpoch, SaveLastAtEnd
 from rlkl_lightning.cli.run_settings import RunSettings, trajectory_settings
+from rlkl_lightning.components import import_object, plain_spec
 from rlkl_lightning.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
 from rlkl_lightning.errors import VERBOSE_ENV, user_message
-from rlkl_lightning.kl.settings import KLSettings
+from rlkl_lightning.kl.laws import LAWS
+from rlkl_lightning.kl.settings import KLSettings, moved_gain
 from rlkl_lightning.migrations import MODULE_PREFIX, moved_option, renamed_group
 
 #: The module's group of the KL penalty (``KLPenalty``).
@@ -100,9 +102,12 @@ class RLKLCLI(LightningCLI):
 
         Applies to a logger with ``save_dir``, ``name`` and ``version`` (``TensorBoardLogger``,
         ``CSVLogger``) whose ``version`` is not set. The checkpoint is checked here, before any
-        model loads. A logger whose package is missing stops the run first, naming the extra.
+        model loads. A logger whose package is missing stops the run first, naming the extra, and
+        so does a component the config names that does not import or does not take its
+        arguments (:meth:`_check_components`): before any weights load.
         """
         _check_logger_packages(self._get(self.config, "trainer").get("logger"))
+        self._check_components()
         if self.subcommand != "fit" or self._get(self.config, "ckpt_path") != "last":
             return
         logger = self._get(self.config, "trainer").get("logger")
@@ -123,6 +128,49 @@ class RLKLCLI(LightningCLI):
         step = first_resumed_step(checkpoint)
         if "purge_step" in vars(init) and step is not None:
             init.purge_step = step  # TensorBoard: drop events the killed run logged after it
+
+    def parse_arguments(self, parser, args) -> None:
+        """Parse; with ``--print_config``, check the components first, then print.
+
+        The parser prints the config while it parses, before any check of this package: a
+        misspelt law would be printed as if it were one. The arguments are parsed once without
+        ``--print_config`` and checked (:meth:`_check_components`), then as given.
+        """
+        given = sys.argv[1:] if args is None else args
+        if isinstance(given, list):
+            printing = [a for a in given if str(a).partition("=")[0] == "--print_config"]
+            if printing:
+                rest = [a for a in given if a not in printing]
+                parsed = parser.parse_args(rest)
+                self._check_components(parsed.get(str(parsed.get("subcommand")), parsed))
+        super().parse_arguments(parser, args)
+
+    def _check_components(self, config: Any = None) -> None:
+        """Import the KL law and build it once with its arguments, before the model loads.
+
+        Building the module loads the policy's weights (minutes for a large one); a misspelt
+        ``kl.controller`` or a gain out of range is reported first, as the law's. The module's
+        own components (the KL estimators, the advantage) are checked by their groups, which
+        the parser builds before the module.
+
+        Args:
+            config: The subcommand's parsed config (default: this run's).
+        """
+        config = (
+            config if config is not None else self.config.get(str(self.subcommand), self.config)
+        )
+        kl = config.get("kl")
+        if kl is None:
+            return
+        settings = KLSettings(**(kl.as_dict() if hasattr(kl, "as_dict") else dict(kl)))
+        model = config.get("model")
+        init = getattr(model, "init_args", None)
+        penalty = None
+        for group in ("penalty", "kl"):  # the module's KL group (its name since 0.5.0 first)
+            penalty = penalty or (getattr(init, group, None) if init is not None else None)
+        init_coef = getattr(penalty, "init_coef", None)
+        if isinstance(init_coef, int | float) and not isinstance(init_coef, bool):
+            settings.kl_controller(float(init_coef))  # the law's own checks of its gains
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """Build the trainer, then put the KL callbacks first (checkpointing stays last).
@@ -307,7 +355,7 @@ def main(args: list[str] | None = None) -> RLKLCLI:
     """
     given = list(sys.argv[1:] if args is None else args)
     verbose = "--verbose" in given or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
-    given = [a for a in given if a != "--verbose"]
+    given = _law_classes([a for a in given if a != "--verbose"])
     if args is None:
         sys.argv[1:] = given  # LightningCLI reads the command line itself
     try:
@@ -320,6 +368,26 @@ def main(args: list[str] | None = None) -> RLKLCLI:
         sys.stdout.flush()
         print(f"error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _law_classes(args: list[str]) -> list[str]:
+    """``--kl.controller=adaptive`` as the law's class, so that its ``init_args`` may follow.
+
+    The parser takes ``--kl.controller.init_args.horizon=2000`` after a class
+    (``--kl.controller=AdaptiveKLController``), not after a registered short name; the command
+    line's short name is written as its class, which is the same law.
+    """
+    out = list(args)
+    for i, arg in enumerate(out):
+        flag, eq, value = arg.partition("=")
+        if flag != "--kl.controller":
+            continue
+        if not eq and i + 1 < len(out):
+            i, value = i + 1, out[i + 1]
+        if value in LAWS:
+            path = plain_spec(LAWS[value], {})["class_path"]
+            out[i] = f"--kl.controller={path}" if eq else path
+    return out
 
 
 def _cli(args: list[str] | None) -> RLKLCLI:
@@ -353,9 +421,53 @@ _UNKNOWN_OPTION = (
     re.compile(r"^Group '(?P<group>\w+)' does not accept option '(?P<path>[\w.]+)'"),
     re.compile(r"^Subcommand '\w+' does not accept option '(?P<path>[\w.]+)'"),
 )
+_MOVED_GAIN = re.compile(
+    r"(?:unrecognized arguments: --kl\.(?P<arg>horizon|kp|ki|k)[= ](?P<value>\S+))"
+    r"|(?:Key \"kl\.(?P<key>horizon|kp|ki|k)\" is not expected)"
+    r"|(?:does not accept option 'kl\.(?P<key2>horizon|kp|ki|k)')"
+)
+# A component's block refused by the parser: an argument its class does not take, or a value
+# of the wrong type, as one of the alternatives of the option's union.
+_COMPONENT = re.compile(
+    r"^Parser key \"(?P<key>[\w.]+)\":\s*Does not validate against any of the Union subtypes"
+    r".*?expects a function or a callable class: (?P<reason>.*?)\s*Got value: "
+    r"Namespace\(class_path='(?P<cls>[\w.]+)'",
+    re.DOTALL,
+)
+_NOT_FINITE = ("nan", "inf", "infinity")
+_UNKNOWN_ARGUMENT = re.compile(r"Option '(?P<name>\w+)' is not accepted")
+_WRONG_TYPE = re.compile(
+    r"Parser key \"(?P<name>\w+)\":\s*Expected a <class '(?P<type>\w+)'>\. Got value: "
+    r"(?P<value>.*?)\.?$",
+    re.DOTALL,
+)
 _GROUP_FIELD = re.compile(r"^`(?P<field>[a-z_]+\.[a-z_]+)`")
 _RUN_KL = "the top-level `kl` is the run's KL control (docs/options.md)"
 _MODULE_KL = "the module's `penalty` is its KL penalty (docs/options.md)"
+
+
+def _component_message(found: re.Match) -> str:
+    """One line for a component's block the parser refused, naming the argument."""
+    key, cls, reason = found["key"], found["cls"], found["reason"].strip()
+    name = cls.rpartition(".")[2]
+    unknown = _UNKNOWN_ARGUMENT.search(reason)
+    if unknown:
+        skip = 2 if key.endswith("controller") else 0  # a law: init_kl_coef, target
+        try:
+            takes = list(plain_spec(import_object(cls), {}, skip=skip)["init_args"])
+        except (ImportError, AttributeError):
+            takes = []
+        listed = f": {name} takes {takes}" if takes else ""
+        return f"`{key}.init_args` has no argument {unknown['name']!r}{listed}"
+    wrong = _WRONG_TYPE.search(reason)
+    if wrong:
+        value = wrong["value"].strip()
+        kind = {"float": "a number", "int": "an integer"}.get(wrong["type"], wrong["type"])
+        if wrong["type"] in ("float", "int") and value.lower().lstrip("+-") in _NOT_FINITE:
+            kind = f"{'a finite number' if wrong['type'] == 'float' else kind} (NaN and inf are "
+            kind += "refused)"
+        return f"`{key}.init_args.{wrong['name']}` ({name}) must be {kind}, got {value}"
+    return f"`{key}` ({name}): {' '.join(reason.split())}"
 
 
 def with_option_paths(message: str) -> str:
@@ -364,6 +476,13 @@ def with_option_paths(message: str) -> str:
     ``model.init_args.top_p`` (0.1.0) is ``model.init_args.sampling.top_p``; a group's own
     error names ``sampling.top_p``, and the command line writes ``model.init_args.`` before it.
     """
+    gain = _MOVED_GAIN.search(message)
+    if gain:
+        name = gain["arg"] or gain["key"] or gain["key2"]
+        return moved_gain(name, gain["value"] or "...")
+    component = _COMPONENT.match(message)
+    if component:
+        return _component_message(component)
     for pattern in _UNKNOWN_OPTION:
         given = pattern.match(message)
         if given:

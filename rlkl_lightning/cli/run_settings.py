@@ -86,7 +86,10 @@ def trajectory_settings(config: Any) -> dict[str, str]:
         str(getattr(c, "class_path", "")).endswith(".CapabilityBudget") for c in callbacks
     )
     for group in GROUPS:
-        _flatten(config.get(group), group, out, steered)
+        value = config.get(group)
+        if group == "kl" and value is not None:
+            value = _with_law_spec(value)
+        _flatten(value, group, out, steered)
     out["trainer.precision"] = repr(trainer.get("precision") if trainer is not None else None)
     names = []
     for callback in callbacks:
@@ -98,6 +101,51 @@ def trajectory_settings(config: Any) -> dict[str, str]:
         _flatten(getattr(callback, "init_args", None), f"{CALLBACKS_KEY}.{name}.init_args", out)
     out[CALLBACKS_KEY] = repr(names)
     return out
+
+
+def _with_law_spec(kl: Any) -> dict[str, Any]:
+    """The ``kl`` group with its law as the plain spec, whichever form named it.
+
+    ``controller: adaptive`` and ``{class_path: AdaptiveKLController, init_args: {horizon:
+    10000}}`` are the same law: both are compared (and kept) as
+    ``kl.controller.class_path`` and ``kl.controller.init_args.*``, every argument written out.
+    """
+    from rlkl_lightning.kl.laws import law_spec
+
+    kl = kl.as_dict() if hasattr(kl, "as_dict") else dict(kl)
+    if "controller" in kl:
+        kl["controller"] = law_spec(kl["controller"])
+    return kl
+
+
+def _old_law(saved: dict[str, str]) -> dict[str, str]:
+    """A 0.1.0-0.4.0 checkpoint's law (a name, the gains beside it) as the spec of today.
+
+    ``kl.controller: 'adaptive'`` with ``kl.horizon: 1000.0`` becomes
+    ``kl.controller.class_path`` and ``kl.controller.init_args.horizon``; the gains of other
+    laws, which that run did not read, are dropped. A law that no longer imports is kept as it
+    was (the comparison then lists it).
+    """
+    import ast
+
+    from rlkl_lightning.kl.laws import law_spec
+    from rlkl_lightning.kl.settings import MOVED_GAINS
+
+    saved = dict(saved)
+    gains = {name: saved.pop(f"kl.{name}") for name in MOVED_GAINS if f"kl.{name}" in saved}
+    if "kl.controller" not in saved:
+        return saved
+    try:
+        name = ast.literal_eval(saved["kl.controller"])
+        spec = law_spec(name)
+    except (ValueError, SyntaxError):
+        return saved
+    del saved["kl.controller"]
+    for key, value in gains.items():
+        if key in spec["init_args"]:
+            spec["init_args"][key] = ast.literal_eval(value)
+    _flatten(spec, "kl.controller", saved)
+    return saved
 
 
 def nested_settings(saved: dict[str, str]) -> dict[str, str]:
@@ -113,6 +161,7 @@ def nested_settings(saved: dict[str, str]) -> dict[str, str]:
 
     from rlkl_lightning.algorithms.options import MODULE_GROUPS
 
+    saved = _old_law(saved)
     steered = "CapabilityBudget" in saved.get(CALLBACKS_KEY, "")
     out = {}
     for group in ADDED_GROUPS:  # a checkpoint from before the group ran with its defaults

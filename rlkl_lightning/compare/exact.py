@@ -30,6 +30,7 @@ import yaml
 
 from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.compare.events import overshoot, read_scalars, settle_batch
+from rlkl_lightning.kl.laws import law_name
 
 if TYPE_CHECKING:
     from rlkl_lightning.compare.config import StudyConfig
@@ -61,7 +62,7 @@ def run_settings(config: dict[str, Any]) -> dict[str, Any]:
         "algorithm": model.get("class_path", "").rpartition(".")[2].removesuffix("Module"),
         "placement": placement,
         "estimator": estimator,
-        "law": kl.get("controller", "adaptive"),
+        "law": law_name(kl.get("controller", "adaptive")),
         "target": kl.get("target", 6.0),
         "init_kl_coef": float(init_arg(config, "model", "penalty.init_coef")),
         "world": {k: v for k, v in world[0].items() if k not in _NOT_WORLD},

@@ -24,12 +24,11 @@ from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.kl.controller_callback import KLControllerCallback
+from rlkl_lightning.kl.controllers import laws_with_target
 from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
 from rlkl_lightning.kl.reading import check_name
 
 MODES = ("min", "max")
-#: The laws that have a target to move (the fixed law has none).
-LAWS_WITH_TARGET = ("adaptive", "exponential", "pi", "logpid")
 
 
 def budget_error(excess: float, budget_excess: float, floor: float) -> float:
@@ -220,7 +219,7 @@ class CapabilityBudget(Callback):
         if controller.target is None:
             law = getattr(controller.controller, "law", type(controller.controller).__name__)
             raise ValueError(
-                f"{owner}: `kl.controller` must be one of {LAWS_WITH_TARGET} to run with a "
+                f"{owner}: `kl.controller` must be one of {laws_with_target()} to run with a "
                 f"capability budget, got {law!r}: the budget moves the KL target, and that "
                 "law has none"
             )

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.kl.callback_base import KLCallbackBase
-from rlkl_lightning.kl.controllers import KLController
+from rlkl_lightning.kl.controllers import KLController, laws_with_target
 from rlkl_lightning.kl.reading import (
     MONITOR_BY_UNIT,
     UNIT_NAMES,
@@ -215,8 +215,7 @@ class KLControllerCallback(KLCallbackBase):
         if self.target is None:
             raise ValueError(
                 f"{owner}: the controller {type(self.controller).__name__} has no `target` to "
-                "move; use a law with a target: `kl.controller` one of adaptive, exponential, "
-                "pi, logpid"
+                f"move; use a law with a target: `kl.controller` one of {laws_with_target()}"
             )
         if (
             isinstance(target, bool)

@@ -23,16 +23,20 @@ Every controller follows the :class:`KLController` protocol and these common rul
   Parameters (target, gains, ...) come from the constructor.
 * ``set_target(target)`` moves the target of a law that has one (every law but the fixed
   one, which raises): beta is not touched, and the change takes effect at the next
-  ``update``. What each law's state does on the step is in :meth:`_BaseKLController.set_target`
+  ``update``. What each law's state does on the step is in :meth:`KLLaw.set_target`
   and the law's ``_on_target_step``; the law's docstring says it.
 
 Invalid parameters raise :class:`ValueError` at construction, naming the option and its
 allowed range.
+
+A law of its own subclasses :class:`KLLaw`, the public base that gives all of the above, and
+implements :meth:`KLLaw.step`; each package law is registered under its short name in
+:data:`LAWS` (``kl.controller: adaptive``), and a config gives a law its arguments (its gains)
+as a ``{class_path, init_args}`` block (docs/extending.md).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import operator
 import sys
@@ -40,26 +44,26 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-__all__ = [  # noqa: F822 (KL_LAWS comes from __getattr__, _LAZY)
-    "KL_LAWS",
+from rlkl_lightning.components import Registry
+
+__all__ = [
+    "LAWS",
     "AdaptiveKLController",
     "ExponentialKLController",
     "FixedKLController",
     "KLController",
+    "KLLaw",
     "LogPIDKLController",
     "PIKLController",
+    "laws_with_target",
 ]
 
-
-#: Names read on first use from the module that holds them: the registry of laws imports this
-#: file, so ``KL_LAWS`` (the registered laws' names) cannot be imported at the top.
-_LAZY = {"KL_LAWS": "rlkl_lightning.kl.laws"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: The registered laws: ``kl.controller: adaptive`` names :class:`AdaptiveKLController`. A law
+#: is built as ``Law(init_kl_coef, target, **init_args)``, with the run's bounds among the
+#: arguments where it sets them (docs/extending.md).
+LAWS = Registry(
+    "kl.controller", "a KL control law (a KLLaw subclass, or a class of the KLController protocol)"
+)
 
 
 @runtime_checkable
@@ -108,12 +112,25 @@ def _finite(
     return number
 
 
-class _BaseKLController:
-    """Shared machinery: bounds, validation of ``update`` inputs and states, the warning."""
+class KLLaw:
+    """The base of a KL control law: bounds, NaN handling, checked states; a law adds its rule.
+
+    A subclass sets ``law`` (the name its states carry; default: the class name), takes
+    ``(init_kl_coef, target, <its gains>, min_kl_coef=None, max_kl_coef=None)``, calls
+    ``super().__init__(init_kl_coef, min_kl_coef, max_kl_coef)``, keeps ``self.target`` and
+    implements :meth:`step`, the unclamped new beta. :meth:`update` then checks the inputs,
+    keeps beta inside the bounds (the positive float range without them), leaves beta unchanged
+    and warns once on a non-finite KL, and :meth:`state_dict` / :meth:`load_state_dict` carry
+    beta and the fields named in ``state_fields``. Register it (``@LAWS.register("name")``) to
+    give it a short name, or name it in a config by its dotted path; its gains are its
+    ``init_args`` (docs/extending.md).
+    """
 
     law: ClassVar[str]
     #: Whether the law multiplies beta (then beta = 0 could never change and is refused).
     multiplicative: ClassVar[bool] = True
+    #: Whether the law steers towards a target (:meth:`set_target` moves it).
+    has_target: ClassVar[bool] = True
     #: Dynamic state besides beta: each field's name and its start value as a function of
     #: beta, used at construction and for a state (from an older version) without the field.
     state_fields: ClassVar[dict[str, Callable[[float], float]]] = {}
@@ -151,6 +168,11 @@ class _BaseKLController:
         self._warned_nonfinite = False
         for name, start in self.state_fields.items():
             setattr(self, name, start(beta))
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "law" not in vars(cls) and not any("law" in vars(b) for b in cls.__mro__[1:-1]):
+            cls.law = cls.__name__
 
     def _check_beta(self, owner: str, name: str, value: Any) -> float:
         """``value`` as beta: finite and > 0 (>= 0 for a law that does not multiply beta)."""
@@ -199,7 +221,7 @@ class _BaseKLController:
                 )
             return self._beta
         if n > 0:
-            self._beta = self._clamp(self._step(kl, n))
+            self._beta = self._clamp(self.step(kl, n))
         return self._beta
 
     def set_target(self, target: float) -> None:
@@ -218,7 +240,7 @@ class _BaseKLController:
         if not hasattr(self, "target"):
             raise ValueError(
                 f"{owner}: the {self.law} law has no target to move (beta is constant); use a "
-                "law with a target: `kl.controller` one of adaptive, exponential, pi, logpid"
+                f"law with a target: `kl.controller` one of {laws_with_target()}"
             )
         new = _finite(owner, "target", target, unit="nats")
         old, self.target = self.target, new
@@ -271,8 +293,11 @@ class _BaseKLController:
         for name, value in fields.items():
             setattr(self, name, value)
 
-    def _step(self, kl: float, n_steps: int) -> float:
-        """Return the unclamped new beta for a finite KL and ``n_steps > 0``."""
+    def step(self, kl: float, n_steps: int) -> float:
+        """The law's rule: the unclamped new beta for a finite KL and ``n_steps > 0``.
+
+        :meth:`update` clamps it to the bounds; use :meth:`_log_to_beta` for a rule on log beta.
+        """
         raise NotImplementedError
 
     def _state(self) -> dict[str, float]:
@@ -296,7 +321,8 @@ class _BaseKLController:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
 
 
-class FixedKLController(_BaseKLController):
+@LAWS.register("fixed")
+class FixedKLController(KLLaw):
     """A constant beta.
 
     It has no target: :meth:`set_target` raises (a capability budget cannot steer it).
@@ -304,26 +330,32 @@ class FixedKLController(_BaseKLController):
     Args:
         kl_coef: The KL coefficient beta, a finite number >= 0 (0: no KL penalty, the
             baseline without KL regularisation).
+        target: Not read (a constant beta has no target; the drift monitor has its own): a
+            law is built as ``Law(init_kl_coef, target, ...)``, this one too.
         min_kl_coef: Optional lower bound; ``kl_coef`` must not lie below it.
         max_kl_coef: Optional upper bound; ``kl_coef`` must not lie above it.
     """
 
     law = "fixed"
     multiplicative = False
+    has_target = False
 
     def __init__(
         self,
         kl_coef: float,
+        target: float | None = None,
         min_kl_coef: float | None = None,
         max_kl_coef: float | None = None,
     ) -> None:
         super().__init__(kl_coef, min_kl_coef, max_kl_coef, init_name="kl_coef")
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def step(self, kl: float, n_steps: int) -> float:
+        """The law's rule, above (:meth:`KLLaw.step`)."""
         return self._beta
 
 
-class AdaptiveKLController(_BaseKLController):
+@LAWS.register("adaptive")
+class AdaptiveKLController(KLLaw):
     """The proportional controller of Ziegler et al. 2019, §2.2 (arXiv:1909.08593).
 
     Per update, with ``e = clip(kl / target - 1, -0.2, 0.2)``::
@@ -364,7 +396,8 @@ class AdaptiveKLController(_BaseKLController):
         self.target = _finite(owner, "target", target, unit="nats")
         self.horizon = _finite(owner, "horizon", horizon, unit="samples")
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def step(self, kl: float, n_steps: int) -> float:
+        """The law's rule, above (:meth:`KLLaw.step`)."""
         if n_steps * self.error_clip >= self.horizon:
             raise ValueError(
                 f"{type(self).__name__}.update: `n_steps` ({n_steps} samples) must be < "
@@ -377,7 +410,8 @@ class AdaptiveKLController(_BaseKLController):
         return self._beta * (1.0 + error * n_steps / self.horizon)
 
 
-class ExponentialKLController(_BaseKLController):
+@LAWS.register("exponential")
+class ExponentialKLController(KLLaw):
     """Multiplicative law in log-beta, clamped to bounds.
 
     Per update (once per training batch)::
@@ -414,7 +448,8 @@ class ExponentialKLController(_BaseKLController):
         self.target = _finite(owner, "target", target, unit="nats")
         self.k = _finite(owner, "k", k, unit="1/nats")
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def step(self, kl: float, n_steps: int) -> float:
+        """The law's rule, above (:meth:`KLLaw.step`)."""
         # k * (kl - target) may overflow to +-inf for huge KL; _log_to_beta saturates it.
         return self._log_to_beta(math.log(self._beta) + self.k * (kl - self.target))
 
@@ -436,7 +471,8 @@ class _ClampedIntegral:
         self._integral = min(max(z, math.log(self._lo)), math.log(self._hi))
 
 
-class PIKLController(_ClampedIntegral, _BaseKLController):
+@LAWS.register("pi")
+class PIKLController(_ClampedIntegral, KLLaw):
     """Proportional-integral law on log-beta, with integrator clamping as anti-windup.
 
     With ``L = log(min_kl_coef)``, ``U = log(max_kl_coef)`` (the float range when a bound is
@@ -491,13 +527,15 @@ class PIKLController(_ClampedIntegral, _BaseKLController):
             raise ValueError(f"{owner}: at least one of `kp`, `ki` must be > 0, got kp=0, ki=0")
         self.error_clip = _finite(owner, "error_clip", error_clip)
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def step(self, kl: float, n_steps: int) -> float:
+        """The law's rule, above (:meth:`KLLaw.step`)."""
         error = min(max((kl - self.target) / self.target, -self.error_clip), self.error_clip)
         self.integral = self.integral + self.ki * error
         return self._log_to_beta(self.integral + self.kp * error)
 
 
-class LogPIDKLController(_ClampedIntegral, _BaseKLController):
+@LAWS.register("logpid")
+class LogPIDKLController(_ClampedIntegral, KLLaw):
     """A PID law on the log of KL / target: one tuning for worlds whose KL answers beta unalike.
 
     Where the KL goes as ``beta^-a``, the loop gain from ``log beta`` to ``log KL`` is the
@@ -608,7 +646,7 @@ class LogPIDKLController(_ClampedIntegral, _BaseKLController):
         self.error_clip = _finite(owner, "error_clip", error_clip)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state, as :meth:`_BaseKLController.load_state_dict`.
+        """Restore a state, as :meth:`KLLaw.load_state_dict`.
 
         A state written before ``started`` existed, mid-run (it has a ``log_error``), counts as
         started.
@@ -621,7 +659,8 @@ class LogPIDKLController(_ClampedIntegral, _BaseKLController):
         if self.started:
             self.log_error -= math.log(new / old)
 
-    def _step(self, kl: float, n_steps: int) -> float:
+    def step(self, kl: float, n_steps: int) -> float:
+        """The law's rule, above (:meth:`KLLaw.step`)."""
         if not self.started:
             if abs(kl) <= self.zero_kl * self.target:  # still the reference: nothing to see
                 return self._beta
@@ -636,3 +675,8 @@ class LogPIDKLController(_ClampedIntegral, _BaseKLController):
             error *= min(1.0, abs(error) / self.dead_zone)
         self.integral = self.integral + max(self.ki * error, -self.max_fall)
         return self._log_to_beta(self.integral + self.kp * error)
+
+
+def laws_with_target() -> tuple[str, ...]:
+    """The registered laws that have a target (all but those that keep beta constant)."""
+    return tuple(name for name, law in LAWS.items() if getattr(law, "has_target", True))

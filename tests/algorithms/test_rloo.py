@@ -92,7 +92,7 @@ def test_a_batch_that_is_not_in_groups_stops_with_a_clear_error(tiny_lm_dir):
             "group",
             "advantage",
             "ppo",
-            r"one of \('rloo', 'grpo'\) or the dotted path of a function",
+            r"one of \('rloo', 'grpo'\) or the dotted path of a group-level advantage .*",
         ),
         ("penalty", "placement", "advantage", r"one of \('reward', 'loss'\)"),
     ],

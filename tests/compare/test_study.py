@@ -32,10 +32,15 @@ def run_quick_study(tiny_lm_dir, tmp_path_factory):
             }
         },
         "data": {"init_args": {"prompts": str(prompts), "heldout": str(prompts), "batch_size": 8}},
-        "kl": {"target": 0.05, "horizon": 16, "window": 2},  # beta visibly moves in 3 batches
+        "kl": {"target": 0.05, "window": 2},
     }
+    adaptive = {  # beta visibly moves in 3 batches
+        "config": "configs/ppo_adaptive.yaml",
+        "overrides": {"kl": {"controller": {"init_args": {"horizon": 16}}}},
+    }
+    runs = {"fixed": "configs/ppo_fixed.yaml", "adaptive": adaptive}
     extra = tmp / "tiny.yaml"
-    extra.write_text(yaml.safe_dump({"overrides": overrides}))
+    extra.write_text(yaml.safe_dump({"overrides": overrides, "runs": runs}))
     out = tmp / "out"
     argv = ["--config", str(ROOT / "configs" / "compare.yaml"), "--config", str(extra)]
     argv += ["--quick", "--seeds", "2", "--batches", "3", "--val_every", "3", "--out", str(out)]
@@ -131,7 +136,8 @@ def check_each_run_is_a_reproducible_train_config(out, _summary):
     config = yaml.safe_load((out / "configs" / "adaptive-seed1.yaml").read_text())
     assert config["seed_everything"] == 1 and config["data"]["init_args"]["seed"] == 1
     assert config["trainer"]["max_steps"] == 3 * 4 * 4  # batches x ppo_epochs x minibatches
-    assert config["kl"]["controller"] == "adaptive"
+    law = config["kl"]["controller"]  # the config's law, with the study's gain merged in
+    assert law == {"class_path": "AdaptiveKLController", "init_args": {"horizon": 16}}
     assert config["trainer"]["logger"]["init_args"]["version"] == "seed1"
 
 

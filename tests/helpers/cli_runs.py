@@ -42,7 +42,7 @@ def tiny_cli_config(tiny_lm_dir, tmp_path, name="config.yaml", **groups) -> Path
             "class_path": "rlkl_lightning.data.PromptDataModule",
             "init_args": {"prompts": str(prompts), "heldout": None, "batch_size": 4},
         },
-        "kl": {"target": 1.0, "horizon": 100.0},
+        "kl": {"controller": law("adaptive", horizon=100.0), "target": 1.0},
     }
     for group, values in groups.items():
         if isinstance(config.get(group), dict) and "init_args" in config[group]:
@@ -71,6 +71,13 @@ def cli_error(args: list[str], capfd) -> str:
     # No usage dump, no validator note quoting the config (the subprocess tests count lines).
     assert "usage:" not in err and "Does not validate" not in err and "Given value" not in err
     return message
+
+
+def law(name: str, **init_args) -> dict:
+    """A registered KL law with its arguments, as a config's ``kl.controller`` block."""
+    from rlkl_lightning.kl.laws import law_spec
+
+    return {"class_path": law_spec(name)["class_path"], "init_args": init_args}
 
 
 def train_py(args: list[str], env: dict | None = None, timeout: float = 120):

@@ -116,7 +116,11 @@ def config(
                 "seed": SEED,
             },
         },
-        "kl": {"controller": "exponential", "target": TARGET, "k": GAIN, "window": 4},
+        "kl": {
+            "controller": {"class_path": "ExponentialKLController", "init_args": {"k": GAIN}},
+            "target": TARGET,
+            "window": 4,
+        },
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -97,7 +97,11 @@ def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
             "init_args": {"prompts": str(prompts), "heldout": str(prompts), "batch_size": 4},
         },
         # The drift monitor's warm-up (3 x window) outlasts the run: no drift warning.
-        "kl": {"controller": "adaptive", "target": 0.35, "horizon": 40.0, "window": 4},
+        "kl": {
+            "controller": {"class_path": "AdaptiveKLController", "init_args": {"horizon": 40.0}},
+            "target": 0.35,
+            "window": 4,
+        },
     }
     if options.get("refresh_every"):
         refresh = {

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from rlkl_lightning.kl.controller_callback import KLControllerCallback
 from rlkl_lightning.kl.controllers import (
-    KL_LAWS,
     AdaptiveKLController,
     ExponentialKLController,
     FixedKLController,
@@ -27,6 +26,7 @@ from rlkl_lightning.kl.controllers import (
     PIKLController,
 )
 from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
+from rlkl_lightning.kl.laws import KL_LAWS
 from rlkl_lightning.kl.settings import KLSettings
 
 NAN, INF = float("nan"), float("inf")
@@ -587,20 +587,29 @@ def test_kl_settings_build_each_law_from_its_options():
     fixed = built(controller="fixed", max_kl_coef=0.3)
     assert type(fixed) is FixedKLController and (fixed.value, fixed.max_kl_coef) == (0.2, 0.3)
 
-    adaptive = built(target=3.0, horizon=500.0, min_kl_coef=0.1)
+    adaptive = built(
+        target=3.0,
+        controller={"class_path": "adaptive", "init_args": {"horizon": 500.0}},
+        min_kl_coef=0.1,
+    )
     assert type(adaptive) is AdaptiveKLController
     assert (adaptive.target, adaptive.horizon, adaptive.min_kl_coef) == (3.0, 500.0, 0.1)
 
-    expo = built(controller="exponential", k=0.3)
+    expo = built(controller={"class_path": "ExponentialKLController", "init_args": {"k": 0.3}})
     assert type(expo) is ExponentialKLController and expo.k == 0.3
     # Unset bounds are the law's own defaults, not "no bound".
     assert (expo.min_kl_coef, expo.max_kl_coef) == (
         _default(ExponentialKLController, "min_kl_coef"),
         _default(ExponentialKLController, "max_kl_coef"),
     )
-    pi = built(controller="pi", kp=0.1, ki=0.01)
+    pi = built(
+        controller={
+            "class_path": "rlkl_lightning.kl.controllers.PIKLController",
+            "init_args": {"kp": 0.1, "ki": 0.01},
+        }
+    )
     assert type(pi) is PIKLController and (pi.kp, pi.ki, pi.target) == (0.1, 0.01, 6.0)
-    # The log-PID law takes the target and bounds alone: the PI gains do not reach it.
+    # The log-PID law takes the target and bounds alone: its gains are its defaults.
     logpid = built(controller="logpid", target=4.0, max_kl_coef=2.0)
     assert type(logpid) is LogPIDKLController and (logpid.target, logpid.max_kl_coef) == (4.0, 2.0)
     assert (logpid.kp, logpid.ki) == (
@@ -610,31 +619,25 @@ def test_kl_settings_build_each_law_from_its_options():
 
 
 @pytest.mark.parametrize(
-    ("law", "option", "value", "says"),
-    [
-        ("logpid", "kp", 0.1, "the law takes no gain option"),
-        ("logpid", "ki", 0.01, "the law takes no gain option"),
-        ("fixed", "horizon", 500.0, "the law takes no gain option"),
-        ("adaptive", "k", 0.3, "the law takes `kl.horizon`"),
-        ("pi", "horizon", 500.0, "the law takes `kl.kp`, `kl.ki`"),
-        ("exponential", "kp", 0.1, "the law takes `kl.k`"),
-    ],
+    ("law", "option", "value"),
+    [("logpid", "horizon", 500.0), ("adaptive", "k", 0.3), ("pi", "horizon", 500.0)],
 )
-def test_a_gain_set_for_a_law_that_ignores_it_warns_by_name(law, option, value, says):
-    """`kl.kp` with the log-PID law was silently ignored (issue 37, item 10). A warning, not an
-    error: a study's shared overrides set a gain for runs of every law."""
-    readers = {"horizon": "'adaptive'", "k": "'exponential'", "kp": "'pi'", "ki": "'pi'"}
-    with pytest.warns(RuntimeWarning) as caught:
-        KLSettings(controller=law, **{option: value})
-    (message,) = [str(w.message) for w in caught]
-    assert message.startswith(f"`kl.{option}` is set ({value!r}) but the {law!r} law does not")
-    assert "is ignored" in message
-    assert says in message and f"`kl.controller` {readers[option]}" in message
-    # At its default the option is not "set"; a plugged law's builder may read any option.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        KLSettings(controller=law, **{option: getattr(KLSettings(), option)})
-        KLSettings(controller="rlkl_lightning.kl.controllers.FixedKLController", kp=0.1)
+def test_a_gain_a_law_does_not_take_is_refused_naming_its_arguments(law, option, value):
+    """`kl.kp` with the log-PID law was silently ignored (issue 37, item 10); a law's gains are
+    its own arguments now, and one it does not take is refused, naming those it takes."""
+    with pytest.raises(ValueError) as info:
+        KLSettings(controller={"class_path": law, "init_args": {option: value}})
+    message = str(info.value)
+    assert message.startswith(f"`kl.controller.init_args` has no argument {option!r}: ")
+    assert "min_kl_coef" in message  # the arguments the law takes are listed
+
+
+def test_a_bound_set_both_in_the_group_and_the_laws_arguments_is_refused():
+    law = {"class_path": "adaptive", "init_args": {"min_kl_coef": 0.01}}
+    assert KLSettings(controller=law).kl_controller(0.1).min_kl_coef == 0.01
+    assert KLSettings(controller=law, min_kl_coef=0.01).kl_controller(0.1).min_kl_coef == 0.01
+    with pytest.raises(ValueError, match=r"`kl.min_kl_coef` \(0.02\) and `kl.controller"):
+        KLSettings(controller=law, min_kl_coef=0.02).kl_controller(0.1)
 
 
 def _default(cls, name):
@@ -644,10 +647,6 @@ def _default(cls, name):
 # Each option of the kl group that has a default in a signature, and the parameters it feeds.
 FEEDS = {
     "unit": [(KLControllerCallback, "unit"), (KLDriftMonitor, "unit")],
-    "horizon": [(AdaptiveKLController, "horizon")],
-    "k": [(ExponentialKLController, "k")],
-    "kp": [(PIKLController, "kp")],
-    "ki": [(PIKLController, "ki")],
     "window": [(KLDriftMonitor, "window")],
     "high": [(KLDriftMonitor, "high")],
     "low": [(KLDriftMonitor, "low")],

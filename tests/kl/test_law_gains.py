@@ -43,8 +43,10 @@ def test_the_gains_put_the_loop_crossover_where_simc_asks():
 def test_the_law_configs_hold_the_derived_gains():
     """The measured plant (calibration seed 10, README) gives the configs' gains, to 2 digits."""
     found = law_gains.gains(g=4.19, tau=11.5, theta=5)
-    exponential = compose(ROOT / "configs" / "ppo_exponential.yaml")["kl"]
-    pi = compose(ROOT / "configs" / "ppo_pi.yaml")["kl"]
+    exponential, pi = (  # the law's arguments
+        compose(ROOT / "configs" / f"ppo_{law}.yaml")["kl"]["controller"]["init_args"]
+        for law in ("exponential", "pi")
+    )
     assert exponential["k"] == float(f"{found['k']:.2g}")
     assert (pi["kp"], pi["ki"]) == (float(f"{found['kp']:.2g}"), float(f"{found['ki']:.2g}"))
 

@@ -91,7 +91,8 @@ def test_logpid_before_its_start_keeps_the_floor_reading():
 
 def test_the_fixed_law_has_no_target_and_refuses_by_name():
     ctl = FixedKLController(0.1)
-    with pytest.raises(ValueError, match=r"`kl.controller` one of adaptive, exponential, pi"):
+    laws = r"\('adaptive', 'exponential', 'pi', 'logpid'\)"  # from the registry
+    with pytest.raises(ValueError, match=rf"`kl.controller` one of {laws}"):
         ctl.set_target(3.0)
     callback = KLControllerCallback(ctl)
     assert callback.target is None

@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 from helpers.cli_runs import cli_error
+from helpers.cli_runs import law as law_block
 from helpers.trainers import cpu_trainer, fit_on_prompts
 from lightning.pytorch import LightningModule, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -109,11 +110,18 @@ def test_cli_kl_group_rejects_bad_values(kwargs, match):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"horizon": 0.0}, r"`horizon` must be a finite number > 0 \(samples\), got 0.0"),
-        ({"horizon": -5.0}, r"`horizon` must be a finite number > 0"),
-        ({"controller": "exponential", "k": math.nan}, r"`k` must be a finite number > 0"),
-        ({"controller": "pi", "kp": -1.0}, r"`kp` must be a finite number >= 0"),
-        ({"controller": "pid"}, r"`kl.controller` must be one of \('fixed', .*'logpid'\), got"),
+        (
+            {"controller": law_block("adaptive", horizon=0.0)},
+            r"`horizon` must be a finite number > 0 \(samples\), got 0.0",
+        ),
+        ({"controller": law_block("adaptive", horizon=-5.0)}, r"`horizon` must be a finite"),
+        ({"controller": law_block("exponential", k=math.nan)}, r"`k` must be a finite number > 0"),
+        ({"controller": law_block("pi", kp=-1.0)}, r"`kp` must be a finite number >= 0"),
+        (
+            {"controller": "pid"},
+            r"`kl.controller` must be one of \('fixed', .*'logpid'\) or the dotted path "
+            r".* got 'pid'",
+        ),
         ({"min_kl_coef": 0.0}, r"`min_kl_coef` must be a finite number > 0"),
         ({"min_kl_coef": 0.5, "max_kl_coef": 0.1}, r"`min_kl_coef` must be <= `max_kl_coef`"),
         ({"window": 0}, r"window must be an int >= 1"),
@@ -190,7 +198,8 @@ def test_a_subclass_keeps_an_argument_of_its_own_with_an_old_name(tiny_lm_dir):
 def test_unknown_estimator_names_the_allowed_ones(tiny_lm_dir):
     with pytest.raises(
         ValueError,
-        match=r"`penalty\.estimator` must be one of \('k1', 'k2', 'k3', 'exact'\), got 'k4'",
+        match=r"`penalty\.estimator` must be one of \('k1', 'k2', 'k3', 'exact'\) or the dotted "
+        r"path of an Estimator .*, got 'k4'$",
     ):
         PPOModule(**ppo_args(tiny_lm_dir, penalty={"estimator": "k4"}))
 
@@ -209,7 +218,7 @@ def test_unknown_estimator_names_the_allowed_ones(tiny_lm_dir):
         ("optimization.lr_schedule", "cosine", r"one of \('constant', 'linear'\)"),
         ("safeguards.max_skipped_in_a_row", 0, "None or an integer >= 1"),
         ("penalty.placement", "both", r"one of \('reward', 'loss'\)"),
-        ("penalty.loss_estimator", "exact", r"one of \('k1', 'k2', 'k3'\)"),
+        ("penalty.loss_estimator", "exact", r"one of \('k1', 'k2', 'k3'\) or the dotted path .*"),
         ("penalty.loss_weight_clip", 0.5, "None or a finite number >= 1"),
         ("logging.kl_token_threshold", 0.0, "None or a number > 0"),
         ("penalty.trust_region", math.inf, "None or a number > 0"),
@@ -606,7 +615,7 @@ def test_cli_ckpt_path_last_pointing_at_a_corrupt_file_stops_before_training(
             "class_path": "rlkl_lightning.data.PromptDataModule",
             "init_args": {"prompts": str(prompts), "heldout": None, "batch_size": BATCH},
         },
-        "kl": {"target": 1.0, "horizon": 100.0},
+        "kl": {"controller": law_block("adaptive", horizon=100.0), "target": 1.0},
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import yaml
 from helpers.cli_runs import cli_error, tiny_cli_config, train_py
 
 SHIPPED = "configs/ppo_adaptive.yaml"
@@ -36,7 +37,39 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
     [
         (["--kl.target=nan"], "`kl.target` must be a finite number (NaN and inf are refused)"),
         (["--kl.target=-inf"], "`kl.target` must be a finite number (NaN and inf are refused)"),
-        (["--kl.horizon=inf"], "`kl.horizon` must be a finite number (NaN and inf are refused)"),
+        (
+            ["--kl.controller.init_args.horizon=inf"],
+            "`kl.controller.init_args.horizon` (AdaptiveKLController) must be a finite number "
+            "(NaN and inf are refused), got inf",
+        ),
+        (
+            ["--kl.controller.init_args.horizon=abc"],
+            "`kl.controller.init_args.horizon` (AdaptiveKLController) must be a number, got abc",
+        ),
+        (
+            ["--kl.controller.init_args.horizn=5"],
+            "`kl.controller.init_args` has no argument 'horizn': AdaptiveKLController takes "
+            "['horizon', 'min_kl_coef', 'max_kl_coef']",
+        ),
+        (  # --print_config checks the components before it prints
+            ["--kl.controller=adaptve", "--print_config"],
+            "`kl.controller` must be one of ('fixed', 'adaptive', 'exponential', 'pi', 'logpid') "
+            "or the dotted path of a KL control law (a KLLaw subclass, or a class of the "
+            "KLController protocol) (mypackage.module.Name), got 'adaptve'",
+        ),
+        (  # 0.4.0's gain options: the message names the new place
+            ["--kl.horizon=2000"],
+            "`kl.horizon` moved into the law's arguments: `kl.controller: {class_path: "
+            "AdaptiveKLController, init_args: {horizon: 2000}}` (command line: "
+            "`--kl.controller=AdaptiveKLController --kl.controller.init_args.horizon=2000`; "
+            "docs/controllers.md)",
+        ),
+        (
+            ["--kl.controller=pi", "--kl.kp=0.3"],
+            "`kl.kp` moved into the law's arguments: `kl.controller: {class_path: PIKLController, "
+            "init_args: {kp: 0.3}}` (command line: `--kl.controller=PIKLController "
+            "--kl.controller.init_args.kp=0.3`; docs/controllers.md)",
+        ),
         (
             ["--model.init_args.optimization.lr=nan"],
             "`model.init_args.optimization.lr` must be a finite number (NaN and inf are refused), "
@@ -60,8 +93,9 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
         ),
         (
             ["--model.init_args.penalty.estimator=k4"],
-            "`model.init_args.penalty.estimator` must be one of ('k1', 'k2', 'k3', 'exact'), "
-            "got 'k4'",
+            "`model.init_args.penalty.estimator` must be one of ('k1', 'k2', 'k3', 'exact') or the "
+            "dotted path of an Estimator (or a class or function that makes one from its "
+            "init_args) (mypackage.module.Name), got 'k4'",
         ),
         (  # a flat option of 0.1.0 names its place in the groups
             ["--model.init_args.init_kl_coef=0.3"],
@@ -158,8 +192,8 @@ def test_cli_errors_end_with_the_projects_message(args, message, tiny_lm_dir, tm
             "the module's `penalty` is its KL penalty (docs/options.md)",
         ),
         (
-            {"model": {"init_args": {"kl": {"horizon": 50.0}}}},
-            "`model.init_args.kl.horizon` is the run's KL control: `kl.horizon` (top level); "
+            {"model": {"init_args": {"kl": {"window": 5}}}},
+            "`model.init_args.kl.window` is the run's KL control: `kl.window` (top level); "
             "the module's `penalty` is its KL penalty (docs/options.md)",
         ),
     ],
@@ -174,6 +208,36 @@ def test_a_kl_option_in_the_other_kl_group_of_a_config_names_its_place(
     mistake.write_text(yaml.safe_dump(given))
     printed = cli_error(["fit", "--config", str(config), "--config", str(mistake)], capfd)
     assert printed == message
+
+
+def test_a_misspelt_law_is_reported_before_the_policy_loads(tmp_path):
+    """Through train.py: the law is checked before the module (and its weights) are built."""
+    status, output = train_py(
+        ["fit", "--config", SHIPPED, "--kl.controller=adaptve"]
+        + [f"--model.init_args.policy={tmp_path / 'no_such_model'}"]
+        + [f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    )
+    assert status == 2
+    last = output.rstrip("\n").splitlines()[-1]
+    assert last.startswith("error: `kl.controller` must be one of ('fixed', 'adaptive', ")
+    assert last.endswith("got 'adaptve'")
+    # A gain out of range is the law's too, before the model.
+    status, output = train_py(
+        ["fit", "--config", SHIPPED, "--kl.controller.init_args.horizon=-5"]
+        + [f"--model.init_args.policy={tmp_path / 'no_such_model'}"]
+        + [f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    )
+    assert output.rstrip("\n").splitlines()[-1] == (
+        "error: AdaptiveKLController: `horizon` must be a finite number > 0 (samples), got -5.0"
+    )
+    # So is the module's own component, checked by its group before the module is built.
+    status, output = train_py(
+        ["fit", "--config", SHIPPED, "--model.init_args.penalty.estimator=k9"]
+        + [f"--model.init_args.policy={tmp_path / 'no_such_model'}"]
+        + [f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    )
+    last = output.rstrip("\n").splitlines()[-1]
+    assert last.startswith("error: `model.init_args.penalty.estimator` must be one of ('k1',")
 
 
 def test_an_empty_prompts_file_and_a_checkpoint_directory_are_named(tiny_lm_dir, tmp_path, capfd):
@@ -263,3 +327,24 @@ def test_a_callback_option_of_the_wrong_type_names_its_path(
     checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"}
     config = tiny_cli_config(tiny_lm_dir, tmp_path, trainer={"callbacks": [refresh, checkpoint]})
     assert cli_error(["fit", "--config", str(config)], capfd) == message
+
+
+def test_a_law_named_by_its_short_name_takes_its_arguments_on_the_command_line(capsys):
+    """`--kl.controller=pi --kl.controller.init_args.kp=0.3`: the short name is the class, and
+    --print_config shows that law's arguments alone (not every law's gains)."""
+    from rlkl_lightning.cli import main
+
+    args = ["fit", "--config", SHIPPED, "--kl.controller", "pi", "--kl.controller.init_args.kp=0.3"]
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--print_config"])
+    assert done.value.code in (0, None)
+    kl = yaml.safe_load(capsys.readouterr().out)["kl"]
+    assert kl["controller"]["class_path"].endswith("PIKLController")
+    assert kl["controller"]["init_args"] == {
+        "kp": 0.3,
+        "ki": 0.05,
+        "error_clip": 1.0,
+        "min_kl_coef": None,
+        "max_kl_coef": None,
+    }
+    assert not {"horizon", "k", "kp", "ki"} & set(kl)

@@ -24,7 +24,7 @@ from rlkl_lightning import RLOOModule
 from rlkl_lightning.cli import main
 from rlkl_lightning.config_files import compose
 from rlkl_lightning.defaults import defaults_of
-from rlkl_lightning.kl.controllers import KL_LAWS
+from rlkl_lightning.kl.laws import KL_LAWS, law_name
 
 ROOT = Path(__file__).resolve().parents[2]
 BASES = sorted((ROOT / "configs" / "base").rglob("*.yaml"))
@@ -175,15 +175,17 @@ def test_training_configs_train_two_batches(name, tiny_lm_dir, tmp_path, monkeyp
         controller.n_samples == monitor.n_samples == module.samples_seen == 2 * batch * per_prompt
     )
     callbacks = [c["class_path"].rpartition(".")[2] for c in config["trainer"]["callbacks"]]
-    law = controller.controller
+    law, named = controller.controller, config["kl"]["controller"]
     if "CapabilityBudget" in callbacks:  # the budget moves the target of both at validation
         assert monitor.target == law.target != config["kl"]["target"]
     else:
         assert monitor.target == config["kl"]["target"]  # given once, shared
-    assert type(law).__name__ == LAW_CLASSES[config["kl"]["controller"]]
-    for gain in ("k", "kp", "ki", "horizon"):  # the config's gains reach the law
-        assert getattr(law, gain, None) == config["kl"].get(gain, getattr(law, gain, None))
-    if config["kl"]["controller"] == "fixed":
+    assert type(law).__name__ == LAW_CLASSES[law_name(named)]
+    gains = named.get("init_args", {}) if isinstance(named, dict) else {}
+    assert gains and type(law).__name__ == named["class_path"] or not gains
+    for gain, value in gains.items():  # the config's gains reach the law
+        assert getattr(law, gain) == value
+    if law_name(named) == "fixed":
         assert module.kl_coef == module.penalty.init_coef
     else:
         assert controller.controller.target == monitor.target
@@ -277,7 +279,7 @@ def test_study_config_parses_and_names_existing_run_configs(monkeypatch):
     assert all((ROOT / path).is_file() for path in study.runs.values())
     study, _ = parse_args(["--config", "configs/compare_laws.yaml"])
     configs = {name: compose(ROOT / p) for name, p in study.runs.items()}
-    assert {name: c["kl"]["controller"] for name, c in configs.items()} == {
+    assert {name: law_name(c["kl"]["controller"]) for name, c in configs.items()} == {
         law: law for law in KL_LAWS
     }  # every law, once, each under its own name
     # The law runs differ in their `kl` group alone (and the logger's name, for a run alone).

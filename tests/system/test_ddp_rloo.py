@@ -12,6 +12,7 @@ import json
 
 import pytest
 import yaml
+from helpers.cli_runs import law
 from helpers.ddp_runs import train_py
 
 from rlkl_lightning.algorithms.advantages import group_advantages
@@ -64,7 +65,7 @@ def test_rloo_groups_stay_on_one_rank_and_the_callbacks_count_responses(tmp_path
                 "seed": SEED,
             },
         },
-        "kl": {"controller": "adaptive", "target": 0.5, "horizon": 10, "window": 2},
+        "kl": {"controller": law("adaptive", horizon=10), "target": 0.5, "window": 2},
     }
     path = tmp_path / "ddp.yaml"
     path.write_text(yaml.safe_dump(cfg))

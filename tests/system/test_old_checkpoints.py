@@ -27,6 +27,15 @@ OLD_GROUP = {new: old for old, (new, _) in RENAMED_GROUPS.items()}
 PREFIX = "model.init_args."
 
 
+def old_law(settings: dict) -> None:
+    """0.1.0-0.4.0 named the law and kept every law's gain beside it in the `kl` group."""
+    law = {key: settings.pop(key) for key in list(settings) if key.startswith("kl.controller.")}
+    assert law["kl.controller.class_path"].endswith(".AdaptiveKLController'")
+    settings["kl.controller"] = "'adaptive'"
+    settings.update({"kl.horizon": law["kl.controller.init_args.horizon"], "kl.k": "0.1"})
+    settings.update({"kl.kp": "0.5", "kl.ki": "0.05"})
+
+
 def flat_layout(checkpoint: dict) -> dict:
     """``checkpoint`` as 0.1.0 wrote it: flat hyperparameters, flat settings keys."""
     hparams = {}
@@ -52,6 +61,7 @@ def flat_layout(checkpoint: dict) -> dict:
             if group in GROUPS_010:
                 key = f"{PREFIX}{OLD_NAME[f'{group}.{name}']}{dot}{deeper}"
         flat[key] = value
+    old_law(flat)
     # 0.1.0 recorded these too; they no longer shape the trajectory (the `logging` group).
     flat[f"{PREFIX}num_logged_samples"] = "4"
     flat[f"{PREFIX}kl_token_threshold"] = "None"
@@ -73,6 +83,7 @@ def kl_group_layout(checkpoint: dict) -> dict:
         if key.startswith(PREFIX) and group in OLD_GROUP:
             key = f"{PREFIX}{OLD_GROUP[group]}{dot}{rest}"
         settings[key] = value
+    old_law(settings)
     record["settings"] = settings
     return checkpoint
 
@@ -110,6 +121,9 @@ def test_the_made_checkpoints_have_the_old_layouts(written):
     settings = grouped["callbacks"]["RunSettings"]["settings"]
     assert "model.init_args.kl.init_coef" in settings and "kl.target" in settings
     assert not any(key.startswith("model.init_args.penalty.") for key in settings)
+    for saved in (flat, grouped):  # the law by its name, its gain beside it
+        settings = saved["callbacks"]["RunSettings"]["settings"]
+        assert (settings["kl.controller"], settings["kl.horizon"]) == ("'adaptive'", "100.0")
 
 
 def _resume(config, checkpoint, out) -> dict:
@@ -195,6 +209,12 @@ def test_a_change_on_an_old_checkpoint_is_listed_under_its_new_name(
     # Like with like: only the option that changed is listed, under today's name.
     lines = [line.strip() for line in message.splitlines()[1:] if line.startswith("  ")]
     assert lines == [f"{PREFIX}{listed}"]
+    # The law's name and gain of then are its spec of now: a changed gain is listed so.
+    message = cli_error(
+        [*args, "--trainer.max_steps=3", "--kl.controller.init_args.horizon=50"], capfd
+    )
+    lines = [line.strip() for line in message.splitlines()[1:] if line.startswith("  ")]
+    assert lines == ["kl.controller.init_args.horizon: 100.0 -> 50.0"]
 
 
 @pytest.mark.parametrize("version", LAYOUTS)

@@ -1,14 +1,19 @@
-"""The plug-in path: a user's own estimator and law, named in train.py's options, no package edit.
+"""The plug-in path: a user's own estimator, law and advantage, named in train.py's options.
 
 A package written in ``tmp_path`` (outside ``rlkl_lightning/``) holds ``k4``, the plain squared
-log-ratio ``l**2``, and a trivial law that halves beta when the KL is above target and doubles
-it below, within bounds. Each trains two batches of ``configs/ppo_adaptive.yaml`` through
-``train.py`` in a subprocess whose ``PYTHONPATH`` includes ``tmp_path``; the logged scalars show
-that the plugged code ran.
+log-ratio ``l**2``, and ``ScaledSquare``, that with a ``scale`` argument; a trivial law that
+halves beta when the KL is above target and doubles it below, and ``SteppingLaw``, a
+:class:`~rlkl_lightning.KLLaw` whose step factor is its argument; and ``ShiftedAdvantage``, a
+group advantage whose shift is its argument. Each trains two batches of
+``configs/ppo_adaptive.yaml`` (or ``configs/rloo_adaptive.yaml``) through ``train.py`` in a
+subprocess whose ``PYTHONPATH`` includes ``tmp_path``, the arguments set in a YAML composed over
+the shipped one; the logged scalars show that the plugged code ran with its argument, and the
+checkpoint holds the argument. No package file changes.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import textwrap
 
@@ -21,8 +26,10 @@ pytestmark = pytest.mark.slow  # train.py processes: make test-slow
 PLUGINS = '''
 """A user's own KL estimator and control law."""
 
+import json
 import math
 
+from rlkl_lightning.kl.controllers import KLLaw
 from rlkl_lightning.kl.estimators import Estimator
 
 
@@ -53,6 +60,45 @@ class HalvingLaw:
 
     def load_state_dict(self, state):
         self.value = float(state["value"])
+
+
+class ScaledSquare(Estimator):
+    # scale * l**2, an estimator with an argument, logged as objective/kl_scaled_square
+    def __init__(self, scale=1.0):
+        super().__init__("scaled_square", lambda log_ratio: scale * log_ratio.square())
+
+
+class SteppingLaw(KLLaw):
+    # beta times `factor` above the target, divided by it below; KLLaw keeps the bounds
+    law = "stepping"
+
+    def __init__(
+        self,
+        init_kl_coef: float,
+        target: float,
+        factor: float = 2.0,
+        min_kl_coef: float = 1e-3,
+        max_kl_coef: float = 10.0,
+    ):  # typed: the parser reads a component's arguments from its signature
+        super().__init__(init_kl_coef, min_kl_coef, max_kl_coef)
+        self.target, self.factor = target, factor
+
+    def step(self, kl, n_steps):
+        return self.value * (self.factor if kl > self.target else 1.0 / self.factor)
+
+
+class ShiftedAdvantage:
+    # RLOO's advantages minus `shift`; each call appends the shift it used to `record`
+    def __init__(self, shift=0.0, record=""):
+        from rlkl_lightning.algorithms.advantage_estimators import ADVANTAGES
+
+        self.rloo, self.shift, self.record = ADVANTAGES["group"]["rloo"], shift, record
+
+    def __call__(self, traj, kl_coef, options, global_sum):
+        traj = self.rloo(traj, kl_coef, options, global_sum)
+        with open(self.record, "a") as out:
+            out.write(json.dumps(self.shift) + "\\n")
+        return traj._replace(advantages=(traj.advantages - self.shift) * traj.response_mask)
 '''
 
 
@@ -76,16 +122,17 @@ def _find(tree, key: str):
     return None
 
 
-def _train(plugins, tiny_lm_dir, name: str, *extra: str):
-    """Two batches of configs/ppo_adaptive.yaml on the tiny model: every scalar in batch order,
-    and the module's hyperparameters."""
+def _train(plugins, tiny_lm_dir, name: str, *extra: str, config: str = "ppo_adaptive"):
+    """Two batches of configs/CONFIG.yaml on the tiny model: every scalar in batch order, the
+    module's hyperparameters and the last checkpoint (opened with ``weights_only=True``)."""
+    import torch
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     prompts = plugins / "prompts.txt"
     prompts.write_text("\n".join(["the film was", "this book is", "the food", "a story"] * 4))
     runs = plugins / "runs" / name
     code, out = train_py(
-        ["fit", "--config", "configs/ppo_adaptive.yaml"]
+        ["fit", "--config", f"configs/{config}.yaml"]
         + [
             f"--model.init_args.policy={tiny_lm_dir}",
             "--model.init_args.sampling.max_prompt_tokens=8",
@@ -102,18 +149,29 @@ def _train(plugins, tiny_lm_dir, name: str, *extra: str):
         timeout=300,
     )
     assert code == 0, out[-4000:]
-    (version,) = (runs / "ppo_adaptive").glob("version_*")
+    (version,) = (runs / config).glob("version_*")
     events = EventAccumulator(str(version), size_guidance={"scalars": 0})
     events.Reload()
     logged = {
         tag: [e.value for e in sorted(events.Scalars(tag), key=lambda e: e.step)]
         for tag in events.Tags()["scalars"]
     }
-    return logged, yaml.safe_load((version / "hparams.yaml").read_text())
+    hparams = yaml.safe_load((version / "hparams.yaml").read_text())
+    checkpoint = torch.load(version / "checkpoints" / "last.ckpt", weights_only=True)
+    return logged, hparams, checkpoint
+
+
+def _yaml(plugins, name: str, settings: dict) -> str:
+    """A config file of ``settings`` beside the plugins, composed over the shipped one."""
+    path = plugins / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    return str(path)
 
 
 def test_a_plugged_law_sets_beta(plugins, tiny_lm_dir):
-    logged, hparams = _train(plugins, tiny_lm_dir, "law", "--kl.controller", "myplugins.HalvingLaw")
+    logged, hparams, _ = _train(
+        plugins, tiny_lm_dir, "law", "--kl.controller", "myplugins.HalvingLaw"
+    )
     kls, betas = logged["objective/kl"], logged["objective/kl_coef"]
     assert len(kls) == len(betas) == 2  # two batches, beta logged after each update
     target = 6.0  # configs/ppo_adaptive.yaml
@@ -129,7 +187,7 @@ def test_a_plugged_law_sets_beta(plugins, tiny_lm_dir):
 
 
 def test_a_plugged_estimator_is_the_measured_kl(plugins, tiny_lm_dir):
-    logged, _ = _train(
+    logged, _, _ = _train(
         plugins, tiny_lm_dir, "k4", "--model.init_args.penalty.estimator", "myplugins.k4_estimator"
     )
     # Every registered estimator is logged beside the measured one, on the same samples:
@@ -139,3 +197,52 @@ def test_a_plugged_estimator_is_the_measured_kl(plugins, tiny_lm_dir):
         assert kl >= 0 and math.isfinite(kl)
     kl, k1 = logged["objective/kl"][-1], logged["objective/kl_k1"][-1]
     assert kl > 0 and kl != k1  # after one update the policy has moved
+
+
+def test_a_plugged_law_takes_its_gain_from_the_yaml_into_the_checkpoint(plugins, tiny_lm_dir):
+    law = {"class_path": "myplugins.SteppingLaw", "init_args": {"factor": 4.0}}
+    config = _yaml(plugins, "stepping", {"kl": {"controller": law}})
+    logged, _, checkpoint = _train(plugins, tiny_lm_dir, "stepping", "--config", config)
+    kls, betas = logged["objective/kl"], logged["objective/kl_coef"]
+    assert len(kls) == len(betas) == 2
+    factor = 4.0 if kls[1] > 6.0 else 0.25  # the gain set in the YAML, not the default 2
+    assert betas[1] == pytest.approx(min(max(betas[0] * factor, 1e-3), 10.0), rel=1e-9)
+    settings = checkpoint["callbacks"]["RunSettings"]["settings"]
+    assert settings["kl.controller.class_path"] == "'myplugins.SteppingLaw'"
+    assert settings["kl.controller.init_args.factor"] == "4.0"
+    controller = next(v for k, v in checkpoint["callbacks"].items() if "KLControllerCallback" in k)
+    assert controller["controller"]["law"] == "stepping"
+
+
+def test_a_plugged_estimator_takes_its_argument_and_is_logged_by_name(plugins, tiny_lm_dir):
+    estimator = {"class_path": "myplugins.ScaledSquare", "init_args": {"scale": 3.0}}
+    config = _yaml(
+        plugins, "scaled", {"model": {"init_args": {"penalty": {"estimator": estimator}}}}
+    )
+    logged, hparams, checkpoint = _train(plugins, tiny_lm_dir, "scaled", "--config", config)
+    for kl, own, k2 in zip(
+        logged["objective/kl"],
+        logged["objective/kl_scaled_square"],
+        logged["objective/kl_k2"],
+        strict=True,
+    ):
+        assert kl == own == pytest.approx(6 * k2, rel=1e-5, abs=1e-7)  # 3 l**2 = 6 k2
+    assert hparams["kl"]["estimator"] == estimator
+    assert checkpoint["hyper_parameters"]["kl"]["estimator"] == estimator
+
+
+def test_a_plugged_advantage_takes_its_argument_into_the_checkpoint(plugins, tiny_lm_dir):
+    record = plugins / "advantage_calls.jsonl"
+    advantage = {
+        "class_path": "myplugins.ShiftedAdvantage",
+        "init_args": {"shift": 0.5, "record": str(record)},
+    }
+    config = _yaml(
+        plugins, "shifted", {"model": {"init_args": {"group": {"advantage": advantage}}}}
+    )
+    _, _, checkpoint = _train(
+        plugins, tiny_lm_dir, "shifted", "--config", config, config="rloo_adaptive"
+    )
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    assert calls == [0.5, 0.5]  # one per batch, with the YAML's shift
+    assert checkpoint["hyper_parameters"]["group"]["advantage"] == advantage

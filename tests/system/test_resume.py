@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
+from helpers.cli_runs import law
 from helpers.trainers import fit_on_prompts
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -306,7 +307,7 @@ def cli_config(tmp_path, policy_dir, prompts_file, name: str) -> str:
                 "seed": 1,
             },
         },
-        "kl": {"controller": "adaptive", "target": 0.35, "horizon": 40.0, "window": 10},
+        "kl": {"controller": law("adaptive", horizon=40.0), "target": 0.35, "window": 10},
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -42,8 +42,18 @@ def resume(config, *args) -> list[str]:
     ("args", "listed"),
     [
         (["--kl.target=3"], ["kl.target: 1.0 -> 3.0"]),
-        (["--kl.horizon=50"], ["kl.horizon: 100.0 -> 50.0"]),
-        (["--kl.controller=fixed"], ["kl.controller: 'adaptive' -> 'fixed'"]),
+        (
+            ["--kl.controller.init_args.horizon=50"],
+            ["kl.controller.init_args.horizon: 100.0 -> 50.0"],
+        ),
+        (
+            ["--kl.controller=fixed"],  # a law's arguments go with it
+            [
+                "kl.controller.class_path: 'rlkl_lightning.kl.controllers.AdaptiveKLController' "
+                "-> 'rlkl_lightning.kl.controllers.FixedKLController'",
+                "kl.controller.init_args.horizon: 100.0 -> (unset)",
+            ],
+        ),
         (["--data.init_args.batch_size=2"], ["data.init_args.batch_size: 4 -> 2"]),
         (
             ["--kl.target=2", "--model.init_args.sampling.max_new_tokens=3"],

@@ -24,11 +24,12 @@ Two other formulas are **not** unbiased for samples from ``pi``:
   reference, where it estimates the reverse KL(ref‖pi).
 
 Each estimator is one file of this package that registers an :class:`Estimator` (its name,
-its per-token formula of ``l_t``, whether it may be a loss term and the measured KL); the
-package imports every file in it, so a new estimator is one new file
-(:mod:`~rlkl_lightning.kl.estimators.registry`, docs/extending.md). Options name an estimator
-by its registered name or by the dotted import path of a user's own :class:`Estimator`
-(:func:`kl_estimator`).
+its per-token formula of ``l_t``, whether it may be a loss term and the measured KL) with
+``ESTIMATORS.register(name)``; the package imports every file in it, so a new estimator is one
+new file (:mod:`~rlkl_lightning.kl.estimators.registry`, docs/extending.md). Options name an
+estimator as any component (:mod:`rlkl_lightning.components`): by its registered name, by the
+dotted import path of a user's own :class:`Estimator`, or as a ``{class_path, init_args}``
+block of a class or function that makes one (:func:`kl_estimator`).
 
 Units: :func:`per_token_kl` and :func:`exact_kl` give nats per token position.
 :func:`sequence_kl` sums the valid tokens of each response (nats per sequence, the unit of
@@ -49,9 +50,9 @@ from rlkl_lightning.kl.estimators.registry import (
     ESTIMATORS,
     Estimator,
     estimator_names,
+    estimator_spec,
     kl_estimator,
     per_token_kl,
-    register_estimator,
     sample_estimators,
 )
 from rlkl_lightning.masked import valid_mask, zero_padding
@@ -62,10 +63,10 @@ __all__ = [
     "KL_UNITS",
     "Estimator",
     "estimator_names",
+    "estimator_spec",
     "exact_kl",
     "kl_estimator",
     "per_token_kl",
-    "register_estimator",
     "sample_estimators",
     "sequence_kl",
     "token_mean_kl",

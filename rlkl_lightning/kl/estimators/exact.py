@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlkl_lightning.kl.estimators.registry import Estimator, _register, compute_dtype
+from rlkl_lightning.kl.estimators.registry import ESTIMATORS, Estimator, compute_dtype
 from rlkl_lightning.masked import zero_padding
 
 
@@ -49,4 +49,4 @@ def exact_kl(logits: Tensor, ref_logits: Tensor) -> Tensor:
     return torch.clamp_min(terms.sum(dim=-1), 0.0)
 
 
-EXACT = _register(Estimator("exact", None, loss=False), logits_allowed=True)
+EXACT = ESTIMATORS.register("exact")(Estimator("exact", None, loss=False))

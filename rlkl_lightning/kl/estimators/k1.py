@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from rlkl_lightning.kl.estimators.registry import Estimator, register_estimator
+from rlkl_lightning.kl.estimators.registry import ESTIMATORS, Estimator
 
 
 def k1(log_ratio: Tensor) -> Tensor:
@@ -16,4 +16,4 @@ def k1(log_ratio: Tensor) -> Tensor:
     return log_ratio
 
 
-K1 = register_estimator(Estimator("k1", k1, loss=True))
+K1 = ESTIMATORS.register("k1")(Estimator("k1", k1, loss=True))

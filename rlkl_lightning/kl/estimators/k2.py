@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from rlkl_lightning.kl.estimators.registry import Estimator, register_estimator
+from rlkl_lightning.kl.estimators.registry import ESTIMATORS, Estimator
 
 
 def k2(log_ratio: Tensor) -> Tensor:
@@ -16,4 +16,4 @@ def k2(log_ratio: Tensor) -> Tensor:
     return 0.5 * log_ratio.square()
 
 
-K2 = register_estimator(Estimator("k2", k2, loss=True))
+K2 = ESTIMATORS.register("k2")(Estimator("k2", k2, loss=True))

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from rlkl_lightning.kl.estimators.registry import Estimator, register_estimator
+from rlkl_lightning.kl.estimators.registry import ESTIMATORS, Estimator
 
 
 def k3(log_ratio: Tensor) -> Tensor:
@@ -25,4 +25,4 @@ def k3(log_ratio: Tensor) -> Tensor:
     return torch.where(log_ratio == -math.inf, math.inf, value)
 
 
-K3 = register_estimator(Estimator("k3", k3, loss=True))
+K3 = ESTIMATORS.register("k3")(Estimator("k3", k3, loss=True))

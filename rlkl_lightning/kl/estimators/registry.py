@@ -1,14 +1,18 @@
 """The registry of KL estimators: one name, one :class:`Estimator`, one place.
 
 Every estimator the package knows is registered here by the file that defines it (one file per
-estimator in ``rlkl_lightning/kl/estimators/``, imported when the package is). A user's own
-estimator needs no registration: an option names it by its dotted import path
-(``mypackage.module.name``), which :func:`kl_estimator` imports, the way a ``class_path`` names
-a class in a config. docs/extending.md shows both.
+estimator in ``rlkl_lightning/kl/estimators/``, imported when the package is), with the one
+call shape of every registry (:class:`~rlkl_lightning.components.Registry`):
+``ESTIMATORS.register("k3")(Estimator("k3", k3, loss=True))``. A user's own estimator needs no
+registration: an option names it as any component (:mod:`rlkl_lightning.components`): the
+dotted import path of an :class:`Estimator` (``mypackage.module.k4``), or a
+``{class_path, init_args}`` block of a class or function that makes one from its arguments.
+docs/extending.md shows both.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,15 +20,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlkl_lightning.kl.plugins import import_path
+from rlkl_lightning.components import Registry, check_arguments, plain_spec
 
 __all__ = [
     "ESTIMATORS",
     "Estimator",
     "estimator_names",
+    "estimator_spec",
     "kl_estimator",
     "per_token_kl",
-    "register_estimator",
     "sample_estimators",
 ]
 
@@ -89,10 +93,6 @@ class Estimator:
         return self.formula(logprobs.to(dtype) - ref_logprobs.to(dtype))
 
 
-#: Every registered estimator by name, in the order of registration.
-ESTIMATORS: dict[str, Estimator] = {}
-
-
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
     """Floating dtype for the math: the inputs' promoted dtype, at least float32."""
     dtype = tensors[0].dtype
@@ -121,35 +121,31 @@ def _check(estimator: Any, where: str) -> Estimator:
     return estimator
 
 
-def register_estimator(estimator: Estimator) -> Estimator:
-    """Register ``estimator`` under its name and return it (a package file's one call).
-
-    Args:
-        estimator: An estimator with a per-token formula; its name has no dot and is new.
-
-    Raises:
-        ValueError: For a taken name, a name with a dot, or an estimator without a formula
-            (one that needs the logits is computed by the pipeline's own code, not registered).
-    """
-    return _register(estimator, logits_allowed=False)
+#: Estimators the pipeline computes from the full logits, not from a formula: registered by
+#: the package alone.
+PIPELINE_COMPUTED = ("exact",)
 
 
-def _register(estimator: Estimator, logits_allowed: bool) -> Estimator:
-    _check(estimator, "register_estimator")
-    if "." in estimator.name or not estimator.name.isidentifier():
+def _registrable(name: str, estimator: Any) -> None:
+    """Refuse to register what is not an :class:`Estimator` named ``name`` with a formula."""
+    _check(estimator, "register")
+    if estimator.name != name:
         raise ValueError(
-            f"register_estimator: a registered name is an identifier without a dot, got "
-            f"{estimator.name!r}"
+            f"register: the estimator {estimator.name!r} is registered as {name!r}; use its name"
         )
-    if estimator.name in ESTIMATORS:
-        raise ValueError(f"register_estimator: the name {estimator.name!r} is already registered")
-    if estimator.needs_logits and not logits_allowed:
+    if estimator.needs_logits and name not in PIPELINE_COMPUTED:
         raise ValueError(
-            f"register_estimator: estimator {estimator.name!r} has no formula; estimators that "
-            "need the full logits are computed by the pipeline itself (like `exact`)"
+            f"register: estimator {name!r} has no formula; estimators that need the full "
+            "logits are computed by the pipeline itself (like `exact`)"
         )
-    ESTIMATORS[estimator.name] = estimator
-    return estimator
+
+
+#: Every registered estimator by name, in the order of registration.
+ESTIMATORS = Registry(
+    "penalty.estimator",
+    "an Estimator (or a class or function that makes one from its init_args)",
+    check=_registrable,
+)
 
 
 def estimator_names(role: str | None = None) -> tuple[str, ...]:
@@ -158,23 +154,24 @@ def estimator_names(role: str | None = None) -> tuple[str, ...]:
     Args:
         role: ``"reward"``, ``"loss"`` or None (see :data:`ROLES`).
     """
-    usable = [e for e in ESTIMATORS.values() if role is None or getattr(e, role)]
+    usable = [e for _, e in ESTIMATORS.items() if role is None or getattr(e, role)]
     return tuple(e.name for e in usable if not e.needs_logits) + tuple(
         e.name for e in usable if e.needs_logits
     )
 
 
 def kl_estimator(
-    name_or_path: str | Estimator,
+    name_or_path: Any,
     option: str = "penalty.estimator",
     role: str | None = None,
     owner: str | None = None,
 ) -> Estimator:
-    """The estimator a registered name or a dotted import path names.
+    """The estimator a registered name, a dotted path or a ``{class_path, init_args}`` names.
 
     Args:
         name_or_path: A registered name (``k1``), the dotted path of a user's own
-            :class:`Estimator` (``mypackage.module.k4``), or an :class:`Estimator`.
+            :class:`Estimator` (``mypackage.module.k4``), a ``{class_path, init_args}`` mapping
+            of a class or function that makes one, or an :class:`Estimator`.
         option: The option's name, for error messages.
         role: ``"reward"`` or ``"loss"``: the estimator must declare it may be used there;
             None: no check.
@@ -185,26 +182,31 @@ def kl_estimator(
 
     Raises:
         ValueError: For an unknown name (listing the registered names usable in ``role``), a
-            path that does not import or names no :class:`Estimator`, an estimator not usable
-            in ``role``, or a plugged estimator that needs the logits.
+            path that does not import or names no :class:`Estimator`, arguments its maker does
+            not take, an estimator not usable in ``role``, a plugged estimator that needs the
+            logits or takes a registered name.
     """
     if role is not None and role not in ROLES:
         raise ValueError(f"kl_estimator: `role` must be one of {ROLES} or None, got {role!r}")
     prefix = f"{owner}: " if owner else ""
     names = estimator_names(role)
-    if isinstance(name_or_path, Estimator):
-        estimator = _check(name_or_path, f"{prefix}`{option}`")
-        plugged = ESTIMATORS.get(estimator.name) is not estimator
-    elif isinstance(name_or_path, str) and name_or_path in ESTIMATORS:
-        estimator, plugged = ESTIMATORS[name_or_path], False
-    elif isinstance(name_or_path, str) and "." in name_or_path:
-        found = import_path(name_or_path, option, "an Estimator", names)
-        estimator = _check(found, f"{prefix}`{option}` = {name_or_path!r}")
-        plugged = ESTIMATORS.get(estimator.name) is not estimator
-    else:
+    where = f"{prefix}`{option}`"
+    try:
+        target, init_args = ESTIMATORS.resolve(name_or_path, option, names)
+    except ValueError as error:
+        raise ValueError(f"{prefix}{error}") from None
+    if not isinstance(target, Estimator) and callable(target):
+        check_arguments(target, init_args, option)
+        target = target(**init_args)
+    if not isinstance(name_or_path, Estimator):
+        where = f"{where} = {name_or_path!r}"
+    estimator = _check(target, where)
+    plugged = ESTIMATORS.name_of(estimator) is None
+    if plugged and estimator.name in ESTIMATORS:
         raise ValueError(
-            f"{prefix}`{option}` must be one of {names}, got {name_or_path!r} (or the dotted "
-            "path of your own Estimator, mypackage.module.name: docs/extending.md)"
+            f"{prefix}`{option}`: the plugged estimator's name {estimator.name!r} is a registered "
+            f"one's ({ESTIMATORS.names()}); give it its own name, under which it is logged "
+            "(`objective/kl_<name>`)"
         )
     if plugged and estimator.needs_logits:
         raise ValueError(
@@ -214,7 +216,7 @@ def kl_estimator(
         )
     if role is not None and not getattr(estimator, role):
         if not plugged:
-            raise ValueError(f"{prefix}`{option}` must be one of {names}, got {name_or_path!r}")
+            raise ValueError(f"{prefix}{ESTIMATORS.error(name_or_path, option, names=names)}")
         use = "as the KL term of the loss" if role == "loss" else "as the measured KL"
         raise ValueError(
             f"{prefix}`{option}`: estimator {estimator.name!r} ({name_or_path!r}) declares "
@@ -223,13 +225,38 @@ def kl_estimator(
     return estimator
 
 
-def sample_estimators(*chosen: str | Estimator) -> dict[str, Estimator]:
-    """The estimators with a per-token formula that a batch computes, by key.
+def estimator_spec(value: Any, option: str = "penalty.estimator") -> str | dict[str, Any]:
+    """An estimator option as a plain value for hyperparameters and checkpoints.
+
+    A registered name or a dotted path stays the string it is; a ``{class_path, init_args}``
+    mapping (or a class, a ``functools.partial``) becomes the plain spec with every argument;
+    an :class:`Estimator` object, its registered name or, for a plugged one, its maker's spec.
+
+    Raises:
+        ValueError: As :func:`kl_estimator`.
+    """
+    if isinstance(value, str):
+        return value
+    target, init_args = ESTIMATORS.resolve(value, option)
+    if isinstance(target, Estimator):
+        name = ESTIMATORS.name_of(target)
+        if name is not None:
+            return name
+    if inspect.isclass(target) or inspect.isfunction(target):
+        return plain_spec(target, init_args)
+    raise ValueError(
+        f"`{option}`: a plugged Estimator object cannot be stored as a plain value; name it by "
+        f"its dotted path (mypackage.module.name) or by the class that makes it, got {value!r}"
+    )
+
+
+def sample_estimators(*chosen: Any) -> dict[str, Estimator]:
+    """The estimators with a per-token formula that a batch computes, by name.
 
     Every registered estimator with a formula, by name, in registration order; then each
-    ``chosen`` option that is not a registered name (a plugged estimator's dotted path),
-    keyed by that option string, so ``per_token[option]`` finds it. A registered name that
-    needs the logits (``exact``) is left out: the pipeline computes it from the logits.
+    ``chosen`` option that is a plugged estimator, under its own name (its KL is logged as
+    ``objective/kl_<name>``). A registered name that needs the logits (``exact``) is left
+    out: the pipeline computes it from the logits.
 
     Args:
         chosen: The run's estimator options (e.g. ``penalty.estimator``).
@@ -239,9 +266,9 @@ def sample_estimators(*chosen: str | Estimator) -> dict[str, Estimator]:
     """
     found = {name: e for name, e in ESTIMATORS.items() if not e.needs_logits}
     for option in chosen:
-        key = option if isinstance(option, str) else option.name
-        if key not in found and key not in ESTIMATORS:
-            found[key] = kl_estimator(option)
+        estimator = kl_estimator(option)
+        if estimator.name not in ESTIMATORS:
+            found[estimator.name] = estimator
     return found
 
 
