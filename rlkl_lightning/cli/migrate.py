@@ -1,8 +1,9 @@
 """``python -m rlkl_lightning.cli migrate OLD.yaml > NEW.yaml``: an older run config as today's.
 
-The modules' flat options of 0.1.0 go into their groups and the module's ``kl`` group of
-0.2.0-0.4.0 is named ``penalty`` (:mod:`rlkl_lightning.migrations`); everything else, the
-run's top-level ``kl`` included, is kept in its order. Where only a group is renamed the file is
+The modules' flat options of 0.1.0 go into their groups, the module's ``kl`` group of
+0.2.0-0.4.0 is named ``penalty`` (:mod:`rlkl_lightning.migrations`), and a law's gains of
+0.1.0-0.4.0 (``kl.horizon``, ``kl.k``, ``kl.kp``, ``kl.ki``) become the arguments of the law in
+``kl.controller``; everything else is kept in its order. Where only a group is renamed the file is
 rewritten in place, comments and layout kept; where flat options move into groups it is written
 again from its values, and its comments are lost (the first line says so).
 """
@@ -33,7 +34,7 @@ def migrate_text(text: str, name: str = "the config") -> str:
         return text
     if not isinstance(config, dict):
         raise ValueError(f"`migrate`: {name} must be a YAML mapping (a run config)")
-    wanted = upgrade_config(config)
+    wanted = _law_arguments(upgrade_config(config))
     if wanted == config:
         return text
     renamed = _renamed_in_place(text)
@@ -41,6 +42,31 @@ def migrate_text(text: str, name: str = "the config") -> str:
         return renamed
     note = f"# {name}, migrated by `python -m rlkl_lightning.cli migrate` (comments not kept)\n"
     return note + yaml.safe_dump(wanted, sort_keys=False, allow_unicode=True)
+
+
+def _law_arguments(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the top-level ``kl``'s gains moved into its law, as ``{class_path, ...}``.
+
+    A gain the law did not read (0.4.0 warned and ignored it) is dropped.
+    """
+    from rlkl_lightning.kl.laws import law_spec
+    from rlkl_lightning.kl.settings import MOVED_GAINS
+
+    kl = config.get("kl")
+    if not isinstance(kl, dict) or not MOVED_GAINS.keys() & kl.keys():
+        return config
+    kl = dict(kl)
+    gains = {name: kl.pop(name) for name in MOVED_GAINS if name in kl}
+    law = kl.get("controller", "adaptive")  # 0.4.0's default law
+    if isinstance(law, str):
+        spec = law_spec(law)
+        taken = {name: value for name, value in gains.items() if name in spec["init_args"]}
+        if taken:
+            kl["controller"] = {
+                "class_path": spec["class_path"].rpartition(".")[2],
+                "init_args": taken,
+            }
+    return {**config, "kl": kl}
 
 
 def _renamed_in_place(text: str) -> str | None:

@@ -225,14 +225,14 @@ def sign_advantages(traj, kl_coef, options, global_sum):
 
 
 @pytest.fixture
-def registered_advantage(monkeypatch):
+def registered_advantage():
     """``sign``, a token-level estimator registered from outside the package (undone after)."""
-    from rlkl_lightning.algorithms import advantage_estimators as registry
+    from rlkl_lightning.algorithms.advantage_estimators import ADVANTAGES
 
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    registry.register_advantage("sign", "token")(sign_advantages)
+    ADVANTAGES["token"].register("sign")(sign_advantages)
     CALLS.clear()
-    return "sign"
+    yield "sign"
+    ADVANTAGES["token"].unregister("sign")
 
 
 @pytest.mark.parametrize("how", ["registered", "dotted path"])
@@ -271,14 +271,15 @@ def test_the_default_advantage_is_gae_bit_for_bit(tiny_lm_dir):
     ("bad", "message"),
     [
         (
-            "rloo",
-            r"^`ppo\.advantage` must be one of \('gae',\) or the dotted path of a function, "
-            r"got 'rloo'$",
+            "rloo",  # a group-level estimator
+            r"^`ppo\.advantage` must be one of \('gae',\) or the dotted path of a token-level "
+            r"advantage estimator .*, got 'rloo'$",
         ),
         (
             "nowhere.gae",
-            r"^`ppo\.advantage` must be one of \('gae',\) or the dotted path of a "
-            r"function, got 'nowhere.gae' \(No module named 'nowhere'\)$",
+            r"^`ppo\.advantage` must be one of \('gae',\) or the dotted path of a token-level "
+            r"advantage estimator .*, got 'nowhere.gae', which does not import: No module named "
+            r"'nowhere'$",
         ),
     ],
 )

@@ -178,7 +178,7 @@ def test_an_estimator_block_takes_its_own_arguments(user):
     }
     assert estimator_spec({"class_path": f"{user}.Scaled"})["init_args"] == {"scale": 1.0}
     assert estimator_spec("k3") == "k3" and estimator_spec(ESTIMATORS["k3"]) == "k3"
-    with pytest.raises(ValueError, match=r"`kl.estimator.init_args` has no argument 'scal'"):
+    with pytest.raises(ValueError, match=r"`penalty.estimator.init_args` has no argument 'scal'"):
         kl_estimator({"class_path": f"{user}.Scaled", "init_args": {"scal": 3.0}})
     with pytest.raises(ValueError, match=r"the plugged estimator's name 'k1' is a registered"):
         kl_estimator(Estimator("k1", lambda x: 2 * x))
@@ -396,7 +396,7 @@ def test_an_advantage_is_named_as_any_component(user):
     ("registry", "option"),
     [
         (LAWS, "kl.controller"),
-        (ESTIMATORS, "kl.estimator"),
+        (ESTIMATORS, "penalty.estimator"),
         (ADVANTAGES["group"], "group.advantage"),
     ],
 )

@@ -35,13 +35,22 @@ model:
       placement: loss
     logging:
       log_samples_every: 0
+data:
+  class_path: rlkl_lightning.data.PromptDataModule
+  init_args:
+    prompts: {policy}/prompts.txt
 kl:
   target: 1.0  # the run's KL control keeps its name
-  horizon: 100.0
+  controller:  # with the law's arguments (0.5.0)
+    class_path: AdaptiveKLController
+    init_args:
+      horizon: 100.0
 """
 
-#: 0.2.0-0.4.0: the groups, the KL penalty's named `kl`.
-GROUPS_040 = TODAY.replace("    penalty:\n", "    kl:  # where the KL goes\n")
+#: 0.2.0-0.4.0: the groups, the KL penalty's named `kl`, the law's gain in the run's `kl`.
+GROUPS_040 = TODAY.replace("    penalty:\n", "    kl:  # where the KL goes\n").replace(
+    TODAY[TODAY.index("  controller:") :], "  horizon: 100.0\n  kp: 0.9  # not read by adaptive\n"
+)
 
 FLAT_010 = """\
 # 0.1.0: the modules' options were flat
@@ -56,6 +65,10 @@ model:
     init_kl_coef: 0.2
     kl_placement: loss
     log_samples_every: 0
+data:
+  class_path: rlkl_lightning.data.PromptDataModule
+  init_args:
+    prompts: {policy}/prompts.txt
 kl:
   target: 1.0
   horizon: 100.0
@@ -95,9 +108,22 @@ def test_an_old_config_converted_parses_to_todays_values(old, tiny_lm_dir, tmp_p
 
 def test_a_renamed_group_is_renamed_in_place_with_its_comments(tiny_lm_dir):
     old = GROUPS_040.format(policy=tiny_lm_dir)
+    old = old[: old.index("  horizon:")]  # no law's gain to move: only the group's name changes
     assert migrate_text(old) == old.replace("    kl:  # where", "    penalty:  # where")
     flow = "model: {init_args: {kl: {placement: loss}}}  # mine\nkl: {target: 2.0}\n"
     assert migrate_text(flow) == flow.replace("{kl:", "{penalty:")
+
+
+def test_the_laws_gains_move_into_the_law_and_a_gain_it_did_not_read_is_dropped():
+    new = yaml.safe_load(migrate_text(GROUPS_040.format(policy="gpt2")))
+    assert new["kl"] == {
+        "target": 1.0,
+        "controller": {"class_path": "AdaptiveKLController", "init_args": {"horizon": 100.0}},
+    }
+    pi = yaml.safe_load(migrate_text("kl:\n  controller: pi\n  kp: 0.77\n  ki: 0.067\n"))
+    assert pi["kl"]["controller"]["init_args"] == {"kp": 0.77, "ki": 0.067}
+    unread = yaml.safe_load(migrate_text("kl:\n  controller: logpid\n  horizon: 9.0\n"))
+    assert unread["kl"] == {"controller": "logpid"}
 
 
 def test_flat_options_are_moved_and_the_lost_comments_said():
