@@ -74,6 +74,25 @@ def test_every_base_says_what_it_holds_and_that_it_is_no_run(base):
     assert head.startswith("# ") and "Not a run" in base.read_text().split("\n\n")[0]
 
 
+def test_a_run_that_adds_a_callback_over_a_base_lists_them_all_in_their_order():
+    """Lists replace lists across files (never merged by position): the budget and the refresh
+    runs add their callback over base/world.yaml's checkpoint by listing both, theirs first."""
+
+    def classes(config):
+        return [c["class_path"].rpartition(".")[2] for c in config["trainer"]["callbacks"]]
+
+    base = compose(ROOT / "configs" / "base" / "world.yaml")
+    assert classes(base) == ["ModelCheckpoint"]
+    budget = compose(ROOT / "configs" / "ppo_budget.yaml")
+    assert classes(budget) == ["CapabilityBudget", "ModelCheckpoint"]
+    refresh = compose(ROOT / "configs" / "ppo_reference_reset.yaml")
+    assert classes(refresh) == ["ReferenceRefresh", "ModelCheckpoint"]
+    for run in (budget, refresh):  # the base's checkpoint, as the base has it
+        assert run["trainer"]["callbacks"][1] == base["trainer"]["callbacks"][0]
+    assert budget["trainer"]["callbacks"][0]["init_args"] == {"budget": 1.15}
+    assert refresh["trainer"]["callbacks"][0]["init_args"] == {"every": 20}
+
+
 def test_the_default_world_runs_say_only_what_differs():
     """Each default-world run starts from a base and holds at most a screenful of its own."""
     for name in NATIVE_RUNS:
