@@ -227,8 +227,8 @@ def test_a_plugged_estimator_takes_its_argument_and_is_logged_by_name(plugins, t
         strict=True,
     ):
         assert kl == own == pytest.approx(6 * k2, rel=1e-5, abs=1e-7)  # 3 l**2 = 6 k2
-    assert hparams["kl"]["estimator"] == estimator
-    assert checkpoint["hyper_parameters"]["kl"]["estimator"] == estimator
+    assert hparams["penalty"]["estimator"] == estimator
+    assert checkpoint["hyper_parameters"]["penalty"]["estimator"] == estimator
 
 
 def test_a_plugged_advantage_takes_its_argument_into_the_checkpoint(plugins, tiny_lm_dir):
