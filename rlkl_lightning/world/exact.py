@@ -154,7 +154,6 @@ def make_reference(config: ExactWorldConfig):
     """The reference GPT-2: seeded random float32 weights of scale ``init_scale``, no dropout."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(config.seed)
     model_config = GPT2Config(
         vocab_size=config.vocab_size,
         n_positions=1 + config.length,

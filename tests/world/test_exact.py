@@ -239,3 +239,12 @@ def test_bad_callback_and_data_settings_name_the_option():
     with pytest.raises(ValueError, match="`batch_size` must be an integer >= 1"):
         ExactDataModule(batch_size=0)
     assert all_responses(2, 3).tolist()[:3] == [[0, 0, 0], [0, 0, 1], [0, 1, 0]]
+
+
+def test_a_build_inside_a_run_leaves_the_runs_random_draws_as_they_were(tmp_path):
+    """The same command is the same run whether or not it had to build the world first."""
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    build_exact_world(root=tmp_path)
+    assert torch.equal(torch.rand(3), expected)
