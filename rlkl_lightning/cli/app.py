@@ -42,6 +42,7 @@ from rlkl_lightning.checkpoints import (
     first_resumed_step,
     newest_last_checkpoint,
 )
+from rlkl_lightning.cli.help import HelpfulParser
 from rlkl_lightning.cli.run_end import ExtendFinishedEpoch, SaveLastAtEnd
 from rlkl_lightning.cli.run_settings import RunSettings, trajectory_settings
 from rlkl_lightning.components import import_object, plain_spec
@@ -439,6 +440,7 @@ def _cli(args: list[str] | None) -> RLKLCLI:
     return RLKLCLI(
         LightningModule,
         LightningDataModule,
+        parser_class=HelpfulParser,  # fit --help ends with the modules' groups
         subclass_mode_model=True,
         subclass_mode_data=True,
         seed_everything_default=0,
