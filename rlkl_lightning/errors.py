@@ -40,7 +40,7 @@ _OUTER_KEY = re.compile(r"^Parser key \"(?P<key>[^\"]+)\":", re.MULTILINE)
 # The nested error of one class (a module, a data module, a callback), up to its siblings.
 _CLASS_PROBLEM = re.compile(
     r"^(?P<indent> *)- Problem with given class_path '(?P<cls>[^']+)':\n"
-    r"(?P<body>(?:(?P=indent)  .*(?:\n|$))*)",
+    r"(?P<body>(?:(?:(?P=indent)  .*|[ \t]*)(?:\n|$))*)",  # blank lines too (a str's union)
     re.MULTILINE,
 )
 _INNER_KEY = re.compile(r"^Parser key \"(?P<key>[^\"]+)\":\s*(?P<rest>.*)$", re.DOTALL)

@@ -300,8 +300,8 @@ def _check_module_groups(model: Any, data: Any) -> None:
             groups[name] = as_group(cls, value, f"{MODULE_PREFIX}{name}")
     optimization = groups.get("optimization")
     batch_size = getattr(getattr(data, "init_args", None), "batch_size", None)
-    if optimization is None or not isinstance(batch_size, int) or isinstance(batch_size, bool):
-        return
+    if optimization is None or type(batch_size) is not int or batch_size < 1:
+        return  # the data module names a batch size it refuses
     rows, counted = batch_size, "data.init_args.batch_size"
     if "group" in groups:
         rows *= groups["group"].responses_per_prompt
