@@ -262,7 +262,9 @@ def first_resumed_step(checkpoint: dict[str, Any]) -> int | None:
     return int(step) + 1 if step is not None else None
 
 
-def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> dict[str, Any]:
+def check_checkpoint(
+    path: str | os.PathLike, option: str = "ckpt_path", resuming: bool = True
+) -> dict[str, Any]:
     """Raise a clear error if ``path`` is not a readable Lightning checkpoint.
 
     The file is opened the way ``RLKLCLI`` has Lightning open it (``torch.load`` on the CPU with
@@ -275,6 +277,8 @@ def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> dict
     Args:
         path: The checkpoint file.
         option: Name of the option that gave ``path``, for the message.
+        resuming: Whether ``path`` is a run's ``--ckpt_path`` (the message offers ``last`` and
+            a new run); False for a command that only reads it (``rlkl_lightning.export``).
 
     Returns:
         The checkpoint, as loaded (tensors memory-mapped from a zip archive).
@@ -289,14 +293,19 @@ def check_checkpoint(path: str | os.PathLike, option: str = "ckpt_path") -> dict
     def fail(problem: str) -> ValueError:
         folder = file if file.is_dir() else file.parent  # a directory: the checkpoints in it
         others = sorted(p.name for p in folder.glob("*.ckpt") if p.name != file.name)
+        allowed = (
+            "a checkpoint file written by Lightning (ModelCheckpoint, Trainer.save_checkpoint)"
+        )
+        if not resuming:  # a command that reads the file: no `last`, no new run
+            listed = f"; the checkpoints in {str(folder)!r}: {', '.join(others)}" if others else ""
+            return ValueError(f"`{option}` {str(file)!r} {problem}; allowed: {allowed}{listed}")
         hint = (
             f"resume from another checkpoint in {str(folder)!r} ({', '.join(others)})"
             if others
             else "resume from another checkpoint"
         )
         return ValueError(
-            f"`{option}` {str(file)!r} {problem}; allowed: a checkpoint file written by "
-            f"Lightning (ModelCheckpoint, Trainer.save_checkpoint), 'last' or None. {hint}, or "
+            f"`{option}` {str(file)!r} {problem}; allowed: {allowed}, 'last' or None. {hint}, or "
             f"start a new run without `{option}`"
         )
 

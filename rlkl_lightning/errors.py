@@ -40,7 +40,7 @@ _OUTER_KEY = re.compile(r"^Parser key \"(?P<key>[^\"]+)\":", re.MULTILINE)
 # The nested error of one class (a module, a data module, a callback), up to its siblings.
 _CLASS_PROBLEM = re.compile(
     r"^(?P<indent> *)- Problem with given class_path '(?P<cls>[^']+)':\n"
-    r"(?P<body>(?:(?P=indent)  .*(?:\n|$))*)",
+    r"(?P<body>(?:(?:(?P=indent)  .*|[ \t]*)(?:\n|$))*)",  # blank lines too (a str's union)
     re.MULTILINE,
 )
 _INNER_KEY = re.compile(r"^Parser key \"(?P<key>[^\"]+)\":\s*(?P<rest>.*)$", re.DOTALL)
@@ -98,14 +98,27 @@ def parser_message(message: str) -> str:
 
 
 def _class_message(outer: str, problem: re.Match, message: str) -> str:
-    """One class's refusal, named by its full YAML path: ``model.init_args.optimization.lr``."""
-    body = textwrap.dedent(problem["body"]).strip()
-    inner = _INNER_KEY.match(body)
-    if inner is None:  # an unknown option, or a note of the class itself
-        text = " ".join(x.strip() for x in body.splitlines()[:MAX_LINES] if x.strip())
-        return f"`{outer}` ({problem['cls']}): {text}"
-    where = _class_place(outer, problem["cls"], message)
-    return f"`{where}.init_args.{inner['key']}` {_type_reason(textwrap.dedent(inner['rest']))}"
+    """One class's refusal, named by its full YAML path: ``model.init_args.optimization.lr``.
+
+    A component inside the class (``model.init_args.reward``, a ``class_path`` of its own) is
+    followed down to the innermost refusal, whose reason (``module ... has no attribute ...``)
+    is the parser's own.
+    """
+    where = outer
+    while True:
+        body = textwrap.dedent(problem["body"]).strip()
+        inner = _INNER_KEY.match(body)
+        if inner is None:  # an unknown option, a class that does not import, ...
+            text = " ".join(x.strip() for x in body.splitlines()[:MAX_LINES] if x.strip())
+            return f"`{where}` ({problem['cls']}): {text}"
+        if where == outer:
+            where = _class_place(outer, problem["cls"], message)
+        where = f"{where}.init_args.{inner['key']}"
+        rest = textwrap.dedent(inner["rest"])
+        deeper = _CLASS_PROBLEM.search(rest)
+        if deeper is None:
+            return f"`{where}` {_type_reason(rest)}"
+        problem = deeper
 
 
 def _class_place(outer: str, cls: str, message: str) -> str:

@@ -13,6 +13,8 @@ merged (``merge_and_unload``). The result, and the tokenizer, load with
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -67,22 +69,52 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     """:func:`export_policy` of a Lightning checkpoint file."""
     from rlkl_lightning.checkpoints import check_checkpoint
 
-    check_checkpoint(checkpoint, option="checkpoint")
+    check_checkpoint(checkpoint, option="checkpoint", resuming=False)
     ckpt = torch.load(
         checkpoint, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(checkpoint)
     )
+    hparams = ckpt.get("hyper_parameters")
+    if not isinstance(hparams, Mapping) or not hparams.get("policy"):
+        raise ValueError(
+            f"`checkpoint` {str(checkpoint)!r} names no policy in its hyperparameters; allowed: "
+            "a checkpoint of a run of PPOModule, RLOOModule or another RLPipeline module"
+        )
     # A refresh of a LoRA policy's reference moved part of the adapters into base weights.
     state = {**ckpt["state_dict"], **(ckpt.get("rlkl_reference") or {})}
-    return export_policy(ckpt["hyper_parameters"], state, directory)
+    return export_policy(hparams, state, directory)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m rlkl_lightning.export CHECKPOINT DIRECTORY``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """``python -m rlkl_lightning.export CHECKPOINT DIRECTORY``.
+
+    A user's mistake (a missing or foreign checkpoint, a file where the directory goes) ends
+    with ``error: MESSAGE`` alone and exit status 2, as ``train.py``'s
+    (:func:`rlkl_lightning.errors.user_message`); ``--verbose`` or ``RLKL_VERBOSE=1`` raise it
+    with its traceback instead.
+    """
+    from rlkl_lightning.errors import VERBOSE_ENV, user_message
+
+    parser = argparse.ArgumentParser(
+        prog="python -m rlkl_lightning.export", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("checkpoint", help="a checkpoint written by a run of RLPipeline/PPOModule")
     parser.add_argument("directory", help="where to write the merged model and its tokenizer")
+    parser.add_argument("--verbose", action="store_true", help="a mistake's traceback")
     args = parser.parse_args(argv)
-    out = export_checkpoint(args.checkpoint, args.directory)
+    verbose = args.verbose or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+    try:
+        if Path(args.directory).exists() and not Path(args.directory).is_dir():
+            raise ValueError(
+                f"`directory` {args.directory!r} is a file; allowed: a directory (new or "
+                "existing) for the model and its tokenizer"
+            )
+        out = export_checkpoint(args.checkpoint, args.directory)
+    except Exception as error:
+        message = None if verbose else user_message(error)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     print(f"wrote {out} (load it with AutoModelForCausalLM.from_pretrained)")
 
 

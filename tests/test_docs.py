@@ -65,3 +65,102 @@ def test_the_aggregation_docs_agree_on_ddp_and_name_gspos_aggregation():
         assert "the mean of the ranks' token means" in text
     assert "the formula over the global minibatch: ``token_mean``" not in module
     assert "| GSPO (Zheng et al. 2025) | `sequence_mean` |" in page
+
+
+def nav_pages() -> list[str]:
+    """Every page of mkdocs.yml's nav, in its order."""
+    import yaml
+
+    def walk(node) -> list[str]:
+        if isinstance(node, str):
+            return [node]
+        if isinstance(node, list):
+            return [page for item in node for page in walk(item)]
+        if isinstance(node, dict):
+            return [page for value in node.values() for page in walk(value)]
+        return []
+
+    return walk(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+
+
+def test_the_start_page_starts_and_lists_every_page_of_the_site():
+    page = (ROOT / "docs" / "index.md").read_text()
+    headings = [line for line in page.splitlines() if line.startswith("## ")]
+    assert headings[:4] == ["## Install", "## Two commands", "## Quickstart", "## Where next"]
+    assert "make study" in page and "make test" in page and "train.py fit --config" in page
+    pages = nav_pages()
+    assert pages[0] == "index.md" and len(pages) > 30
+    assert [p for p in pages[1:] if f"]({p})" not in page] == []
+    on_disk = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")}
+    assert set(pages) <= on_disk
+
+
+def test_the_readme_lists_every_page_of_the_guide():
+    """The README's docs list names every page of the site but the reports and the API's parts."""
+    readme = (ROOT / "README.md").read_text()
+    listed = readme.split("## Documentation", 1)[1]
+    pages = [p for p in nav_pages() if "/" not in p or p == "reference/index.md"]
+    assert "extending.md" in pages
+    assert [p for p in pages if f"](docs/{p})" not in listed] == []
+
+
+def test_every_registered_component_is_named_on_its_page():
+    """Names read from the registries: a new law, estimator, advantage or engine needs its docs."""
+    from rlkl_lightning.algorithms.advantage_estimators import ADVANTAGES
+    from rlkl_lightning.algorithms.options import ENGINE_KINDS  # engine.kind's choices
+    from rlkl_lightning.kl.estimators import ESTIMATORS
+    from rlkl_lightning.kl.laws import LAWS
+
+    pages = {
+        "controllers.md": LAWS.names(),
+        "kl.md": ESTIMATORS.names(),
+        "pipeline.md": tuple(n for registry in ADVANTAGES.values() for n in registry.names()),
+        "engines.md": ENGINE_KINDS,
+    }
+    assert {"logpid", "exact", "grpo", "vllm"} <= {n for names in pages.values() for n in names}
+    missing = {
+        page: [n for n in names if f"`{n}`" not in (ROOT / "docs" / page).read_text()]
+        for page, names in pages.items()
+    }
+    assert missing == {page: [] for page in pages}
+
+
+def test_the_custom_scalars_chart_is_what_the_docs_say():
+    """The chart holds the KL, its average and the target: no band (the README said one)."""
+    from types import SimpleNamespace
+
+    from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
+
+    charts = []
+    experiment = SimpleNamespace(add_custom_scalars=charts.append)
+    trainer = SimpleNamespace(is_global_zero=True, loggers=[SimpleNamespace(experiment=experiment)])
+    KLDriftMonitor(target=6.0).on_fit_start(trainer, None)
+    [(curves_kind, curves)] = [v for chart in charts for v in chart["KL control"].values()]
+    assert curves_kind == "Multiline"
+    assert curves == ["objective/kl", metric_keys.MONITOR_AVG_KL, metric_keys.MONITOR_TARGET]
+    said = "Custom Scalars tab draws the KL, its moving average and its target in one chart"
+    for path in (ROOT / "README.md", ROOT / "docs" / "index.md"):
+        text = " ".join(path.read_text().split())
+        assert said in text and "target and band in the Custom Scalars" not in text, path
+
+
+def test_an_argument_a_law_does_not_take_is_refused_as_the_docs_say():
+    """docs/controllers.md says so; 0.4.0's docs said it of a misplaced gain the code warned of."""
+    from rlkl_lightning.kl.laws import LAWS, law_spec
+    from rlkl_lightning.kl.settings import KLSettings
+
+    for name in LAWS.names():
+        foreign = "k" if name == "adaptive" else "horizon"  # another law's gain
+        spec = {"class_path": law_spec(name)["class_path"], "init_args": {foreign: 3.0}}
+        with pytest.raises(
+            ValueError,
+            match=rf"`kl.controller.init_args` has no argument "
+            rf"'{foreign}': \w+ takes \[",
+        ):
+            KLSettings(controller=spec).kl_controller(0.1)
+    page = " ".join((ROOT / "docs" / "controllers.md").read_text().split())
+    assert "An argument the law does not take is refused, naming the arguments it takes" in page
+    for path in ("docs/controllers.md", "docs/extending.md", "rlkl_lightning/kl/settings.py"):
+        text = " ".join((ROOT / path).read_text().split())
+        assert "for a law that does not read it is refused" not in text, path
+        assert "read it (`kl.kp` with `logpid`, which used to ignore it silently) is" not in text

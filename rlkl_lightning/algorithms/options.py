@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -152,6 +153,25 @@ class Optimization:
     def __post_init__(self) -> None:
         check_rules(self)
 
+    def rows_problem(self, rows: int, counted: str = "") -> str | None:
+        """Why ``rows`` rows of a batch are too few for ``num_minibatches`` steps, or None.
+
+        A minibatch with no row still takes its optimizer step: AdamW's moments and weight
+        decay move the weights with no gradient of the batch behind them.
+
+        Args:
+            rows: the rows (responses) of one batch on one process.
+            counted: how ``rows`` was counted, said in the message (``data.batch_size``).
+        """
+        if rows >= self.num_minibatches:
+            return None
+        how = f" ({counted})" if counted else ""
+        return (
+            f"`optimization.num_minibatches` must be at most the rows of a batch, {rows}{how}, "
+            f"got {self.num_minibatches}: {self.num_minibatches - rows} of its optimizer steps "
+            "would have no rows and still move the weights (AdamW's moments and weight decay)"
+        )
+
 
 @dataclass(frozen=True)
 class Objective:
@@ -257,10 +277,20 @@ class KLPenalty:
         check_rules(self)
         # Components (docs/extending.md): each is resolved and checked here, and kept as a
         # plain value (a name, a path or a {class_path, init_args} spec) for the checkpoint.
+        used = {}
         for name, role in (("estimator", "reward"), ("loss_estimator", "loss")):
             value = getattr(self, name)
-            kl_estimator(value, f"penalty.{name}", role=role)
+            used[name] = kl_estimator(value, f"penalty.{name}", role=role)
             object.__setattr__(self, name, estimator_spec(value, f"penalty.{name}"))
+        if self.placement == "loss" and used["loss_estimator"].name == "k1":
+            # Kept, not refused: the exact world's study shows what it does (docs/exact.md).
+            warnings.warn(
+                "`penalty.loss_estimator` k1 with `penalty.placement: loss` has expected "
+                "gradient 0: the KL penalty does not act on the policy (docs/kl.md, 'Where the "
+                "KL goes'); use k2 or k3 in the loss, or placement 'reward'",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 @dataclass(frozen=True)
@@ -542,7 +572,9 @@ def as_group(cls: type, value: Any, name: str) -> Any:
             )
         return cls(**value)
     raise ValueError(
-        f"`{name}` must be a {cls.__name__} or a mapping of its options, got {value!r}"
+        f"`{name}` must be a mapping of its options {sorted(f.name for f in fields(cls))} (or a "
+        f"{cls.__name__}), got {value!r}"
+        + (": an empty block; give an option under it or remove it" if value is None else "")
     )
 
 

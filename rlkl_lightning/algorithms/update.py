@@ -9,6 +9,7 @@ part in a helper thread (:class:`rlkl_lightning.perf.value_thread.ValueThread`).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
@@ -146,6 +147,7 @@ def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
     world = module.trainer.world_size if module._trainer is not None else 1
     everywhere = partial(global_sum, module._trainer)
     tokens_per_rank = objective.tokens_per_rank(traj.response_mask, everywhere, world)
+    _warn_empty_steps(module, traj.response_ids.shape[0], world)
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
     for _ in range(hp.ppo_epochs):
@@ -186,6 +188,18 @@ def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
     result = {key: torch.tensor(value / counts[key], dtype=f32) for key, value in totals.items()}
     result[keys.LR] = torch.tensor(scheduler.get_last_lr()[0], dtype=f32)
     return result
+
+
+def _warn_empty_steps(module: Updatable, rows: int, world: int) -> None:
+    """Warn once per module when one process has fewer rows than ``num_minibatches``.
+
+    Under DDP a rank short of rows is expected (the others' rows make the step's gradient).
+    """
+    problem = module.optimization.rows_problem(rows, "this batch")
+    if world > 1 or problem is None or getattr(module, "_warned_empty_steps", False):
+        return
+    module._warned_empty_steps = True
+    warnings.warn(problem, RuntimeWarning, stacklevel=2)
 
 
 def clip_gradients(module: Updatable, optimizer: Any) -> float:

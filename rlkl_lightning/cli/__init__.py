@@ -5,6 +5,7 @@
   and ``python -m rlkl_lightning.cli``;
 - :mod:`~rlkl_lightning.cli.run_settings`: a resume that would change the trajectory is refused;
 - :mod:`~rlkl_lightning.cli.run_end`: ``last.ckpt`` is the run's end, and extending a run trains;
+- :mod:`~rlkl_lightning.cli.help`: ``fit --help`` ends with the modules' groups and fields;
 - :mod:`~rlkl_lightning.cli.migrate`: ``python -m rlkl_lightning.cli migrate OLD.yaml`` prints an
   older run config as today's.
 

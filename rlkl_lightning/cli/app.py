@@ -13,6 +13,7 @@ taken from a checkpoint.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -20,6 +21,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import (
     ModelCheckpoint,
@@ -31,7 +33,8 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from rlkl_lightning.algorithms.options import MODULE_GROUPS
+from rlkl_lightning.algorithms.options import MODULE_GROUPS, as_group
+from rlkl_lightning.algorithms.pipeline import RLPipeline
 from rlkl_lightning.checkpoints import (
     AfterLoggingCheckpoint,
     AtomicCheckpointIO,
@@ -39,6 +42,7 @@ from rlkl_lightning.checkpoints import (
     first_resumed_step,
     newest_last_checkpoint,
 )
+from rlkl_lightning.cli.help import HelpfulParser
 from rlkl_lightning.cli.run_end import ExtendFinishedEpoch, SaveLastAtEnd
 from rlkl_lightning.cli.run_settings import RunSettings, trajectory_settings
 from rlkl_lightning.components import import_object, plain_spec
@@ -146,12 +150,14 @@ class RLKLCLI(LightningCLI):
         super().parse_arguments(parser, args)
 
     def _check_components(self, config: Any = None) -> None:
-        """Import the KL law and build it once with its arguments, before the model loads.
+        """Build the module's option groups and the KL law once, before the model loads.
 
-        Building the module loads the policy's weights (minutes for a large one); a misspelt
-        ``kl.controller`` or a gain out of range is reported first, as the law's. The module's
-        own components (the KL estimators, the advantage) are checked by their groups, which
-        the parser builds before the module.
+        Building the module loads the policy's weights (minutes for a large one); a group's
+        bad value, a group block that is not a mapping (``sampling:`` left empty), more
+        minibatches than a batch has rows (:func:`_check_module_groups`), a misspelt
+        ``kl.controller`` or a gain out of range are reported first, as the group's or the
+        law's. The module's own components (the KL estimators, the advantage) are checked by
+        their groups.
 
         Args:
             config: The subcommand's parsed config (default: this run's).
@@ -159,11 +165,12 @@ class RLKLCLI(LightningCLI):
         config = (
             config if config is not None else self.config.get(str(self.subcommand), self.config)
         )
+        model = config.get("model")
+        _check_module_groups(model, config.get("data"))
         kl = config.get("kl")
         if kl is None:
             return
         settings = KLSettings(**(kl.as_dict() if hasattr(kl, "as_dict") else dict(kl)))
-        model = config.get("model")
         init = getattr(model, "init_args", None)
         penalty = None
         for group in ("penalty", "kl"):  # the module's KL group (its name since 0.5.0 first)
@@ -264,6 +271,44 @@ class RLKLCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, RunSettings):
                 callback.compare(checkpoint)
+
+
+def _check_module_groups(model: Any, data: Any) -> None:
+    """Build each option group of this package's module from the config, raising its error.
+
+    jsonargparse builds the groups only with the module: a block that is not a mapping
+    (``sampling:`` with every key commented out is ``null``) ended in two tracebacks that
+    never named it, and ``--print_config`` printed a value the group refuses. A batch with
+    fewer rows (``data.batch_size``, times ``group.responses_per_prompt``) than
+    ``optimization.num_minibatches`` is refused too (:meth:`~rlkl_lightning.algorithms.
+    options.Optimization.rows_problem`).
+    """
+    init = getattr(model, "init_args", None)
+    try:
+        module = import_object(str(getattr(model, "class_path", "")))
+    except (ImportError, AttributeError, ValueError):
+        return  # the parser names a class that does not import
+    if init is None or not (isinstance(module, type) and issubclass(module, RLPipeline)):
+        return
+    groups = {}
+    parameters = inspect.signature(module).parameters
+    for name, cls in MODULE_GROUPS.items():
+        # A subclass may take a group's name as an argument of its own (a dict, None, ...).
+        if name in init and name in parameters and isinstance(parameters[name].default, cls):
+            value = init[name]
+            value = value.as_dict() if isinstance(value, Namespace) else value
+            groups[name] = as_group(cls, value, f"{MODULE_PREFIX}{name}")
+    optimization = groups.get("optimization")
+    batch_size = getattr(getattr(data, "init_args", None), "batch_size", None)
+    if optimization is None or type(batch_size) is not int or batch_size < 1:
+        return  # the data module names a batch size it refuses
+    rows, counted = batch_size, "data.init_args.batch_size"
+    if "group" in groups:
+        rows *= groups["group"].responses_per_prompt
+        counted += " x model.init_args.group.responses_per_prompt"
+    problem = optimization.rows_problem(rows, counted)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 # Logger class -> (the module it needs, the rlkl_lightning extra that installs it, or None).
@@ -395,6 +440,7 @@ def _cli(args: list[str] | None) -> RLKLCLI:
     return RLKLCLI(
         LightningModule,
         LightningDataModule,
+        parser_class=HelpfulParser,  # fit --help ends with the modules' groups
         subclass_mode_model=True,
         subclass_mode_data=True,
         seed_everything_default=0,

@@ -56,8 +56,17 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
 def main(argv: list[str] | None = None):
     """Build the world and print where it is; returns the ``World``.
 
-    A bad option or input ends with ``error: MESSAGE`` alone and exit status 1.
+    A bad option or input ends with ``error: MESSAGE`` alone and exit status 1; Ctrl-C with
+    the builder's line saying what was kept, and status 130.
     """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+def _main(argv: list[str] | None):
+    """:func:`main` without its answer to Ctrl-C."""
     from argparse import ArgumentError
 
     from rlkl_lightning.errors import parser_message

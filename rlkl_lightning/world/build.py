@@ -123,7 +123,7 @@ def build_world(
     build_stage(
         root,
         _WORLD_DONE,
-        lambda tmp: make_reference_model(config, corpus, tmp, progress, num_threads),
+        lambda tmp: make_reference_model(config, corpus, tmp, progress, num_threads, target=root),
         progress,
     )
     report = json.loads((root / _WORLD_DONE).read_text())
@@ -141,6 +141,7 @@ def make_reference_model(
     num_threads: int | None,
     label: str = "Default world",
     duration: str = "about 2-3 minutes on 2 CPU cores",
+    target: Path | None = None,
 ) -> None:
     """Train the reference model on ``corpus`` into ``out/model``; write ``out/report.json``.
 
@@ -154,11 +155,13 @@ def make_reference_model(
         num_threads: torch threads while training (see :func:`build_world`).
         label: Names the world in messages.
         duration: How long the training is expected to take, in messages.
+        target: The world's directory, where ``out`` is moved once complete (the message
+            names it); None: ``out``.
     """
     if progress:
         info(
             f"{label}: training the reference model ({config.sft_steps} steps; "
-            f"{duration}, once) into {out.parent} ..."
+            f"{duration}, once) into {target or out} ..."
         )
     with _quiet_lightning(progress), _torch_threads(num_threads):
         # In a fresh, empty context: when the world is built while LightningCLI instantiates a

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -138,8 +139,19 @@ def build_stage(
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
         try:
-            with keep_random_state():  # built inside a run, it leaves the run's draws alone
-                make(tmp)
+            try:
+                with keep_random_state():  # built inside a run, it leaves the run's draws alone
+                    make(tmp)
+            except (KeyboardInterrupt, SystemExit):
+                # Ctrl-C; Lightning's trainer (the SFT) turns it into SystemExit(1), silently.
+                kept = "the world there is kept" if target.exists() else "nothing was written"
+                print(
+                    f"{label}: interrupted while building {target}; {kept}. The same command "
+                    "builds it again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                raise
             if not (tmp / marker).is_file():
                 raise RuntimeError(f"building {target.name} did not write {marker}")
             _swap_in(tmp, target)

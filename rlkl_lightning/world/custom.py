@@ -222,7 +222,7 @@ def build_custom_world(
     }
 
     def make(tmp: Path) -> None:
-        _make(tmp, key, settings, splits, prompts, stats, progress, num_threads)
+        _make(tmp, key, settings, splits, prompts, stats, progress, num_threads, target)
 
     if out is not None and _key(target) not in (None, key):
         print(
@@ -262,6 +262,7 @@ def _make(
     stats: dict,
     progress: bool,
     num_threads: int | None,
+    target: Path,
 ) -> None:
     from rlkl_lightning.world.build import make_reference_model
     from rlkl_lightning.world.tokenizer import train_tokenizer
@@ -291,6 +292,7 @@ def _make(
         num_threads,
         label=_LABEL,
         duration=f"{len(splits['train']):,} training texts",
+        target=target,
     )
     study = {
         "model": {

@@ -11,6 +11,7 @@ the two-process test, DDP's mean of the ranks' gradients over gloo).
 from __future__ import annotations
 
 import os
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -252,3 +253,21 @@ def test_two_ranks_with_uneven_tokens(aggregation, tmp_path):
     for rank in (0, 1):
         for steps in torch.load(tmp_path / f"rank{rank}.pt"):  # 1 and 2 micro-batches
             assert steps == pytest.approx([-want], abs=1e-12)
+
+
+def test_more_minibatches_than_rows_warns_once_that_empty_steps_move_the_weights():
+    """One process, 2 rows, 4 minibatches: 2 steps without a row (AdamW would still move)."""
+    module = Linear("token_mean", minibatches=4, accum=1)
+    traj, _ = batch([3, 2], seed=0)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert len(moves(module, traj)) == 4  # the steps stay: every rank takes as many
+        moves(module, traj)  # a second batch: no second warning
+    assert [str(w.message) for w in caught] == [
+        "`optimization.num_minibatches` must be at most the rows of a batch, 2 (this batch), "
+        "got 4: 2 of its optimizer steps would have no rows and still move the weights (AdamW's "
+        "moments and weight decay)"
+    ]
+    enough = Linear("token_mean", minibatches=2, accum=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moves(enough, traj)

@@ -252,6 +252,25 @@ def test_engine_options_that_need_another_engine_are_refused(options, message):
         Engine(**options)
 
 
+def test_k1_in_the_loss_warns_that_the_penalty_has_no_gradient():
+    """k1 as a loss has expected gradient 0 (docs/kl.md); the exact study runs it on purpose."""
+    from rlkl_lightning.algorithms.options import KLPenalty
+
+    with pytest.warns(RuntimeWarning, match=r"`penalty.loss_estimator` k1 with `penalty.placem"):
+        KLPenalty(placement="loss", loss_estimator="k1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        KLPenalty(placement="loss")  # k2
+        KLPenalty(placement="loss", loss_estimator="k3")
+        KLPenalty(placement="reward", loss_estimator="k1")  # not differentiated
+
+
+@pytest.mark.parametrize("value", [None, [1, 2], 3])
+def test_a_group_that_is_not_a_mapping_is_named_in_python(tiny_lm_dir, value):
+    with pytest.raises(ValueError, match=r"^`sampling` must be a mapping of its options \['max_"):
+        PPOModule(**ppo_args(tiny_lm_dir, sampling=value))
+
+
 def test_truncated_sampling_warns_that_the_kl_is_biased(tiny_lm_dir):
     with pytest.warns(
         RuntimeWarning, match=r"`sampling\.top_k`/`sampling\.top_p` truncate the sampling"

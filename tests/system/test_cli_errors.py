@@ -348,3 +348,165 @@ def test_a_law_named_by_its_short_name_takes_its_arguments_on_the_command_line(c
         "max_kl_coef": None,
     }
     assert not {"horizon", "k", "kp", "ki"} & set(kl)
+
+
+# A `class_path` that does not import, at any depth: the parser's own reason, one line.
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (
+            {
+                "model": {
+                    "init_args": {"reward": {"class_path": "rlkl_lightning.rewards.VadrReward"}}
+                }
+            },
+            "`model.init_args.reward` (rlkl_lightning.rewards.VadrReward): module "
+            "'rlkl_lightning.rewards' has no attribute 'VadrReward'",
+        ),
+        (
+            {
+                "model": {
+                    "init_args": {"gold_reward": {"class_path": "rlkl_lightning.world.gold.Gld"}}
+                }
+            },
+            "`model.init_args.gold_reward` (rlkl_lightning.world.gold.Gld): module "
+            "'rlkl_lightning.world.gold' has no attribute 'Gld'",
+        ),
+        (  # an argument the component does not take, one level further down
+            {
+                "model": {
+                    "init_args": {
+                        "gold_reward": {
+                            "class_path": "rlkl_lightning.world.gold.GoldSentimentReward",
+                            "init_args": {"txt": "prompt"},
+                        }
+                    }
+                }
+            },
+            "`model.init_args.gold_reward` (rlkl_lightning.world.gold.GoldSentimentReward): "
+            "Option 'txt' is not accepted",
+        ),
+        (
+            {"kl": {"controller": {"class_path": "rlkl_lightning.kl.controllers.AdaptivKL"}}},
+            "`kl.controller` (AdaptivKL): module 'rlkl_lightning.kl.controllers' has no "
+            "attribute 'AdaptivKL'",
+        ),
+        (
+            {
+                "model": {
+                    "init_args": {"penalty": {"estimator": {"class_path": "rlkl_lightning.kl.K9"}}}
+                }
+            },
+            "`model.init_args.penalty.estimator` must be one of ('k1', 'k2', 'k3', 'exact')",
+        ),
+        (
+            {"model": {"init_args": {"ppo": {"advantage": "rlkl_lightning.algorithms.GAEE"}}}},
+            "`model.init_args.ppo.advantage` must be one of ('gae',) or the dotted path",
+        ),
+        (
+            {"data": {"class_path": "rlkl_lightning.data.PromptDataModul"}},
+            "`data` (rlkl_lightning.data.PromptDataModul): module 'rlkl_lightning.data' has no "
+            "attribute 'PromptDataModul'",
+        ),
+    ],
+)
+def test_a_mistyped_class_path_at_any_depth_keeps_the_parsers_reason(
+    given, message, tiny_lm_dir, tmp_path, capfd
+):
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    mistake = tmp_path / "mistake.yaml"
+    mistake.write_text(yaml.safe_dump(given))
+    printed = cli_error(["fit", "--config", str(config), "--config", str(mistake)], capfd)
+    assert printed.startswith(message), printed
+    assert "\n" not in printed.strip()
+    assert "has no attribute" in printed or "is not accepted" in printed  # the real reason
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model.init_args.reward.class_path=rlkl_lightning.rewards.VadrReward"],
+        ["--model.init_args.reward=rlkl_lightning.rewards.VadrReward"],
+    ],
+)
+def test_a_mistyped_reward_on_the_command_line_keeps_the_parsers_reason(
+    args, tiny_lm_dir, tmp_path, capfd
+):
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    printed = cli_error(["fit", "--config", str(config), *args], capfd)
+    assert printed == (
+        "`model.init_args.reward` (rlkl_lightning.rewards.VadrReward): module "
+        "'rlkl_lightning.rewards' has no attribute 'VadrReward'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "got"),
+    [
+        ("sampling:\n", "None: an empty block; give an option under it or remove it"),
+        ("sampling: [1, 2]\n", "[1, 2]"),
+        ("sampling: 3\n", "3"),
+    ],
+)
+def test_a_group_block_that_is_not_a_mapping_is_named_in_one_line(
+    text, got, tiny_lm_dir, tmp_path, capfd
+):
+    """`sampling:` with every key commented out is null: 71 lines and two tracebacks before."""
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    mistake = tmp_path / "mistake.yaml"
+    mistake.write_text("model:\n  init_args:\n    " + text + "    # top_p: 0.9\n")
+    printed = cli_error(["fit", "--config", str(config), "--config", str(mistake)], capfd)
+    assert printed == (
+        "`model.init_args.sampling` must be a mapping of its options ['max_new_tokens', "
+        "'max_prompt_tokens', 'stop_at_eos', 'temperature', 'top_k', 'top_p'] (or a Sampling), "
+        f"got {got}"
+    )
+
+
+def test_print_config_refuses_a_value_the_group_refuses(tiny_lm_dir, tmp_path, capfd):
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    args = ["fit", "--config", str(config), "--model.init_args.sampling.top_p=1.5"]
+    printed = cli_error([*args, "--print_config"], capfd)
+    assert printed == "`model.init_args.sampling.top_p` must be in (0, 1], got 1.5"
+    assert capfd.readouterr().out == ""  # nothing printed as if it were a config
+
+
+@pytest.mark.parametrize(
+    ("args", "rows"),
+    [
+        (
+            ["--data.init_args.batch_size=2", "--model.init_args.optimization.num_minibatches=3"],
+            "2 (data.init_args.batch_size)",
+        ),
+    ],
+)
+def test_more_minibatches_than_a_batch_has_rows_are_refused(
+    args, rows, tiny_lm_dir, tmp_path, capfd
+):
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    printed = cli_error(["fit", "--config", str(config), *args], capfd)
+    assert printed == (
+        f"`model.init_args.optimization.num_minibatches` must be at most the rows of a batch, "
+        f"{rows}, got 3: 1 of its optimizer steps would have no rows and still move the weights "
+        "(AdamW's moments and weight decay)"
+    )
+
+
+def test_rloo_counts_the_responses_of_a_batch_as_its_rows(tiny_lm_dir, tmp_path, capfd):
+    """2 prompts x 4 responses are 8 rows: 8 minibatches pass, 9 are refused."""
+    from rlkl_lightning.cli import main
+
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    rloo = ["--model=rlkl_lightning.RLOOModule", "--model.init_args.policy", str(tiny_lm_dir)]
+    rloo += ["--data.init_args.batch_size=2", "--model.init_args.group.responses_per_prompt=4"]
+    printed = cli_error(
+        ["fit", "--config", str(config), *rloo, "--model.init_args.optimization.num_minibatches=9"],
+        capfd,
+    )
+    assert "a batch, 8 (data.init_args.batch_size x model.init_args.group.responses_per_" in printed
+    with pytest.raises(SystemExit) as done:
+        main(
+            ["fit", "--config", str(config), *rloo]
+            + ["--model.init_args.optimization.num_minibatches=8", "--print_config"]
+        )
+    assert done.value.code in (0, None)

@@ -474,3 +474,37 @@ def test_one_latin1_line_in_a_utf8_file_costs_that_line_only(tmp_path):
     assert texts == lines  # the Latin-1 line decoded right too
     assert not any("Ã" in text for text in texts)
     assert stats["not_utf8_lines"] == {str(path): 1}
+
+
+def test_the_progress_names_the_worlds_directory_and_ctrl_c_says_what_was_kept(
+    sources, tmp_path, monkeypatch, capfd
+):
+    """The line named the parent of `--out`; Ctrl-C in the SFT ended with no word (status 1)."""
+    import signal
+
+    from rlkl_lightning.world.sft import SFTModule
+
+    def interrupted(self, batch, batch_idx):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SFTModule, "training_step", interrupted)
+    said = []
+    monkeypatch.setattr(build_module, "info", said.append)  # the builder's progress lines
+    out = tmp_path / "worlds" / "mine"
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as stopped:  # Lightning's answer to Ctrl-C in a fit
+            build_custom_world(sources, tiny(), out=out, progress=True, num_threads=1)
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores a second Ctrl-C from then on
+    assert stopped.value.code == 1
+    assert said == [
+        f"Custom world: training the reference model (3 steps; 64 training texts, once) into "
+        f"{out} ..."  # was the parent of `out`
+    ]
+    err = capfd.readouterr().err
+    assert err.rstrip("\n").splitlines()[-1] == (
+        f"Custom world: interrupted while building {out}; nothing was written. The same command "
+        "builds it again"
+    )
+    assert not out.exists() and not list(out.parent.glob(".tmp-*"))
