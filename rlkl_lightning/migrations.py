@@ -82,7 +82,7 @@ RENAMED_GROUPS: dict[str, tuple[str, str]] = {"kl": ("penalty", "0.5.0")}
 
 #: The options added to a group after 0.1.0 (``group.field`` -> the version): a checkpoint
 #: written before one existed ran with its default (``cli/run_settings.py`` fills it in).
-ADDED_OPTIONS: dict[str, str] = {"ppo.advantage": "0.5.0"}
+ADDED_OPTIONS: dict[str, str] = {"ppo.advantage": "0.5.0", "penalty.allow_no_gradient": "0.6.0"}
 
 #: Where a module's options sit in a config and in the resume check's settings.
 MODULE_PREFIX = "model.init_args."

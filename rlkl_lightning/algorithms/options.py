@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -252,6 +251,9 @@ class KLPenalty:
             KL penalty (in the reward: the rollout's log-ratio; in the loss: the current one);
             ``objective/kl`` still measures every token. Biases the KL gradient (docs/kl.md,
             "A per-token trust region"); None: off.
+        allow_no_gradient: run ``loss_estimator: k1`` with ``placement: loss`` although its
+            expected gradient is 0 (the penalty does not act; the exact world's study shows
+            it); off, that pair is refused.
     """
 
     group: ClassVar[str] = "penalty"
@@ -264,6 +266,7 @@ class KLPenalty:
             "None or a finite number >= 1",
         ),
         ("trust_region", _none_or_positive, "None or a number > 0"),
+        ("allow_no_gradient", _boolean, "True or False"),
     )
 
     init_coef: float = 0.1
@@ -272,6 +275,7 @@ class KLPenalty:
     loss_estimator: str | dict[str, Any] = "k2"
     loss_weight_clip: float | None = 2.0
     trust_region: float | None = None
+    allow_no_gradient: bool = False
 
     def __post_init__(self) -> None:
         check_rules(self)
@@ -282,14 +286,16 @@ class KLPenalty:
             value = getattr(self, name)
             used[name] = kl_estimator(value, f"penalty.{name}", role=role)
             object.__setattr__(self, name, estimator_spec(value, f"penalty.{name}"))
-        if self.placement == "loss" and used["loss_estimator"].name == "k1":
-            # Kept, not refused: the exact world's study shows what it does (docs/exact.md).
-            warnings.warn(
+        if (
+            self.placement == "loss"
+            and used["loss_estimator"].name == "k1"
+            and not self.allow_no_gradient
+        ):
+            raise ValueError(
                 "`penalty.loss_estimator` k1 with `penalty.placement: loss` has expected "
-                "gradient 0: the KL penalty does not act on the policy (docs/kl.md, 'Where the "
-                "KL goes'); use k2 or k3 in the loss, or placement 'reward'",
-                RuntimeWarning,
-                stacklevel=2,
+                "gradient 0, so the penalty would not act on the policy (docs/kl.md, 'Where the "
+                "KL goes'): use k2 or k3 in the loss or placement 'reward' "
+                "(`penalty.allow_no_gradient: true` runs it on purpose)"
             )
 
 

@@ -252,17 +252,24 @@ def test_engine_options_that_need_another_engine_are_refused(options, message):
         Engine(**options)
 
 
-def test_k1_in_the_loss_warns_that_the_penalty_has_no_gradient():
+def test_k1_in_the_loss_is_refused_unless_asked_for_on_purpose():
     """k1 as a loss has expected gradient 0 (docs/kl.md); the exact study runs it on purpose."""
     from rlkl_lightning.algorithms.options import KLPenalty
 
-    with pytest.warns(RuntimeWarning, match=r"`penalty.loss_estimator` k1 with `penalty.placem"):
+    with pytest.raises(
+        ValueError,
+        match=r"^`penalty.loss_estimator` k1 with `penalty.placement: loss` has expected gradient"
+        r" 0, .*use k2 or k3 .*`penalty.allow_no_gradient: true` runs it on purpose\)$",
+    ):
         KLPenalty(placement="loss", loss_estimator="k1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        KLPenalty(placement="loss", loss_estimator="k1", allow_no_gradient=True)
         KLPenalty(placement="loss")  # k2
         KLPenalty(placement="loss", loss_estimator="k3")
         KLPenalty(placement="reward", loss_estimator="k1")  # not differentiated
+    with pytest.raises(ValueError, match=r"`penalty.allow_no_gradient` must be True or False"):
+        KLPenalty(allow_no_gradient="yes")
 
 
 @pytest.mark.parametrize("value", [None, [1, 2], 3])
