@@ -66,6 +66,46 @@ def _number(
     return float(value)
 
 
+def _check_validation(trainer: pl.Trainer, owner: str, monitor: str) -> None:
+    """Refuse a run whose validation never runs: the budget would never act, silently."""
+    limit = getattr(trainer, "limit_val_batches", 1)
+    if limit == 0:
+        raise ValueError(
+            f"{owner}: `trainer.limit_val_batches` must be > 0 with a capability budget, got "
+            f"{limit!r}: the budget moves the target after each validation ({monitor!r})"
+        )
+    hparams = getattr(getattr(trainer, "datamodule", None), "hparams", None)
+    if hparams is not None and "heldout" in hparams and hparams["heldout"] is None:
+        raise ValueError(
+            f"{owner}: `data.init_args.heldout` must name the held-out text the budget steers "
+            f"on ({monitor!r} is measured on it), got None: without it no validation runs "
+            "(e.g. default:validation)"
+        )
+
+
+def _check_run_length(trainer: pl.Trainer, steps_per_batch: int) -> None:
+    """Refuse a run shorter than its ``val_check_interval`` (known after its first batch)."""
+    interval = getattr(trainer, "val_check_interval", None)
+    if trainer.check_val_every_n_epoch is not None or not isinstance(interval, int):
+        return
+    loop = trainer.fit_loop.epoch_loop
+    done = loop.total_batch_idx + 1  # batches of the whole run, this one included
+    lengths = []
+    if trainer.max_steps is not None and trainer.max_steps > 0 and steps_per_batch > 0:
+        lengths.append(
+            done + math.ceil((trainer.max_steps - trainer.global_step) / steps_per_batch)
+        )
+    batches = trainer.num_training_batches
+    if trainer.max_epochs is not None and trainer.max_epochs > 0 and math.isfinite(batches):
+        lengths.append(int(trainer.max_epochs * batches))
+    if lengths and min(lengths) < interval:
+        raise ValueError(
+            f"CapabilityBudget: `trainer.val_check_interval` must be at most the run's length "
+            f"({min(lengths)} batches), got {interval}: the budget moves the target only after "
+            "a validation, and this run would have none"
+        )
+
+
 class CapabilityBudget(Callback):
     r"""Move the KL target so that a capability metric stays at ``budget`` x the reference's.
 
@@ -185,6 +225,7 @@ class CapabilityBudget(Callback):
         self.n_skipped = 0
         self.n_held = 0  # evaluations whose raise was held back (the KL not following)
         self.n_held_low = 0  # evaluations whose lowering was held back (the KL stuck above)
+        self.n_in_band = 0  # evaluations whose ratio was within 20% of the budget's excess
         self.batches_at_eval = 0
         self.kl_sum_at_eval = 0.0
         self.kl_count_at_eval = 0
@@ -192,6 +233,9 @@ class CapabilityBudget(Callback):
         self._monitors: list[KLDriftMonitor] = []
         self._warned_nonfinite = False
         self._warned_stuck = False
+        self._restored = False  # from a checkpoint: the start of the fit says the target
+        self._first_batch = False
+        self._steps_at_start = 0
 
     @property
     @override
@@ -229,20 +273,66 @@ class CapabilityBudget(Callback):
             for m in trainer.callbacks
             if isinstance(m, KLDriftMonitor) and m.unit == controller.unit
         ]
+        if stage == "fit":
+            _check_validation(trainer, owner, self.monitor)
+        for callback in (controller, *self._monitors):
+            callback.steered = True  # the budget's target, not the configured one, is in force
         if self.target is None:
             self.target = min(max(controller.target, self.min_target), self.max_target)
             self.integral = math.log(self.target)
+        refresh = any(type(c).__name__ == "ReferenceRefresh" for c in trainer.callbacks)
         rank_zero_info(
             f"{owner}: steers the KL target ({controller.unit}) from {self.target:.4g} within "
             f"[{self.min_target:g}, {self.max_target:g}] so that {self.monitor!r} stays at "
             f"{self.budget:g} x the initial reference's ({self.reference_key!r}); "
             f"{len(self._monitors)} drift monitor(s) follow the target."
+            + (
+                " With the ReferenceRefresh the ratio stays against the initial reference's "
+                "value: the budget bounds what the run loses from the model it started with, "
+                "and the target, a KL to the refreshed reference, is lowered as that loss "
+                "accumulates (docs/budget.md)."
+                if refresh
+                else ""
+            )
         )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After any checkpoint restore: the target in force is the cascade's.
         self._push()
+        self._first_batch = True
+        self._steps_at_start = trainer.global_step
+        if self._restored and self._controller is not None and self.target is not None:
+            rank_zero_info(
+                f"{type(self).__name__}: resumed; the KL target in force is {self.target:.4g} "
+                f"(the budget's, from the checkpoint; `kl.target` "
+                f"{self._controller.initial_target:g} only starts a run)."
+            )
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rank_zero_info(self.summary())
+
+    def band(self) -> tuple[float, float]:
+        """The ratios within 20% of the budget's excess (1.15: [1.12, 1.18])."""
+        ends = (1.0 + 0.8 * (self.budget - 1.0), 1.0 + 1.2 * (self.budget - 1.0))
+        return min(ends), max(ends)
+
+    def summary(self) -> str:
+        """One line on how the run held its budget: what the end of a run prints."""
+        used = self.n_evaluations - self.n_skipped
+        share = f" ({self.n_in_band / used:.0%})" if used else ""
+        lo, hi = self.band()
+        at_bound = getattr(self._controller, "n_at_bound", None)
+        batches = getattr(self._controller, "n_batches", 0)
+        target = "none" if self.target is None else f"{self.target:.4g}"
+        return (
+            f"{type(self).__name__}: {self.n_in_band} of {used} evaluations{share} with the "
+            f"ratio in the band [{lo:.4g}, {hi:.4g}] (budget {self.budget:g} +- 20% of its "
+            f"excess); final target {target}; beta at a bound in "
+            f"{'?' if at_bound is None else at_bound} of {batches} batches; "
+            f"{self.n_skipped} evaluations skipped."
+        )
 
     def _push(self) -> None:
         if self._controller is None or self.target is None:
@@ -261,6 +351,9 @@ class CapabilityBudget(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        if self._first_batch:
+            self._first_batch = False
+            _check_run_length(trainer, trainer.global_step - self._steps_at_start)
         if self.log_key is not None and self.target is not None:
             pl_module.log(self.log_key, self.target, on_step=True, on_epoch=False)
         if math.isfinite(self.ratio):
@@ -303,6 +396,8 @@ class CapabilityBudget(Callback):
                 )
             return self.target
         self.ratio = metric / reference
+        lo_band, hi_band = self.band()
+        self.n_in_band += lo_band <= self.ratio <= hi_band
         excess = self._sign * math.log(self.ratio)
         error = budget_error(excess, self.budget_excess, self.error_floor)
         step = -self.rate * batches * error
@@ -326,14 +421,15 @@ class CapabilityBudget(Callback):
             self.n_held_low += 1
             if not self._warned_stuck:
                 self._warned_stuck = True
+                where = "over" if error > 0 else "within"
                 rank_zero_warn(
-                    f"{type(self).__name__}: {self.monitor!r} is over budget "
-                    f"({self.ratio:.4g} x the reference's, budget {self.budget:g}) but the KL "
-                    f"law holds the KL at {kl_mean:.4g}, above the target {self.target:.4g} / "
-                    f"follow ({self.follow:g}): the target is not lowered further while the KL "
-                    "does not follow it down (the budget may be out of reach; see docs/budget.md, "
-                    "'When it cannot hold the budget'). Further such evaluations are counted in "
-                    "`n_held_low`.",
+                    f"{type(self).__name__}: {self.monitor!r} is {where} budget "
+                    f"({self.ratio:.4g} x the reference's, budget {self.budget:g}) and the loop "
+                    f"would lower the target, but the KL law holds the KL at {kl_mean:.4g}, "
+                    f"above the target {self.target:.4g} / follow ({self.follow:g}): the target "
+                    "is not lowered further while the KL does not follow it down (the budget "
+                    "may be out of reach; see docs/budget.md, 'When it cannot hold the "
+                    "budget'). Further such evaluations are counted in `n_held_low`.",
                     category=RuntimeWarning,
                 )
         self.target = min(max(math.exp(u), self.min_target), self.max_target)
@@ -364,6 +460,7 @@ class CapabilityBudget(Callback):
             "n_skipped": self.n_skipped,
             "n_held": self.n_held,
             "n_held_low": self.n_held_low,
+            "n_in_band": self.n_in_band,
             "batches_at_eval": self.batches_at_eval,
             "kl_sum_at_eval": self.kl_sum_at_eval,
             "kl_count_at_eval": self.kl_count_at_eval,
@@ -383,6 +480,8 @@ class CapabilityBudget(Callback):
         self.n_skipped = int(state_dict.get("n_skipped", 0))
         self.n_held = int(state_dict.get("n_held", 0))
         self.n_held_low = int(state_dict.get("n_held_low", 0))
+        self.n_in_band = int(state_dict.get("n_in_band", 0))
+        self._restored = True
         self.batches_at_eval = int(state_dict.get("batches_at_eval", 0))
         self.kl_sum_at_eval = float(state_dict.get("kl_sum_at_eval", 0.0))
         self.kl_count_at_eval = int(state_dict.get("kl_count_at_eval", 0))

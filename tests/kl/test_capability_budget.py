@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -392,3 +393,119 @@ def test_logpid_law_with_a_budget_runs_and_logs_the_target():
     budget = CapabilityBudget(1.15)
     fit(module, [controller, budget], **VAL)
     assert len(module.targets) == 12 and budget.n_evaluations == 6
+
+
+# ---- what a run is told (issue 47, item 5) --------------------------------------------------
+
+
+def test_a_lowering_held_under_budget_says_within_budget_not_over():
+    # The integral sits below the target (it remembers an earlier excess): under budget the
+    # loop would still lower the target, and the KL law holds the KL above target / follow.
+    budget = CapabilityBudget(1.15)
+    ctl = _wired(budget, 2.0)
+    budget.integral = math.log(2.0) - 1.0
+    ctl.n_batches, ctl.kl_sum, ctl.kl_count = 5, 3.5 * 5, 5
+    with pytest.warns(RuntimeWarning, match="not lowered further") as caught:
+        assert budget.step(1.145 * REF) == 2.0
+    (message,) = [str(w.message) for w in caught]
+    assert "is within budget (1.145 x the reference's, budget 1.15)" in message
+    assert "over budget" not in message
+
+
+def _setup_trainer(*extra, limit_val_batches=1.0, heldout="default:validation"):
+    controller = KLControllerCallback(ExponentialKLController(1.0, target=3.0))
+    data = SimpleNamespace(hparams={"heldout": heldout})
+    return SimpleNamespace(
+        callbacks=[controller, *extra], limit_val_batches=limit_val_batches, datamodule=data
+    )
+
+
+@pytest.mark.parametrize(
+    ("settings", "option"),
+    [
+        ({"limit_val_batches": 0}, "`trainer.limit_val_batches` must be > 0"),
+        ({"limit_val_batches": 0.0}, "`trainer.limit_val_batches` must be > 0"),
+        ({"heldout": None}, "`data.init_args.heldout` must name the held-out text"),
+    ],
+)
+def test_a_run_without_validation_is_refused_at_set_up_naming_the_option(settings, option):
+    with pytest.raises(ValueError, match=re.escape(option)) as info:
+        CapabilityBudget().setup(_setup_trainer(**settings), None, "fit")
+    assert "\n" not in str(info.value)
+
+
+def test_a_run_shorter_than_its_validation_interval_is_refused_after_its_first_batch():
+    module = PlantModule(n_batches=8)
+    with pytest.raises(ValueError, match=r"`trainer.val_check_interval` must be at most the "):
+        fit(
+            module,
+            _callbacks(),
+            limit_val_batches=1,
+            val_check_interval=10,
+            check_val_every_n_epoch=None,
+        )
+    # A run of the interval's length is one evaluation, and is accepted.
+    callbacks = _callbacks()
+    fit(
+        PlantModule(n_batches=8),
+        callbacks,
+        limit_val_batches=1,
+        val_check_interval=8,
+        check_val_every_n_epoch=None,
+    )
+    assert callbacks[2].n_evaluations == 1
+
+
+def test_with_a_reference_refresh_the_set_up_says_which_reference_the_ratio_is_against(caplog):
+    from rlkl_lightning import ReferenceRefresh
+
+    with caplog.at_level("INFO"):
+        CapabilityBudget().setup(_setup_trainer(ReferenceRefresh(every=10)), None, "fit")
+    (said,) = [r.getMessage() for r in caplog.records if "CapabilityBudget" in r.getMessage()]
+    assert "the ratio stays against the initial reference's value" in said
+
+
+def test_the_end_of_a_run_prints_one_summary_line(caplog):
+    module = PlantModule(n_batches=40)
+    callbacks = _callbacks()
+    with caplog.at_level("INFO"):
+        fit(module, callbacks, **VAL)
+    budget = callbacks[2]
+    lines = [r.getMessage() for r in caplog.records if "evaluations skipped" in r.getMessage()]
+    assert lines == [budget.summary()]
+    assert 0 < budget.n_in_band < budget.n_evaluations == 20
+    share = f"{budget.n_in_band / 20:.0%}"
+    assert lines[0] == (
+        f"CapabilityBudget: {budget.n_in_band} of 20 evaluations ({share}) with the ratio in "
+        f"the band [1.12, 1.18] (budget 1.15 +- 20% of its excess); final target "
+        f"{budget.target:.4g}; beta at a bound in {callbacks[0].n_at_bound} of 40 batches; "
+        "0 evaluations skipped."
+    )
+
+
+def test_a_resume_says_once_which_target_is_in_force_and_the_monitor_takes_it(tmp_path, caplog):
+    first = PlantModule(n_batches=24)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=11, save_top_k=-1)
+    fit(first, [*_callbacks(), saver], max_steps=11, **VAL)
+    saved = first.trainer.callbacks[2].target
+    # Another configured target (--resume_with_changes): the budget's is the one in force.
+    controller = KLControllerCallback(ExponentialKLController(1.0, target=1.0, k=0.3))
+    monitor = KLDriftMonitor(1.0, window=4, verbose=False)
+    budget = CapabilityBudget(budget=1.15, rate=0.05)
+    resumed = PlantModule(n_batches=12)
+    with warnings.catch_warnings(), caplog.at_level("INFO"):
+        warnings.simplefilter("error", RuntimeWarning)  # no "judged against 1" from the monitor
+        fit(
+            resumed,
+            [controller, monitor, budget],
+            ckpt_path=str(tmp_path / "epoch=0-step=11.ckpt"),
+            max_steps=12,
+            **VAL,
+        )
+    said = [r.getMessage() for r in caplog.records if "target in force" in r.getMessage()]
+    assert said == [
+        f"CapabilityBudget: resumed; the KL target in force is {saved:.4g} (the budget's, from "
+        "the checkpoint; `kl.target` 1 only starts a run)."
+    ]
+    assert resumed.targets[11] == pytest.approx(saved, rel=1e-7)  # logged as float32
+    assert controller.target == monitor.target == budget.target
