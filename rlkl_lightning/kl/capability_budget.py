@@ -117,11 +117,13 @@ class CapabilityBudget(Callback):
 
         e      = log(max(x, error_floor * b) / b)                  # budget_error
         dz     = clip(-rate * n * e, -max_step, max_raise)          # integral action ...
-        dz     = 0 if dz > 0 and kl_mean < follow * target         # ... held while the KL lags
+        lag    = kl_mean < follow * target                        # the KL still climbing
+        dz     = 0 if dz > 0 and lag                                # integral action held ...
         stuck  = kl_mean > target / follow                          # the KL law cannot go lower
         dz     = 0 if dz < 0 and stuck
         z      = clip(z + dz, log min_target, log max_target)
         u      = clip(z - gain * e, log target - max_step, log target + max_raise)
+        u      = min(u, log target) if lag                          # ... and the whole target
         u      = max(u, log target) if stuck                        # proportional action
         target = clip(exp(u), min_target, max_target)
 
@@ -132,8 +134,8 @@ class CapabilityBudget(Callback):
     not all won back by a lower KL, so the target rises slowly (``max_raise``) and falls
     quickly (``max_step``). Two holds keep the outer loop from winding up against the KL law
     (``kl_mean`` is the mean batch KL since the last evaluation, from the controller
-    callback's ``kl_sum``/``kl_count``): the integral does not rise while the KL has not
-    reached ``follow`` x the target (it is still climbing), and the target does not fall while
+    callback's ``kl_sum``/``kl_count``): the target does not rise, by either term, while the KL
+    has not reached ``follow`` x the target (it is still climbing), and it does not fall while
     the KL stays above target / ``follow`` (the law cannot bring it lower; a lower target
     would only raise beta without end). docs/budget.md derives the law.
 
@@ -402,9 +404,12 @@ class CapabilityBudget(Callback):
         error = budget_error(excess, self.budget_excess, self.error_floor)
         step = -self.rate * batches * error
         step = min(max(step, -self.max_step), self.max_raise)
-        if step > 0 and not (kl_mean >= self.follow * self.target):
-            step = 0.0  # the KL has not reached the target: integrating would wind up
-            self.n_held += 1
+        # The KL has not reached `follow` x the target: it is still climbing, and a rise by
+        # either term would meet the perplexity's later rise with a target far too high.
+        lagging = not (kl_mean >= self.follow * self.target)
+        held = lagging and step > 0
+        if held:
+            step = 0.0
         # The KL law cannot bring the KL down to the target: a lower target would only wind
         # the law's beta up (and PPO at a huge beta diverges), so the target is not lowered.
         stuck = self.follow * kl_mean > self.target
@@ -416,6 +421,9 @@ class CapabilityBudget(Callback):
         now = math.log(self.target)
         u = self.integral - self.gain * error
         u = min(max(u, now - self.max_step), now + self.max_raise)
+        if lagging and u > now:
+            u, held = now, True
+        self.n_held += held
         if stuck and u < now:
             u = now
             self.n_held_low += 1

@@ -73,13 +73,16 @@ def _expected(
     b = math.log(budget)
     e = math.log(max(math.log(ratio), 0.1 * b) / b)
     dz = min(max(-rate * batches * e, -max_step), max_raise)
-    if dz > 0 and kl_mean < follow * target:
+    lag = kl_mean < follow * target  # the KL still climbing: no rise, by either term
+    if dz > 0 and lag:
         dz = 0.0
     stuck = kl_mean > target / follow  # the KL law does not bring the KL down to the target
     if stuck and dz < 0:
         dz = 0.0
     z = min(max(z + dz, math.log(lo)), math.log(hi))
     u = min(max(z - gain * e, math.log(target) - max_step), math.log(target) + max_raise)
+    if lag:
+        u = min(u, math.log(target))
     if stuck:
         u = max(u, math.log(target))
     return z, min(max(math.exp(u), lo), hi)
@@ -94,7 +97,7 @@ def test_each_evaluation_follows_the_formula_with_its_clip_hold_floor_and_ceilin
     steps = [
         (1.02, 40, 3.4),  # under and following, a long interval: a raise clipped at max_raise
         (1.30, 5, 2.1),  # over budget: lower, by rate * 5 * e
-        (1.15, 5, 2.0),  # at budget: no move
+        (1.15, 5, 2.0),  # at budget, the KL lagging: no move (the proportional rise held)
         (1.02, 5, 0.5),  # under, but the KL has not reached the target: held
         (1.02, 5, 3.9),  # under and following: raise (error floored at log 0.1)
         *[(5.0, 100, None)] * 12,  # far over, the KL following: clipped steps, to the floor
@@ -115,7 +118,7 @@ def test_each_evaluation_follows_the_formula_with_its_clip_hold_floor_and_ceilin
         assert new == pytest.approx(target, rel=1e-14)
         assert budget.integral == pytest.approx(z, rel=1e-14, abs=1e-15)
         assert budget.ratio == pytest.approx(ratio, rel=1e-14)
-    assert budget.n_held == 1 and budget.n_held_low == 1
+    assert budget.n_held == 2 and budget.n_held_low == 1
     assert budget.n_evaluations == len(steps) and target > 0.5
 
 
@@ -509,3 +512,24 @@ def test_a_resume_says_once_which_target_is_in_force_and_the_monitor_takes_it(tm
     ]
     assert resumed.targets[11] == pytest.approx(saved, rel=1e-7)  # logged as float32
     assert controller.target == monitor.target == budget.target
+
+
+@pytest.mark.parametrize("ratio", [1.05, 1.0])
+def test_while_the_kl_lags_the_target_does_not_rise_by_any_term(ratio):
+    # The review's reproduction: a KL stuck at 1 nat, the ratio under budget. The integral was
+    # held, but the proportional term raised the target by max_raise every validation: to
+    # 4.27 nats at a ratio of 1.05 and 14.9 at 1.0 after 60 validations.
+    budget = CapabilityBudget(1.15)
+    ctl = _wired(budget, 1.0)
+    budget.integral = 0.0
+    targets = [1.0]
+    for _ in range(60):
+        ctl.n_batches += 5
+        ctl.kl_sum += 1.0 * 5
+        ctl.kl_count += 5
+        targets.append(budget.step(ratio * REF))
+    for before, after in zip(targets, targets[1:]):
+        if 1.0 < 0.7 * before:  # the KL has not reached follow x the target
+            assert after <= before
+    assert max(targets) < math.exp(0.05) / 0.7  # a rise stops once past KL / follow
+    assert targets[-20:] == [targets[-1]] * 20 and budget.n_held >= 50
