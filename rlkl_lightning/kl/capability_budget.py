@@ -23,12 +23,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
+from rlkl_lightning.kl.budget_model import ExcessModel
 from rlkl_lightning.kl.controller_callback import KLControllerCallback
 from rlkl_lightning.kl.controllers import laws_with_target
 from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
 from rlkl_lightning.kl.reading import check_name
 
 MODES = ("min", "max")
+#: The sampled loop's margin: gain x loop gain x (2 + integral share) stays below this (< 2).
+STABLE = 1.6
+#: Evaluations the noise estimate takes before the budget judges it.
+NOISE_EVALUATIONS = 10
 
 
 def budget_error(excess: float, budget_excess: float, floor: float) -> float:
@@ -112,32 +117,36 @@ class CapabilityBudget(Callback):
     After each validation (Lightning's sanity check is skipped) the callback reads ``monitor``
     and, the first time, the reference's value under ``reference_key``. With ``x`` the
     metric's excess over the reference (``log(m / m_ref)``; ``log(m_ref / m)`` with
-    ``mode="max"``), ``b`` the budget's (``log budget``; ``log(1 / budget)`` with ``"max"``) and
-    ``n`` the training batches since the last evaluation, it does, in log-target space::
+    ``mode="max"``), ``b`` the budget's (``log budget``; ``log(1 / budget)`` with ``"max"``),
+    ``n`` the training batches since the last evaluation and ``kl_mean`` the mean batch KL over
+    them (from the controller callback's ``kl_sum``/``kl_count``), it does, in log target::
 
-        e      = log(max(x, error_floor * b) / b)                  # budget_error
-        dz     = clip(-rate * n * e, -max_step, max_raise)          # integral action ...
-        lag    = kl_mean < follow * target                        # the KL still climbing
-        dz     = 0 if dz > 0 and lag                                # integral action held ...
-        stuck  = kl_mean > target / follow                          # the KL law cannot go lower
-        dz     = 0 if dz < 0 and stuck
+        lead   = model.update(log kl_mean, n, x)                    # >= 0: the rise to come
+        e      = log(max(x exp(lead), error_floor * b) / b)          # budget_error
+        g      = min(gain, 1.6 / (model.loop_gain(n) (2 + s)))      # s = 1 - exp(-n / tau)
+        dz     = clip(-g s e, -fall_per_batch n, raise_per_batch n)  # integral action ...
+        lag    = kl_mean < follow * target                          # the KL still climbing
+        stuck  = kl_mean > target / follow and not falling          # the KL law cannot go lower
+        dz     = 0 if (dz > 0 and lag) or (dz < 0 and stuck)
         z      = clip(z + dz, log min_target, log max_target)
-        u      = clip(z - gain * e, log target - max_step, log target + max_raise)
-        u      = min(u, log target) if lag                          # ... and the whole target
-        u      = max(u, log target) if stuck                        # proportional action
+        u      = clip(z - g e, log target -+ (fall, raise)_per_batch n)  # proportional action
+        u      = min(u, log target) if lag; max(u, log target) if stuck
         target = clip(exp(u), min_target, max_target)
 
-    a PI law in log target (the target settles where ``e = 0``, i.e. ``m = budget * m_ref``;
-    ``z``, the integral, starts at ``log`` of the controller's target). The integral follows a
-    perplexity that keeps rising at a constant KL with the error ``drift / rate``; the
-    proportional term answers an error at once. Moves are asymmetric: the perplexity lost is
-    not all won back by a lower KL, so the target rises slowly (``max_raise``) and falls
-    quickly (``max_step``). Two holds keep the outer loop from winding up against the KL law
-    (``kl_mean`` is the mean batch KL since the last evaluation, from the controller
-    callback's ``kl_sum``/``kl_count``): the target does not rise, by either term, while the KL
-    has not reached ``follow`` x the target (it is still climbing), and it does not fall while
-    the KL stays above target / ``follow`` (the law cannot bring it lower; a lower target
-    would only raise beta without end). docs/budget.md derives the law.
+    a PI law in log target on the excess the perplexity will reach once it has caught up with
+    the KL of now (``model``, :class:`~rlkl_lightning.kl.budget_model.ExcessModel`: a bank of
+    lags of the log KL, the one that best explains the evaluations, with its fitted
+    elasticity). The target settles where ``e = 0``, i.e. ``m = budget * m_ref``; ``z``, the
+    integral, starts at ``log`` of the controller's target. The integral's gain per evaluation
+    is ``g s``, at most ``gain`` whatever the interval, and both gains are cut where the
+    sampled loop would be unstable (docs/budget.md, "Stability"). The target moves by at most
+    ``raise_per_batch`` up and ``fall_per_batch`` down per batch. Two holds keep the outer loop
+    from winding up against the KL law: the target does not rise, by either term, while the
+    KL has not reached ``follow`` x the target (it is still climbing), and it does not fall
+    while the KL stays above target / ``follow`` and does not fall (the law cannot bring it
+    lower; a lower target would only raise beta without end). Where the evaluations scatter by
+    more than half the budget's excess, the callback warns once, naming the smallest budget
+    it can hold. docs/budget.md derives the law.
 
     The new target is handed to the controller callback
     (:meth:`~rlkl_lightning.kl.controller_callback.KLControllerCallback.set_target`: the law
@@ -160,19 +169,16 @@ class CapabilityBudget(Callback):
         reference_key: Key the module logs the reference's value under; its first finite
             value is kept for the run. None: the budget is absolute (``m_ref = 1``).
         mode: ``"min"`` (lower is better: perplexity, a held-out KL) or ``"max"``.
-        gain: Proportional gain, in log target per unit of error, >= 0: ``1 / a`` for an
-            excess that grows as ``KL^a`` with ``a`` about 1 (docs/budget.md).
-        rate: Integral gain, in log target per batch per unit of error, > 0: ``gain / tau``
-            with ``tau = 80`` batches, the time the held-out perplexity takes to follow the
-            KL (docs/budget.md).
-        max_step: Largest fall of ``log target`` per evaluation, > 0 (0.2: x 0.82).
-        max_raise: Largest rise of ``log target`` per evaluation, > 0 (0.05: x 1.05). The
-            perplexity a policy has lost is not all won back by a lower KL, so the budget is
-            approached from below: slowly up, quickly down.
+        gain: Proportional gain, in log target per unit of error, >= 0; the integral's gain
+            per evaluation is ``gain (1 - exp(-n / tau))``. Both are cut to keep the sampled
+            loop stable where the fitted elasticity is high (docs/budget.md, "Stability").
+        tau: The integral's time constant, in batches, > 0.
+        raise_per_batch: Largest rise of ``log target`` per batch, > 0 (0.02: x 1.105 per 5).
+        fall_per_batch: Largest fall of ``log target`` per batch, > 0 (0.04: x 0.82 per 5).
         min_target: Floor of the target (in the controller's unit), > 0.
         max_target: Ceiling of the target, > ``min_target``.
         follow: Fraction of the target the mean KL since the last evaluation must reach
-            before the target may rise, in [0, 1] (0: always).
+            before the target may rise, in [0, 1]; at 0 it may always rise.
         error_floor: Excess, as a fraction of the budget's, below which the error stops
             growing, in (0, 1).
         log_key: Key the target is logged under; None: not logged.
@@ -184,10 +190,10 @@ class CapabilityBudget(Callback):
         monitor: str = keys.PERPLEXITY,
         reference_key: str | None = keys.PERPLEXITY_REF,
         mode: str = "min",
-        gain: float = 1.0,
-        rate: float = 0.1,
-        max_step: float = 0.2,
-        max_raise: float = 0.05,
+        gain: float = 0.5,
+        tau: float = 20.0,
+        raise_per_batch: float = 0.02,
+        fall_per_batch: float = 0.04,
         min_target: float = 0.1,
         max_target: float = 100.0,
         follow: float = 0.7,
@@ -210,9 +216,9 @@ class CapabilityBudget(Callback):
         self.reference_key = reference_key
         self.mode = mode
         self.gain = _number(owner, "gain", gain, 0.0, closed=True)
-        self.rate = _number(owner, "rate", rate, 0.0)
-        self.max_step = _number(owner, "max_step", max_step, 0.0)
-        self.max_raise = _number(owner, "max_raise", max_raise, 0.0)
+        self.tau = _number(owner, "tau", tau, 0.0)
+        self.raise_per_batch = _number(owner, "raise_per_batch", raise_per_batch, 0.0)
+        self.fall_per_batch = _number(owner, "fall_per_batch", fall_per_batch, 0.0)
         self.min_target = _number(owner, "min_target", min_target, 0.0)
         self.max_target = _number(owner, "max_target", max_target, self.min_target)
         self.follow = _number(owner, "follow", follow, 0.0, 1.0, closed=True)
@@ -231,10 +237,15 @@ class CapabilityBudget(Callback):
         self.batches_at_eval = 0
         self.kl_sum_at_eval = 0.0
         self.kl_count_at_eval = 0
+        self.model = ExcessModel()  # how far the perplexity has yet to rise
+        self.lead = 0.0  # its last prediction, in log excess
+        self.gain_used = self.gain  # the proportional gain of the last evaluation
+        self.kl_before = math.nan  # the mean KL of the evaluation before (nan: none yet)
         self._controller: KLControllerCallback | None = None
         self._monitors: list[KLDriftMonitor] = []
         self._warned_nonfinite = False
         self._warned_stuck = False
+        self._warned_noise = False
         self._restored = False  # from a checkpoint: the start of the fit says the target
         self._first_batch = False
         self._steps_at_start = 0
@@ -401,9 +412,23 @@ class CapabilityBudget(Callback):
         lo_band, hi_band = self.band()
         self.n_in_band += lo_band <= self.ratio <= hi_band
         excess = self._sign * math.log(self.ratio)
-        error = budget_error(excess, self.budget_excess, self.error_floor)
-        step = -self.rate * batches * error
-        step = min(max(step, -self.max_step), self.max_raise)
+        b = self.budget_excess
+        # The excess once the perplexity has caught up with the KL of now (budget_model).
+        log_kl = math.log(max(kl_mean, 1e-9)) if math.isfinite(kl_mean) else None
+        if log_kl is not None and batches > 0:
+            self.lead = self.model.update(log_kl, batches, excess, self.error_floor * b)
+            self._check_noise()
+        predicted = excess * math.exp(self.lead) if excess > 0 else excess
+        error = budget_error(predicted, b, self.error_floor)
+        rise, fall = self.raise_per_batch * batches, self.fall_per_batch * batches
+        # The integral's gain per evaluation is gain x (1 - exp(-n / tau)): at most `gain`,
+        # whatever the interval n. Both gains are cut where the loop's gain per evaluation would
+        # break the stability condition (docs/budget.md, "Stability").
+        integral = 1.0 - math.exp(-batches / self.tau)
+        gain = min(self.gain, STABLE / (self.model.loop_gain(batches) * (2.0 + integral)))
+        self.gain_used = gain
+        step = -gain * integral * error
+        step = min(max(step, -fall), rise)
         # The KL has not reached `follow` x the target: it is still climbing, and a rise by
         # either term would meet the perplexity's later rise with a target far too high.
         lagging = not (kl_mean >= self.follow * self.target)
@@ -412,20 +437,27 @@ class CapabilityBudget(Callback):
             step = 0.0
         # The KL law cannot bring the KL down to the target: a lower target would only wind
         # the law's beta up (and PPO at a huge beta diverges), so the target is not lowered.
-        stuck = self.follow * kl_mean > self.target
-        if stuck and step < 0:
+        # A KL above target / follow that is still falling is the KL law following the target
+        # down with its lag, not a KL it cannot bring lower.
+        falling = kl_mean < self.kl_before
+        stuck = self.follow * kl_mean > self.target and not falling
+        if math.isfinite(kl_mean):
+            self.kl_before = kl_mean
+        held_low = stuck and step < 0
+        if held_low:
             step = 0.0
         lo, hi = math.log(self.min_target), math.log(self.max_target)
         z = math.log(self.target) if self.integral is None else self.integral
         self.integral = min(max(z + step, lo), hi)
         now = math.log(self.target)
-        u = self.integral - self.gain * error
-        u = min(max(u, now - self.max_step), now + self.max_raise)
+        u = self.integral - gain * error
+        u = min(max(u, now - fall), now + rise)
         if lagging and u > now:
             u, held = now, True
         self.n_held += held
         if stuck and u < now:
-            u = now
+            u, held_low = now, True
+        if held_low:
             self.n_held_low += 1
             if not self._warned_stuck:
                 self._warned_stuck = True
@@ -442,6 +474,22 @@ class CapabilityBudget(Callback):
                 )
         self.target = min(max(math.exp(u), self.min_target), self.max_target)
         return self.target
+
+    def _check_noise(self) -> None:
+        """Warn once where the evaluations' noise is over half the budget's excess."""
+        sd, b = self.model.noise_sd, abs(self.budget_excess)
+        if self._warned_noise or self.model.n_noise < NOISE_EVALUATIONS or sd <= b / 2:
+            return
+        self._warned_noise = True
+        smallest = math.exp(2.0 * sd * self._sign)
+        rank_zero_warn(
+            f"{type(self).__name__}: the evaluations of {self.monitor!r} scatter by {sd:.3g} "
+            f"(sd, in log), more than half the budget's excess (log {self.budget:g} = {b:.3g}): "
+            f"the budget cannot tell its excess from noise, and the smallest budget this run "
+            f"can hold is about {smallest:.4g} (docs/budget.md, 'When it cannot hold the "
+            "budget'). Validate on more text, or set a larger budget.",
+            category=RuntimeWarning,
+        )
 
     def _read(self, trainer: pl.Trainer, key: str | None) -> float:
         if key is None:
@@ -472,6 +520,9 @@ class CapabilityBudget(Callback):
             "batches_at_eval": self.batches_at_eval,
             "kl_sum_at_eval": self.kl_sum_at_eval,
             "kl_count_at_eval": self.kl_count_at_eval,
+            "model": self.model.state_dict(),
+            "lead": self.lead,
+            "kl_before": self.kl_before,
         }
 
     @override
@@ -493,3 +544,6 @@ class CapabilityBudget(Callback):
         self.batches_at_eval = int(state_dict.get("batches_at_eval", 0))
         self.kl_sum_at_eval = float(state_dict.get("kl_sum_at_eval", 0.0))
         self.kl_count_at_eval = int(state_dict.get("kl_count_at_eval", 0))
+        self.model.load_state_dict(state_dict.get("model") or {})
+        self.lead = float(state_dict.get("lead", 0.0))
+        self.kl_before = float(state_dict.get("kl_before", math.nan))
