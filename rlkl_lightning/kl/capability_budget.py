@@ -461,11 +461,13 @@ class CapabilityBudget(Callback):
             self.n_held_low += 1
             if not self._warned_stuck:
                 self._warned_stuck = True
-                where = "over" if error > 0 else "within"
+                where = "over" if excess > b else "within"
+                ahead = math.exp(self._sign * predicted)
                 rank_zero_warn(
                     f"{type(self).__name__}: {self.monitor!r} is {where} budget "
-                    f"({self.ratio:.4g} x the reference's, budget {self.budget:g}) and the loop "
-                    f"would lower the target, but the KL law holds the KL at {kl_mean:.4g}, "
+                    f"({self.ratio:.4g} x the reference's, budget {self.budget:g}; "
+                    f"{ahead:.4g} once it catches up with the KL) and the loop would lower "
+                    f"the target, but the KL law holds the KL at {kl_mean:.4g}, "
                     f"above the target {self.target:.4g} / follow ({self.follow:g}): the target "
                     "is not lowered further while the KL does not follow it down (the budget "
                     "may be out of reach; see docs/budget.md, 'When it cannot hold the "

@@ -508,6 +508,7 @@ def test_logpid_law_with_a_budget_runs_and_logs_the_target():
 def test_a_lowering_held_under_budget_says_within_budget_not_over():
     # The integral sits below the target (it remembers an earlier excess): under budget the
     # loop would still lower the target, and the KL law holds the KL above target / follow.
+    # (In a run the prediction alone can make it so: 1.135 measured, more to come.)
     budget = CapabilityBudget(1.15)
     ctl = _wired(budget, 2.0)
     budget.integral = math.log(2.0) - 1.0
@@ -515,7 +516,7 @@ def test_a_lowering_held_under_budget_says_within_budget_not_over():
     with pytest.warns(RuntimeWarning, match="not lowered further") as caught:
         assert budget.step(1.145 * REF) == 2.0
     (message,) = [str(w.message) for w in caught]
-    assert "is within budget (1.145 x the reference's, budget 1.15)" in message
+    assert "is within budget (1.145 x the reference's, budget 1.15; " in message
     assert "over budget" not in message
 
 
