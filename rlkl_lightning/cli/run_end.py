@@ -2,7 +2,10 @@
 
 :class:`SaveLastAtEnd` writes ``last.ckpt`` after the run's final batch, where the periodic
 checkpoints would have left it up to ``every_n_train_steps`` behind; it writes it as a periodic
-checkpoint would (at the end of the batch), so a run extended from it continues exactly.
+checkpoint would (at the end of the batch, and again after the validation that follows that
+batch, as ``ModelCheckpoint`` rewrites its own ``last``), so a run extended from it continues
+exactly: a resume from a checkpoint of the batch's end skips that batch's validation, and
+what the validation moved (a capability budget's target) would be lost.
 
 :class:`ExtendFinishedEpoch` makes a run bounded by ``trainer.max_steps`` resume a checkpoint
 written after its epoch ended (Lightning's own ``last.ckpt`` at the end of a run that saved
@@ -42,10 +45,15 @@ class SaveLastAtEnd(Callback):
     """After the run's final batch, every ``ModelCheckpoint`` with ``save_last`` writes ``last``.
 
     Runs after the ``ModelCheckpoint`` callbacks (the CLI puts it last): one that saved at this
-    step already is left alone. The file is what the callback writes as its ``last`` (name,
-    versioning, the previous one removed), through its own (private) ``_save_last_checkpoint``;
-    ``tests/system/test_resume.py`` fails if Lightning changes it.
+    step already is left alone. If a validation follows the final batch, ``last`` is written
+    again after it: Lightning resumes a checkpoint written at a batch's end after that batch's
+    validation, which would never run. The file is what the callback writes as its ``last``
+    (name, versioning, the previous one removed), through its own (private)
+    ``_save_last_checkpoint``; ``tests/system/test_resume.py`` fails if Lightning changes it.
     """
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[ModelCheckpoint, int]] = []  # (callback, global step) to redo
 
     @override
     def on_train_batch_end(
@@ -56,6 +64,7 @@ class SaveLastAtEnd(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        self._saved = []
         if not _final_batch(trainer, batch_idx):
             return
         for callback in trainer.checkpoint_callbacks:
@@ -63,11 +72,21 @@ class SaveLastAtEnd(Callback):
                 continue
             saved_at = getattr(callback, "_last_global_step_saved", None)
             if saved_at == trainer.global_step:
-                continue
+                continue  # its own save; it rewrites `last` after a validation itself
             callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
             # Not a save of its own schedule: a save the callback makes later at this step
             # (its top-k at the validation that ends an epoch) still happens.
             callback._last_global_step_saved = saved_at
+            self._saved.append((callback, trainer.global_step))
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        saved, self._saved = self._saved, []
+        for callback, step in saved:
+            if step == trainer.global_step and callback.last_model_path:
+                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
 
 
 class ExtendFinishedEpoch(Callback):

@@ -44,6 +44,7 @@ NOT_TRAJECTORY = frozenset(
         "data.init_args.val_batch_size",
         "data.init_args.num_workers",
         "kl.strict",
+        "kl.bound_patience",
     }
 )
 # With trainer.precision. Not seed_everything: a resume restores every random stream.
@@ -204,7 +205,7 @@ class RunSettings(Callback):
         self.settings = dict(settings)
         self.allow_changes = allow_changes
         self.changes: list[str] = []  # of the last resume
-        self._compared: int | None = None  # id of the checkpoint compared last
+        self._compared: str | None = None  # the settings of the checkpoint compared last
 
     @property
     @override
@@ -235,17 +236,29 @@ class RunSettings(Callback):
         Called before ``fit``, nothing of the run is touched by a refusal: not the weights,
         not the ``config.yaml`` the run's directory keeps.
         """
-        if not isinstance(checkpoint, dict) or self._compared == id(checkpoint):
+        if not isinstance(checkpoint, dict):
             return
-        self._compared = id(checkpoint)
         state = (checkpoint.get("callbacks") or {}).get(self.state_key)
         if not isinstance(state, dict) or not isinstance(state.get("settings"), dict):
             return  # a checkpoint written without the CLI, or before this check existed
+        compared = repr(sorted(state["settings"].items()))
+        if self._compared == compared:  # the CLI compares first, Lightning's load again
+            return
+        self._compared = compared
         saved = nested_settings(state["settings"])
         current = self.settings
         if CALLBACKS_KEY not in saved:  # written before callbacks were compared
             current = {k: v for k, v in current.items() if not k.startswith(CALLBACKS_KEY)}
         self.changes = differences(saved, current)
+        budget = all("CapabilityBudget" in s.get(CALLBACKS_KEY, "") for s in (saved, current))
+        # Under a budget `kl.target` only starts a run: a resume takes the budget's target.
+        unapplied = [c for c in self.changes if budget and c.startswith("kl.target: ")]
+        self.changes = [c for c in self.changes if c not in unapplied]
+        for line in unapplied:
+            rank_zero_info(
+                f"Not applied on resume: {line} (a CapabilityBudget sets the target; its own, "
+                "from the checkpoint, is in force)"
+            )
         if not self.changes:
             return
         listed = "\n  ".join(self.changes)

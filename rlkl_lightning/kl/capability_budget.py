@@ -23,12 +23,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
+from rlkl_lightning.kl.budget_model import ExcessModel
 from rlkl_lightning.kl.controller_callback import KLControllerCallback
 from rlkl_lightning.kl.controllers import laws_with_target
 from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
 from rlkl_lightning.kl.reading import check_name
 
 MODES = ("min", "max")
+#: The sampled loop's margin: gain x loop gain x (2 + integral share) stays below this (< 2).
+STABLE = 1.6
+#: Evaluations the noise estimate takes before the budget judges it.
+NOISE_EVALUATIONS = 10
 
 
 def budget_error(excess: float, budget_excess: float, floor: float) -> float:
@@ -66,36 +71,82 @@ def _number(
     return float(value)
 
 
+def _check_validation(trainer: pl.Trainer, owner: str, monitor: str) -> None:
+    """Refuse a run whose validation never runs: the budget would never act, silently."""
+    limit = getattr(trainer, "limit_val_batches", 1)
+    if limit == 0:
+        raise ValueError(
+            f"{owner}: `trainer.limit_val_batches` must be > 0 with a capability budget, got "
+            f"{limit!r}: the budget moves the target after each validation ({monitor!r})"
+        )
+    hparams = getattr(getattr(trainer, "datamodule", None), "hparams", None)
+    if hparams is not None and "heldout" in hparams and hparams["heldout"] is None:
+        raise ValueError(
+            f"{owner}: `data.init_args.heldout` must name the held-out text the budget steers "
+            f"on ({monitor!r} is measured on it), got None: without it no validation runs "
+            "(e.g. default:validation)"
+        )
+
+
+def _check_run_length(trainer: pl.Trainer, steps_per_batch: int) -> None:
+    """Refuse a run shorter than its ``val_check_interval`` (known after its first batch)."""
+    interval = getattr(trainer, "val_check_interval", None)
+    if trainer.check_val_every_n_epoch is not None or not isinstance(interval, int):
+        return
+    loop = trainer.fit_loop.epoch_loop
+    done = loop.total_batch_idx + 1  # batches of the whole run, this one included
+    lengths = []
+    if trainer.max_steps is not None and trainer.max_steps > 0 and steps_per_batch > 0:
+        lengths.append(
+            done + math.ceil((trainer.max_steps - trainer.global_step) / steps_per_batch)
+        )
+    batches = trainer.num_training_batches
+    if trainer.max_epochs is not None and trainer.max_epochs > 0 and math.isfinite(batches):
+        lengths.append(int(trainer.max_epochs * batches))
+    if lengths and min(lengths) < interval:
+        raise ValueError(
+            f"CapabilityBudget: `trainer.val_check_interval` must be at most the run's length "
+            f"({min(lengths)} batches), got {interval}: the budget moves the target only after "
+            "a validation, and this run would have none"
+        )
+
+
 class CapabilityBudget(Callback):
     r"""Move the KL target so that a capability metric stays at ``budget`` x the reference's.
 
     After each validation (Lightning's sanity check is skipped) the callback reads ``monitor``
     and, the first time, the reference's value under ``reference_key``. With ``x`` the
     metric's excess over the reference (``log(m / m_ref)``; ``log(m_ref / m)`` with
-    ``mode="max"``), ``b`` the budget's (``log budget``; ``log(1 / budget)`` with ``"max"``) and
-    ``n`` the training batches since the last evaluation, it does, in log-target space::
+    ``mode="max"``), ``b`` the budget's (``log budget``; ``log(1 / budget)`` with ``"max"``),
+    ``n`` the training batches since the last evaluation and ``kl_mean`` the mean batch KL over
+    them (from the controller callback's ``kl_sum``/``kl_count``), it does, in log target::
 
-        e      = log(max(x, error_floor * b) / b)                  # budget_error
-        dz     = clip(-rate * n * e, -max_step, max_raise)          # integral action ...
-        dz     = 0 if dz > 0 and kl_mean < follow * target         # ... held while the KL lags
-        stuck  = kl_mean > target / follow                          # the KL law cannot go lower
-        dz     = 0 if dz < 0 and stuck
+        lead   = model.update(log kl_mean, n, x)                    # >= 0: the rise to come
+        e      = log(max(x exp(lead), error_floor * b) / b)          # budget_error
+        g      = min(gain, 1.6 / (model.loop_gain(n) (2 + s)))      # s = 1 - exp(-n / tau)
+        dz     = clip(-g s e, -fall_per_batch n, raise_per_batch n)  # integral action ...
+        lag    = kl_mean < follow * target                          # the KL still climbing
+        stuck  = kl_mean > target / follow and not falling          # the KL law cannot go lower
+        dz     = 0 if (dz > 0 and lag) or (dz < 0 and stuck)
         z      = clip(z + dz, log min_target, log max_target)
-        u      = clip(z - gain * e, log target - max_step, log target + max_raise)
-        u      = max(u, log target) if stuck                        # proportional action
+        u      = clip(z - g e, log target -+ (fall, raise)_per_batch n)  # proportional action
+        u      = min(u, log target) if lag; max(u, log target) if stuck
         target = clip(exp(u), min_target, max_target)
 
-    a PI law in log target (the target settles where ``e = 0``, i.e. ``m = budget * m_ref``;
-    ``z``, the integral, starts at ``log`` of the controller's target). The integral follows a
-    perplexity that keeps rising at a constant KL with the error ``drift / rate``; the
-    proportional term answers an error at once. Moves are asymmetric: the perplexity lost is
-    not all won back by a lower KL, so the target rises slowly (``max_raise``) and falls
-    quickly (``max_step``). Two holds keep the outer loop from winding up against the KL law
-    (``kl_mean`` is the mean batch KL since the last evaluation, from the controller
-    callback's ``kl_sum``/``kl_count``): the integral does not rise while the KL has not
-    reached ``follow`` x the target (it is still climbing), and the target does not fall while
-    the KL stays above target / ``follow`` (the law cannot bring it lower; a lower target
-    would only raise beta without end). docs/budget.md derives the law.
+    a PI law in log target on the excess the perplexity will reach once it has caught up with
+    the KL of now (``model``, :class:`~rlkl_lightning.kl.budget_model.ExcessModel`: a bank of
+    lags of the log KL, the one that best explains the evaluations, with its fitted
+    elasticity). The target settles where ``e = 0``, i.e. ``m = budget * m_ref``; ``z``, the
+    integral, starts at ``log`` of the controller's target. The integral's gain per evaluation
+    is ``g s``, at most ``gain`` whatever the interval, and both gains are cut where the
+    sampled loop would be unstable (docs/budget.md, "Stability"). The target moves by at most
+    ``raise_per_batch`` up and ``fall_per_batch`` down per batch. Two holds keep the outer loop
+    from winding up against the KL law: the target does not rise, by either term, while the
+    KL has not reached ``follow`` x the target (it is still climbing), and it does not fall
+    while the KL stays above target / ``follow`` and does not fall (the law cannot bring it
+    lower; a lower target would only raise beta without end). Where the evaluations scatter by
+    more than half the budget's excess, the callback warns once, naming the smallest budget
+    it can hold. docs/budget.md derives the law.
 
     The new target is handed to the controller callback
     (:meth:`~rlkl_lightning.kl.controller_callback.KLControllerCallback.set_target`: the law
@@ -118,19 +169,16 @@ class CapabilityBudget(Callback):
         reference_key: Key the module logs the reference's value under; its first finite
             value is kept for the run. None: the budget is absolute (``m_ref = 1``).
         mode: ``"min"`` (lower is better: perplexity, a held-out KL) or ``"max"``.
-        gain: Proportional gain, in log target per unit of error, >= 0: ``1 / a`` for an
-            excess that grows as ``KL^a`` with ``a`` about 1 (docs/budget.md).
-        rate: Integral gain, in log target per batch per unit of error, > 0: ``gain / tau``
-            with ``tau = 80`` batches, the time the held-out perplexity takes to follow the
-            KL (docs/budget.md).
-        max_step: Largest fall of ``log target`` per evaluation, > 0 (0.2: x 0.82).
-        max_raise: Largest rise of ``log target`` per evaluation, > 0 (0.05: x 1.05). The
-            perplexity a policy has lost is not all won back by a lower KL, so the budget is
-            approached from below: slowly up, quickly down.
+        gain: Proportional gain, in log target per unit of error, >= 0; the integral's gain
+            per evaluation is ``gain (1 - exp(-n / tau))``. Both are cut to keep the sampled
+            loop stable where the fitted elasticity is high (docs/budget.md, "Stability").
+        tau: The integral's time constant, in batches, > 0.
+        raise_per_batch: Largest rise of ``log target`` per batch, > 0 (0.02: x 1.105 per 5).
+        fall_per_batch: Largest fall of ``log target`` per batch, > 0 (0.04: x 0.82 per 5).
         min_target: Floor of the target (in the controller's unit), > 0.
         max_target: Ceiling of the target, > ``min_target``.
         follow: Fraction of the target the mean KL since the last evaluation must reach
-            before the target may rise, in [0, 1] (0: always).
+            before the target may rise, in [0, 1]; at 0 it may always rise.
         error_floor: Excess, as a fraction of the budget's, below which the error stops
             growing, in (0, 1).
         log_key: Key the target is logged under; None: not logged.
@@ -142,10 +190,10 @@ class CapabilityBudget(Callback):
         monitor: str = keys.PERPLEXITY,
         reference_key: str | None = keys.PERPLEXITY_REF,
         mode: str = "min",
-        gain: float = 1.0,
-        rate: float = 0.1,
-        max_step: float = 0.2,
-        max_raise: float = 0.05,
+        gain: float = 0.5,
+        tau: float = 20.0,
+        raise_per_batch: float = 0.02,
+        fall_per_batch: float = 0.04,
         min_target: float = 0.1,
         max_target: float = 100.0,
         follow: float = 0.7,
@@ -168,9 +216,9 @@ class CapabilityBudget(Callback):
         self.reference_key = reference_key
         self.mode = mode
         self.gain = _number(owner, "gain", gain, 0.0, closed=True)
-        self.rate = _number(owner, "rate", rate, 0.0)
-        self.max_step = _number(owner, "max_step", max_step, 0.0)
-        self.max_raise = _number(owner, "max_raise", max_raise, 0.0)
+        self.tau = _number(owner, "tau", tau, 0.0)
+        self.raise_per_batch = _number(owner, "raise_per_batch", raise_per_batch, 0.0)
+        self.fall_per_batch = _number(owner, "fall_per_batch", fall_per_batch, 0.0)
         self.min_target = _number(owner, "min_target", min_target, 0.0)
         self.max_target = _number(owner, "max_target", max_target, self.min_target)
         self.follow = _number(owner, "follow", follow, 0.0, 1.0, closed=True)
@@ -185,13 +233,22 @@ class CapabilityBudget(Callback):
         self.n_skipped = 0
         self.n_held = 0  # evaluations whose raise was held back (the KL not following)
         self.n_held_low = 0  # evaluations whose lowering was held back (the KL stuck above)
+        self.n_in_band = 0  # evaluations whose ratio was within 20% of the budget's excess
         self.batches_at_eval = 0
         self.kl_sum_at_eval = 0.0
         self.kl_count_at_eval = 0
+        self.model = ExcessModel()  # how far the perplexity has yet to rise
+        self.lead = 0.0  # its last prediction, in log excess
+        self.gain_used = self.gain  # the proportional gain of the last evaluation
+        self.kl_before = math.nan  # the mean KL of the evaluation before (nan: none yet)
         self._controller: KLControllerCallback | None = None
         self._monitors: list[KLDriftMonitor] = []
         self._warned_nonfinite = False
         self._warned_stuck = False
+        self._warned_noise = False
+        self._restored = False  # from a checkpoint: the start of the fit says the target
+        self._first_batch = False
+        self._steps_at_start = 0
 
     @property
     @override
@@ -229,20 +286,66 @@ class CapabilityBudget(Callback):
             for m in trainer.callbacks
             if isinstance(m, KLDriftMonitor) and m.unit == controller.unit
         ]
+        if stage == "fit":
+            _check_validation(trainer, owner, self.monitor)
+        for callback in (controller, *self._monitors):
+            callback.steered = True  # the budget's target, not the configured one, is in force
         if self.target is None:
             self.target = min(max(controller.target, self.min_target), self.max_target)
             self.integral = math.log(self.target)
+        refresh = any(type(c).__name__ == "ReferenceRefresh" for c in trainer.callbacks)
         rank_zero_info(
             f"{owner}: steers the KL target ({controller.unit}) from {self.target:.4g} within "
             f"[{self.min_target:g}, {self.max_target:g}] so that {self.monitor!r} stays at "
             f"{self.budget:g} x the initial reference's ({self.reference_key!r}); "
             f"{len(self._monitors)} drift monitor(s) follow the target."
+            + (
+                " With the ReferenceRefresh the ratio stays against the initial reference's "
+                "value: the budget bounds what the run loses from the model it started with, "
+                "and the target, a KL to the refreshed reference, is lowered as that loss "
+                "accumulates (docs/budget.md)."
+                if refresh
+                else ""
+            )
         )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After any checkpoint restore: the target in force is the cascade's.
         self._push()
+        self._first_batch = True
+        self._steps_at_start = trainer.global_step
+        if self._restored and self._controller is not None and self.target is not None:
+            rank_zero_info(
+                f"{type(self).__name__}: resumed; the KL target in force is {self.target:.4g} "
+                f"(the budget's, from the checkpoint; `kl.target` "
+                f"{self._controller.initial_target:g} only starts a run)."
+            )
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rank_zero_info(self.summary())
+
+    def band(self) -> tuple[float, float]:
+        """The ratios within 20% of the budget's excess (1.15: [1.12, 1.18])."""
+        ends = (1.0 + 0.8 * (self.budget - 1.0), 1.0 + 1.2 * (self.budget - 1.0))
+        return min(ends), max(ends)
+
+    def summary(self) -> str:
+        """One line on how the run held its budget: what the end of a run prints."""
+        used = self.n_evaluations - self.n_skipped
+        share = f" ({self.n_in_band / used:.0%})" if used else ""
+        lo, hi = self.band()
+        at_bound = getattr(self._controller, "n_at_bound", None)
+        batches = getattr(self._controller, "n_batches", 0)
+        target = "none" if self.target is None else f"{self.target:.4g}"
+        return (
+            f"{type(self).__name__}: {self.n_in_band} of {used} evaluations{share} with the "
+            f"ratio in the band [{lo:.4g}, {hi:.4g}] (budget {self.budget:g} +- 20% of its "
+            f"excess); final target {target}; beta at a bound in "
+            f"{'?' if at_bound is None else at_bound} of {batches} batches; "
+            f"{self.n_skipped} evaluations skipped."
+        )
 
     def _push(self) -> None:
         if self._controller is None or self.target is None:
@@ -261,6 +364,9 @@ class CapabilityBudget(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        if self._first_batch:
+            self._first_batch = False
+            _check_run_length(trainer, trainer.global_step - self._steps_at_start)
         if self.log_key is not None and self.target is not None:
             pl_module.log(self.log_key, self.target, on_step=True, on_epoch=False)
         if math.isfinite(self.ratio):
@@ -303,41 +409,89 @@ class CapabilityBudget(Callback):
                 )
             return self.target
         self.ratio = metric / reference
+        lo_band, hi_band = self.band()
+        self.n_in_band += lo_band <= self.ratio <= hi_band
         excess = self._sign * math.log(self.ratio)
-        error = budget_error(excess, self.budget_excess, self.error_floor)
-        step = -self.rate * batches * error
-        step = min(max(step, -self.max_step), self.max_raise)
-        if step > 0 and not (kl_mean >= self.follow * self.target):
-            step = 0.0  # the KL has not reached the target: integrating would wind up
-            self.n_held += 1
+        b = self.budget_excess
+        # The excess once the perplexity has caught up with the KL of now (budget_model).
+        log_kl = math.log(max(kl_mean, 1e-9)) if math.isfinite(kl_mean) else None
+        if log_kl is not None and batches > 0:
+            self.lead = self.model.update(log_kl, batches, excess, self.error_floor * b)
+            self._check_noise()
+        predicted = excess * math.exp(self.lead) if excess > 0 else excess
+        error = budget_error(predicted, b, self.error_floor)
+        rise, fall = self.raise_per_batch * batches, self.fall_per_batch * batches
+        # The integral's gain per evaluation is gain x (1 - exp(-n / tau)): at most `gain`,
+        # whatever the interval n. Both gains are cut where the loop's gain per evaluation would
+        # break the stability condition (docs/budget.md, "Stability").
+        integral = 1.0 - math.exp(-batches / self.tau)
+        gain = min(self.gain, STABLE / (self.model.loop_gain(batches) * (2.0 + integral)))
+        self.gain_used = gain
+        step = -gain * integral * error
+        step = min(max(step, -fall), rise)
+        # The KL has not reached `follow` x the target: it is still climbing, and a rise by
+        # either term would meet the perplexity's later rise with a target far too high.
+        lagging = not (kl_mean >= self.follow * self.target)
+        held = lagging and step > 0
+        if held:
+            step = 0.0
         # The KL law cannot bring the KL down to the target: a lower target would only wind
         # the law's beta up (and PPO at a huge beta diverges), so the target is not lowered.
-        stuck = self.follow * kl_mean > self.target
-        if stuck and step < 0:
+        # A KL above target / follow that is still falling is the KL law following the target
+        # down with its lag, not a KL it cannot bring lower.
+        falling = kl_mean < self.kl_before
+        stuck = self.follow * kl_mean > self.target and not falling
+        if math.isfinite(kl_mean):
+            self.kl_before = kl_mean
+        held_low = stuck and step < 0
+        if held_low:
             step = 0.0
         lo, hi = math.log(self.min_target), math.log(self.max_target)
         z = math.log(self.target) if self.integral is None else self.integral
         self.integral = min(max(z + step, lo), hi)
         now = math.log(self.target)
-        u = self.integral - self.gain * error
-        u = min(max(u, now - self.max_step), now + self.max_raise)
+        u = self.integral - gain * error
+        u = min(max(u, now - fall), now + rise)
+        if lagging and u > now:
+            u, held = now, True
+        self.n_held += held
         if stuck and u < now:
-            u = now
+            u, held_low = now, True
+        if held_low:
             self.n_held_low += 1
             if not self._warned_stuck:
                 self._warned_stuck = True
+                where = "over" if excess > b else "within"
+                ahead = math.exp(self._sign * predicted)
                 rank_zero_warn(
-                    f"{type(self).__name__}: {self.monitor!r} is over budget "
-                    f"({self.ratio:.4g} x the reference's, budget {self.budget:g}) but the KL "
-                    f"law holds the KL at {kl_mean:.4g}, above the target {self.target:.4g} / "
-                    f"follow ({self.follow:g}): the target is not lowered further while the KL "
-                    "does not follow it down (the budget may be out of reach; see docs/budget.md, "
-                    "'When it cannot hold the budget'). Further such evaluations are counted in "
-                    "`n_held_low`.",
+                    f"{type(self).__name__}: {self.monitor!r} is {where} budget "
+                    f"({self.ratio:.4g} x the reference's, budget {self.budget:g}; "
+                    f"{ahead:.4g} once it catches up with the KL) and the loop would lower "
+                    f"the target, but the KL law holds the KL at {kl_mean:.4g}, "
+                    f"above the target {self.target:.4g} / follow ({self.follow:g}): the target "
+                    "is not lowered further while the KL does not follow it down (the budget "
+                    "may be out of reach; see docs/budget.md, 'When it cannot hold the "
+                    "budget'). Further such evaluations are counted in `n_held_low`.",
                     category=RuntimeWarning,
                 )
         self.target = min(max(math.exp(u), self.min_target), self.max_target)
         return self.target
+
+    def _check_noise(self) -> None:
+        """Warn once where the evaluations' noise is over half the budget's excess."""
+        sd, b = self.model.noise_sd, abs(self.budget_excess)
+        if self._warned_noise or self.model.n_noise < NOISE_EVALUATIONS or sd <= b / 2:
+            return
+        self._warned_noise = True
+        smallest = math.exp(2.0 * sd * self._sign)
+        rank_zero_warn(
+            f"{type(self).__name__}: the evaluations of {self.monitor!r} scatter by {sd:.3g} "
+            f"(sd, in log), more than half the budget's excess (log {self.budget:g} = {b:.3g}): "
+            f"the budget cannot tell its excess from noise, and the smallest budget this run "
+            f"can hold is about {smallest:.4g} (docs/budget.md, 'When it cannot hold the "
+            "budget'). Validate on more text, or set a larger budget.",
+            category=RuntimeWarning,
+        )
 
     def _read(self, trainer: pl.Trainer, key: str | None) -> float:
         if key is None:
@@ -364,9 +518,13 @@ class CapabilityBudget(Callback):
             "n_skipped": self.n_skipped,
             "n_held": self.n_held,
             "n_held_low": self.n_held_low,
+            "n_in_band": self.n_in_band,
             "batches_at_eval": self.batches_at_eval,
             "kl_sum_at_eval": self.kl_sum_at_eval,
             "kl_count_at_eval": self.kl_count_at_eval,
+            "model": self.model.state_dict(),
+            "lead": self.lead,
+            "kl_before": self.kl_before,
         }
 
     @override
@@ -383,6 +541,11 @@ class CapabilityBudget(Callback):
         self.n_skipped = int(state_dict.get("n_skipped", 0))
         self.n_held = int(state_dict.get("n_held", 0))
         self.n_held_low = int(state_dict.get("n_held_low", 0))
+        self.n_in_band = int(state_dict.get("n_in_band", 0))
+        self._restored = True
         self.batches_at_eval = int(state_dict.get("batches_at_eval", 0))
         self.kl_sum_at_eval = float(state_dict.get("kl_sum_at_eval", 0.0))
         self.kl_count_at_eval = int(state_dict.get("kl_count_at_eval", 0))
+        self.model.load_state_dict(state_dict.get("model") or {})
+        self.lead = float(state_dict.get("lead", 0.0))
+        self.kl_before = float(state_dict.get("kl_before", math.nan))

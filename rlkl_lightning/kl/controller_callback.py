@@ -116,6 +116,10 @@ class KLControllerCallback(KLCallbackBase):
             ``every`` batches or more of the ``ReferenceRefresh`` callback freezes beta from the
             first refresh on, and warns at set-up.
         refresh_key: Key the module logs its running count of reference refreshes under.
+        bound_patience: Consecutive updates with beta at one of the law's bounds
+            (``min_kl_coef``, ``max_kl_coef``) after which the callback warns, once: the law
+            cannot bring the KL to the target (0: never). All updates at a bound are counted in
+            ``n_at_bound``.
 
     Example::
 
@@ -135,8 +139,18 @@ class KLControllerCallback(KLCallbackBase):
         negative_kl_tolerance: float | None = None,
         hold_after_refresh: int = 0,
         refresh_key: str | None = keys.REFERENCE_REFRESHES,
+        bound_patience: int = 20,
     ) -> None:
         owner = type(self).__name__
+        if (
+            isinstance(bound_patience, bool)
+            or not isinstance(bound_patience, int)
+            or (bound_patience < 0)
+        ):
+            raise ValueError(
+                f"{owner}: bound_patience must be an int >= 0 (batches; 0: never warn), got "
+                f"{bound_patience!r}"
+            )
         tolerance = negative_kl_tolerance
         if tolerance is None:
             tolerance = NEGATIVE_KL_TOLERANCE.get(unit, 1.0)
@@ -184,6 +198,11 @@ class KLControllerCallback(KLCallbackBase):
         self.initial_target = self.target  # the `target` this run was configured with
         self.kl_sum = 0.0  # of the usable batch KLs seen (held ones too), for outer loops
         self.kl_count = 0
+        self.bound_patience = bound_patience
+        self.n_at_bound = 0  # updates that left beta at a bound
+        self.at_bound = 0  # of them, the last consecutive ones
+        self._warned_bound = False
+        self.steered = False  # another callback (a CapabilityBudget) sets the target in force
 
     @property
     @override
@@ -278,6 +297,36 @@ class KLControllerCallback(KLCallbackBase):
             self.held -= 1  # the KL against a freshly refreshed reference: beta holds
             return
         self.controller.update(kl, n_samples)
+        self._count_bound(kl)
+
+    def _count_bound(self, kl: float) -> None:
+        """Count an update that left beta at a bound; warn once after ``bound_patience``."""
+        beta = self.value
+        lo = getattr(self.controller, "min_kl_coef", None)
+        hi = getattr(self.controller, "max_kl_coef", None)
+        side = (
+            "max_kl_coef"
+            if hi is not None and beta >= hi
+            else "min_kl_coef"
+            if lo is not None and beta <= lo
+            else None
+        )
+        if side is None:
+            self.at_bound = 0
+            return
+        self.n_at_bound += 1
+        self.at_bound += 1
+        if self.at_bound == self.bound_patience and not self._warned_bound:
+            self._warned_bound = True
+            rank_zero_warn(
+                f"{type(self).__name__}: beta has sat at its bound {side}={beta:.4g} for "
+                f"{self.at_bound} consecutive batches (KL {kl:.4g} against the target "
+                f"{self.target:.4g}, {UNIT_NAMES[self.unit]}): the KL law cannot reach the "
+                f"target. Move the bound (`kl.{side}`) or the target; further batches at a "
+                "bound are counted in `n_at_bound` (`kl.bound_patience` sets the patience, 0 "
+                "silences this).",
+                category=RuntimeWarning,
+            )
 
     @override
     def on_refresh(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -319,6 +368,8 @@ class KLControllerCallback(KLCallbackBase):
             "initial_target": self.initial_target,
             "kl_sum": self.kl_sum,
             "kl_count": self.kl_count,
+            "n_at_bound": self.n_at_bound,
+            "at_bound": self.at_bound,
             **super().state_dict(),
         }
 
@@ -333,10 +384,13 @@ class KLControllerCallback(KLCallbackBase):
             saved is not None
             and self.initial_target is not None
             and state_dict.get("initial_target", saved) != self.initial_target
+            and not self.steered  # the steering callback puts its own target back
         ):
             self.set_target(self.initial_target)  # a changed `target` on resume: a step to it
         self.n_negative = state_dict.get("n_negative", 0)
         self.held = state_dict.get("held", 0)
         self.kl_sum = float(state_dict.get("kl_sum", 0.0))
         self.kl_count = int(state_dict.get("kl_count", 0))
+        self.n_at_bound = int(state_dict.get("n_at_bound", 0))
+        self.at_bound = int(state_dict.get("at_bound", 0))
         super().load_state_dict(state_dict)

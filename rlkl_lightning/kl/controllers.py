@@ -562,7 +562,13 @@ class LogPIDKLController(_ClampedIntegral, KLLaw):
     measured on the worlds), a KL it can still read at ``init_kl_coef`` reaches the target
     with beta at most ``floor ** (-1 / min_elasticity)`` times lower; a lower beta would chase
     a KL the law cannot see. The integral, clamped to ``[L, U]``, is bounded with it. Pass
-    ``min_kl_coef`` to choose another floor.
+    ``min_kl_coef`` to choose another floor. The upper bound has the mirror default,
+    ``max_kl_coef = init_kl_coef / floor ** (1 / min_elasticity)`` (11 x ``init_kl_coef``): a
+    KL that PPO's own steps keep above the target does not come down with beta, and a law
+    without a ceiling raised beta to 1.5e7 there, until PPO diverged; a KL as far above the
+    target at ``init_kl_coef`` as the floor's KL is below it reaches the target with beta at
+    most that much higher. A target that needs more (far below what ``init_kl_coef`` holds)
+    sets ``max_kl_coef``; the controller callback warns when beta sits at a bound.
 
     The KL of the first batch is 0 up to float rounding (the policy starts as its reference;
     the shipped config measured 2.4e-7, -5.1e-7 and -3.0e-8 nats on three seeds): until the
@@ -593,14 +599,15 @@ class LogPIDKLController(_ClampedIntegral, KLLaw):
         error_clip: Clip ``c`` of the projected error, finite and > 0.
         min_kl_coef: Lower bound on beta; None: ``init_kl_coef * floor ** (1 /
             min_elasticity)``, 0.09 x ``init_kl_coef`` (above).
-        max_kl_coef: Optional upper bound on beta.
+        max_kl_coef: Upper bound on beta; None: ``init_kl_coef / floor ** (1 /
+            min_elasticity)``, 11.1 x ``init_kl_coef`` (above).
     """
 
     law = "logpid"
     #: The KL is floored at this fraction of the target before its log is taken.
     floor: ClassVar[float] = 0.3
     #: The smallest elasticity ``a`` of the KL to beta (``KL ~ beta^-a``) measured on the
-    #: worlds (READMEs 0.50; default 0.69, code 0.93): it sets the default lower bound.
+    #: worlds (READMEs 0.50; default 0.69, code 0.93): it sets the default bounds.
     min_elasticity: ClassVar[float] = 0.5
     #: Before the law has started, a KL within this fraction of the target of 0 is the KL of
     #: a policy that is still its reference, 0 up to float rounding.
@@ -628,9 +635,12 @@ class LogPIDKLController(_ClampedIntegral, KLLaw):
         max_kl_coef: float | None = None,
     ) -> None:
         super().__init__(init_kl_coef, min_kl_coef, max_kl_coef)
+        span = self.floor ** (1.0 / self.min_elasticity)  # 0.09: the default bounds' factor
         if min_kl_coef is None:  # the default floor, below init_kl_coef (itself <= the max)
-            self.min_kl_coef = self._lo = self._beta * self.floor ** (1.0 / self.min_elasticity)
-            self.integral = self.integral  # clamped to the new range (it starts at init)
+            self.min_kl_coef = self._lo = self._beta * span
+        if max_kl_coef is None:  # the default ceiling, above init_kl_coef (itself >= the min)
+            self.max_kl_coef = self._hi = self._beta / span
+        self.integral = self.integral  # clamped to the new range (it starts at init)
         owner = type(self).__name__
         self.target = _finite(owner, "target", target, unit="nats")
         self.kp = _finite(owner, "kp", kp, strict=False)

@@ -149,6 +149,7 @@ class KLDriftMonitor(KLCallbackBase):
             )
         self.target = float(target)  # another callback (a CapabilityBudget) may move it
         self.initial_target = self.target  # the configured one
+        self.steered = False  # another callback (a CapabilityBudget) sets the target in force
         self.window = window
         self.high = float(high)
         self.low = float(low)
@@ -324,7 +325,9 @@ class KLDriftMonitor(KLCallbackBase):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_target = state_dict.get("initial_target", state_dict.get("target", self.target))
-        if saved_target != self.initial_target:  # the CLI refuses it without --resume_with_changes
+        if saved_target != self.initial_target and self.steered:
+            self.target = float(state_dict.get("target", self.target))  # the steering one's
+        elif saved_target != self.initial_target:  # refused without --resume_with_changes
             rank_zero_warn(
                 f"{type(self).__name__}: the checkpoint's target was {saved_target:g}, this "
                 f"monitor's is {self.target:g}: its window of KL values is carried over and "

@@ -55,6 +55,9 @@ class KLSettings:
         hold_after_refresh: batches after a refresh of the reference during which beta holds
             (a ``ReferenceRefresh`` callback; docs/controllers.md, "Across a reference
             refresh").
+        bound_patience: consecutive batches with beta at a bound of the law (``min_kl_coef``,
+            ``max_kl_coef``) after which the controller warns, once, that the law cannot reach
+            the target (0: never).
 
     Attributes:
         law: the law as the plain ``{"class_path", "init_args"}`` a checkpoint keeps, every
@@ -73,6 +76,7 @@ class KLSettings:
     min_batches: int | None = default_of(KLDriftMonitor, "min_batches")
     hysteresis: float = default_of(KLDriftMonitor, "hysteresis")
     hold_after_refresh: int = default_of(KLControllerCallback, "hold_after_refresh")
+    bound_patience: int = default_of(KLControllerCallback, "bound_patience")
 
     def __post_init__(self) -> None:
         # An unknown name or path, or an argument the law does not take, raises here.
@@ -101,6 +105,7 @@ class KLSettings:
             self.kl_controller(init_kl_coef),
             unit=self.unit,
             hold_after_refresh=self.hold_after_refresh,
+            bound_patience=self.bound_patience,
         )
         monitor = KLDriftMonitor(
             self.target,

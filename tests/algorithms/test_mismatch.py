@@ -276,6 +276,42 @@ def test_the_weights_multiply_the_surrogate_only():
     )
 
 
+def test_with_the_kl_in_the_reward_the_weights_reweight_its_gradient_and_the_docs_say_so():
+    """The KL in the reward is part of the advantage, so the weights reach its gradient.
+
+    docs/mismatch.md said the weights did not touch the KL in the reward. Here the score is 0:
+    the advantage is the KL penalty's reward-to-go alone, and the weighted gradient is the
+    weighted closed form, not the unweighted one.
+    """
+    from pathlib import Path
+
+    policy = tiny_policy()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    plain = scored_trajectory(policy)
+    mask = plain.response_mask
+    kl = (plain.logprobs - plain.ref_logprobs) * mask  # k1 per token
+    advantages = -0.3 * kl.flip(1).cumsum(1).flip(1) * mask  # -beta x the KL still to come
+    plain = plain._replace(advantages=advantages)
+    weights = (0.1 + 2 * torch.rand(5, 4, generator=torch.Generator().manual_seed(5))) * mask
+    only = PolicyObjective(Objective(), KLPenalty(placement="reward"), 1.0)
+    got = torch.autograd.grad(
+        only(policy, plain._replace(mismatch_weights=weights), 0.0)[0], params
+    )
+    unweighted = torch.autograd.grad(only(policy, plain, 0.0)[0], params)
+    logp = score_tokens(policy, plain, 1.0, logits=False).logprobs
+    want = torch.autograd.grad(masked_mean(-weights * advantages * logp, mask), params)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    flat = lambda grads: torch.cat([g.flatten() for g in grads])  # noqa: E731
+    assert not torch.allclose(flat(got), flat(unweighted))
+    root = Path(__file__).resolve().parents[2]
+    page = " ".join((root / "docs" / "mismatch.md").read_text().split())
+    assert "the correction reweights the KL's gradient as it reweights the score's" in page
+    assert (
+        "the KL in the reward and the KL term of the loss are the trainer's, unweighted" not in page
+    )
+
+
 # ---------------------------------------------------------------- the gate
 def test_a_non_finite_engine_log_prob_fails_the_finiteness_gate():
     finite = trajectory(sampler=SAMPLER.nan_to_num(0.0).where(MASK.bool(), torch.tensor(NAN)))

@@ -113,7 +113,7 @@ def write_config(tmp_path: Path, policy: Path, name: str, **options) -> Path:
     if options.get("budget"):
         budget = {
             "class_path": "rlkl_lightning.CapabilityBudget",
-            "init_args": {"budget": options["budget"], "rate": 0.05},
+            "init_args": {"budget": options["budget"]},
         }
         config["trainer"]["callbacks"].insert(0, budget)
         config["trainer"].update(val_check_interval=1, check_val_every_n_epoch=None)

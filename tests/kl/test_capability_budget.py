@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import random
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -59,49 +61,59 @@ def _expected(
     ratio,
     batches,
     kl_mean,
+    kl_before,
     budget=1.15,
-    gain=1.0,
-    rate=0.025,
-    max_step=0.2,
-    max_raise=0.05,
+    gain=0.5,
+    tau=20.0,
+    rise=0.02,
+    fall=0.04,
     follow=0.7,
     lo=0.1,
     hi=100.0,
 ):
-    """The PI law of the class docstring, written out again: returns (z, target)."""
+    """The PI law of the class docstring, its prediction at 0, written out: (z, target)."""
     b = math.log(budget)
     e = math.log(max(math.log(ratio), 0.1 * b) / b)
-    dz = min(max(-rate * batches * e, -max_step), max_raise)
-    if dz > 0 and kl_mean < follow * target:
+    dz = -gain * (1 - math.exp(-batches / tau)) * e
+    dz = min(max(dz, -fall * batches), rise * batches)
+    lag = kl_mean < follow * target  # the KL still climbing: no rise, by either term
+    if dz > 0 and lag:
         dz = 0.0
-    stuck = kl_mean > target / follow  # the KL law does not bring the KL down to the target
+    # the KL law does not bring the KL down to the target (it is above and not falling)
+    stuck = kl_mean > target / follow and not kl_mean < kl_before
     if stuck and dz < 0:
         dz = 0.0
     z = min(max(z + dz, math.log(lo)), math.log(hi))
-    u = min(max(z - gain * e, math.log(target) - max_step), math.log(target) + max_raise)
+    now = math.log(target)
+    u = min(max(z - gain * e, now - fall * batches), now + rise * batches)
+    if lag:
+        u = min(u, now)
     if stuck:
-        u = max(u, math.log(target))
+        u = max(u, now)
     return z, min(max(math.exp(u), lo), hi)
 
 
 def test_each_evaluation_follows_the_formula_with_its_clip_hold_floor_and_ceiling():
     budget = CapabilityBudget(
-        1.15, gain=0.5, rate=0.025, max_step=0.2, max_raise=0.1, min_target=0.5, max_target=4.0
+        1.15, gain=0.5, tau=30.0, raise_per_batch=0.005, min_target=0.5, max_target=4.0
     )
+    budget.model.update = lambda *args: 0.0  # the prediction: tested on its own below
+    budget.model.loop_gain = lambda batches: 1.0  # gain x 1 x (2 + share) < 1.6: not cut
     ctl = _wired(budget, 3.5)
     # (ratio measured, batches since the last evaluation, mean KL over them)
     steps = [
-        (1.02, 40, 3.4),  # under and following, a long interval: a raise clipped at max_raise
-        (1.30, 5, 2.1),  # over budget: lower, by rate * 5 * e
-        (1.15, 5, 2.0),  # at budget: no move
+        (1.02, 40, 3.4),  # under and following, a long interval: a raise clipped at 40 x rise
+        (1.30, 5, 2.1),  # over budget: lower, by gain (1 - exp(-5 / tau)) e and gain e
+        (1.15, 5, 2.0),  # at budget, the KL lagging: no move (the proportional rise held)
         (1.02, 5, 0.5),  # under, but the KL has not reached the target: held
         (1.02, 5, 3.9),  # under and following: raise (error floored at log 0.1)
         *[(5.0, 100, None)] * 12,  # far over, the KL following: clipped steps, to the floor
-        (1.30, 5, 1.0),  # over, but the KL stays above target / follow: not lowered
-        (1.30, 5, 0.6),  # over and the KL follows again: lowered (already at the floor)
+        (1.30, 5, 1.0),  # over, the KL above target / follow and not falling: not lowered
+        (1.30, 5, 1.0),  # ... again
+        (1.30, 5, 0.9),  # over, the KL above target / follow but falling: lowered (the floor)
         (1.02, 5, 1.0),  # under: raising is never held by a KL above the target
     ]
-    z, target = math.log(3.5), 3.5
+    z, target, kl_before = math.log(3.5), 3.5, math.nan
     for ratio, batches, kl_mean in steps:
         kl_mean = target if kl_mean is None else kl_mean
         ctl.n_batches += batches
@@ -109,62 +121,133 @@ def test_each_evaluation_follows_the_formula_with_its_clip_hold_floor_and_ceilin
         ctl.kl_count += batches
         new = budget.step(ratio * REF)
         z, target = _expected(
-            z, target, ratio, batches, kl_mean, gain=0.5, max_raise=0.1, lo=0.5, hi=4.0
+            z, target, ratio, batches, kl_mean, kl_before, tau=30.0, rise=0.005, lo=0.5, hi=4.0
         )
+        kl_before = kl_mean
         assert new == pytest.approx(target, rel=1e-14)
         assert budget.integral == pytest.approx(z, rel=1e-14, abs=1e-15)
         assert budget.ratio == pytest.approx(ratio, rel=1e-14)
-    assert budget.n_held == 1 and budget.n_held_low == 1
+    assert budget.n_held == 2 and budget.n_held_low == 2
     assert budget.n_evaluations == len(steps) and target > 0.5
 
 
-@pytest.mark.parametrize("rate", [0.0125, 0.05])
-def test_a_perplexity_drifting_at_a_constant_kl_is_followed_with_the_error_drift_over_rate(rate):
-    # The excess grows as c(t) * KL with c rising by a factor exp(rho) per batch; the KL holds
-    # the target. The integral then lowers log T by rho per batch at a steady error
-    # e = rho / rate (docs/budget.md, "When it cannot hold the budget").
-    # The plant answers at once here, so the proportional gain is 0.5 (at 1 this loop without
-    # lag is marginal: e' = -rate n e + e_prev; the KL law's lag steadies it in a real run).
-    rho, n = 0.001, 5
-    budget = CapabilityBudget(1.15, gain=0.5, rate=rate)
-    ctl = _wired(budget, 1.5)
-    b = math.log(1.15)
-    for k in range(400):  # log T falls by 2 in all, above the floor (0.1)
-        target = budget.target
-        ctl.n_batches += n
-        ctl.kl_sum += target * n
-        ctl.kl_count += n
-        excess = b * (target / 1.5) * math.exp(rho * n * k)
-        budget.step(math.exp(excess) * REF)
-    error = budget_error(math.log(budget.ratio), b, 0.1)
-    assert error == pytest.approx(rho / rate, rel=1e-5)
+def test_the_integrals_step_per_evaluation_is_bounded_whatever_the_interval():
+    # 0.4.0's integral stepped by rate x n x e: ten times more at n = 50 than at n = 5.
+    for batches, share in [(5, 1 - math.exp(-0.25)), (50, 1 - math.exp(-2.5)), (10**6, 1.0)]:
+        budget = CapabilityBudget(1.15, gain=0.5, tau=20.0, fall_per_batch=10.0)
+        budget.model.update = lambda *args: 0.0
+        budget.model.loop_gain = lambda n: 1.0
+        ctl = _wired(budget, 2.0)
+        budget.integral = math.log(2.0)
+        ctl.n_batches, ctl.kl_sum, ctl.kl_count = batches, 2.0 * batches, batches
+        budget.step(1.3 * REF)
+        e = math.log(math.log(1.3) / math.log(1.15))
+        assert budget.integral == pytest.approx(math.log(2.0) - 0.5 * share * e, rel=1e-12)
 
 
-@pytest.mark.parametrize("rate", [0.0125, 0.05, 0.1, 0.2])
-@pytest.mark.parametrize("tau_i,tau_p", [(10, 20), (20, 100)])
-def test_on_a_plant_of_two_lags_the_loop_settles_at_the_budget(rate, tau_i, tau_p):
-    # The KL follows the target with a lag tau_i, the excess follows the KL's log with a lag
-    # tau_p (docs/budget.md, "How fast"), elasticity a = 0.77; the budget starts 0.5 off.
-    n, a, b = 5, 0.77, math.log(1.15)
-    p, q = math.exp(-n / tau_i), math.exp(-n / tau_p)
-    budget = CapabilityBudget(1.15, rate=rate)
-    ctl = _wired(budget, 1.5 * math.exp(0.5))
-    log_kl = log_seen = math.log(1.5 * math.exp(0.5))  # the plant starts settled at the start
-    errors = []
-    for _ in range(700):
+def _plant(budget, tau_i, tau_p, a, n, batches, star=3.0, noise=0.0, kl_noise=0.0, seed=0):
+    """The two-lag plant: the KL follows the target with a lag tau_i, the log excess follows a
+    log KL with a lag tau_p and an elasticity a (at budget for a KL of `star`). Returns the
+    ratio at each evaluation (noise-free) and the target after it."""
+    rng = random.Random(seed)
+    b = math.log(budget.budget)
+    start = budget.target
+    ctl = _wired(budget, start)
+    budget.integral = math.log(start)
+    p, q = math.exp(-1 / tau_i), math.exp(-1 / tau_p)
+    log_kl = log_seen = math.log(start)  # the plant starts settled at the start
+    ratios, targets = [], []
+    for t in range(1, batches + 1):
         log_kl = p * log_kl + (1 - p) * math.log(budget.target)
         log_seen = q * log_seen + (1 - q) * log_kl
-        ctl.n_batches += n
-        ctl.kl_sum += math.exp(log_kl) * n
-        ctl.kl_count += n
-        excess = b * math.exp(a * (log_seen - math.log(1.5)))  # at budget for a KL of 1.5
-        budget.step(math.exp(excess) * REF)
-        errors.append(budget_error(excess, b, 0.1))
-    settled = abs(errors[-1]) < 1e-3 and max(abs(e) for e in errors[-50:]) < 2e-3
-    # Twice the default rate is too fast for the slower plant: it keeps oscillating.
-    assert settled == (rate < 0.2 or tau_p < 50)
-    if settled:
-        assert budget.target == pytest.approx(1.5, rel=3e-3)
+        ctl.n_batches += 1
+        ctl.kl_sum += math.exp(log_kl + rng.gauss(0, kl_noise))
+        ctl.kl_count += 1
+        if t % n == 0:
+            excess = b * math.exp(a * (log_seen - math.log(star)))
+            budget.step(math.exp(excess + rng.gauss(0, noise)) * REF)
+            ratios.append(math.exp(excess))
+            targets.append(budget.target)
+    return ratios, targets
+
+
+PLANTS = [(10, 20, 0.77), (20, 100, 0.77), (20, 100, 1.3), (20, 200, 1.3)]
+
+
+@pytest.mark.parametrize("n", [5, 10, 25, 50])
+@pytest.mark.parametrize("tau_i,tau_p,a", PLANTS)
+def test_on_plants_of_two_lags_the_loop_settles_without_passing_the_budget(tau_i, tau_p, a, n):
+    # The start 3x below the target that holds the budget (docs/budget.md, "How fast"); the
+    # review's slow plants (20, 100) and (20, 200) with an elasticity of 1.3 among them. 0.4.0's
+    # law swung a third past the budget's excess on the slow plants, and oscillated at n = 50.
+    budget = CapabilityBudget(1.3)
+    budget.target = 1.0
+    ratios, targets = _plant(budget, tau_i, tau_p, a, n, batches=4000)
+    assert max(ratios) < 1 + 1.02 * 0.3  # never past the budget
+    assert ratios[-1] == pytest.approx(1.3, abs=0.01 * 0.3)  # settled, within 1% of the excess
+    assert targets[-1] == pytest.approx(3.0, rel=0.02)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("budget_ratio", [1.15, 1.3])
+@pytest.mark.parametrize("tau_i,tau_p,a", PLANTS)
+def test_with_noise_on_the_perplexity_and_the_kl_the_loop_stays_within_a_quarter(
+    tau_i, tau_p, a, budget_ratio, seed
+):
+    # An evaluation's log perplexity scatters by 0.003 and a batch's KL by 25% (log sd).
+    budget = CapabilityBudget(budget_ratio)
+    budget.target = 1.0
+    ratios, _ = _plant(budget, tau_i, tau_p, a, 5, 1500, noise=0.003, kl_noise=0.25, seed=seed)
+    excess = budget_ratio - 1
+    assert max(ratios) < 1 + 1.25 * excess
+    tail = ratios[-100:]  # the last 500 batches
+    assert max(abs(r - budget_ratio) for r in tail) < 0.1 * excess
+
+
+def test_the_gain_cut_is_what_keeps_a_long_interval_stable():
+    # The stability condition (docs/budget.md): without the cut, gain 1 on the fast plant at
+    # n = 50 keeps swinging; with it, the same gain settles.
+    for cut, settles in [(False, False), (True, True)]:
+        budget = CapabilityBudget(1.3, gain=1.0)
+        budget.target = 1.0
+        if not cut:
+            budget.model.loop_gain = lambda n: 1e-9
+        ratios, _ = _plant(budget, 10, 20, 1.3, 50, batches=4000)
+        assert (max(abs(r - 1.3) for r in ratios[-20:]) < 0.01 * 0.3) == settles
+
+
+def test_the_model_finds_the_plants_lag_and_elasticity():
+    budget = CapabilityBudget(1.3)
+    budget.target = 1.0
+    _plant(budget, 20, 100, 1.3, 5, batches=600)
+    assert budget.model.lag == 100.0
+    assert budget.model.elasticity == pytest.approx(1.3, rel=0.02)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("star", [0.5, 2.0])
+def test_near_a_budget_of_one_the_target_holds_within_a_fifth_of_the_right_one(star, seed):
+    # The review's case: budget 1.01, a plant without lag, log perplexity noise sd 0.002
+    # (a fifth of log 1.01): 0.4.0's asymmetric steps dragged the target to its floor.
+    budget = CapabilityBudget(1.01)
+    budget.target = 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the noise is under half the excess: no warning
+        _, targets = _plant(budget, 1e-3, 1e-3, 1.0, 5, 1500, star=star, noise=0.002, seed=seed)
+    last_third = targets[-len(targets) // 3 :]
+    assert sum(last_third) / len(last_third) == pytest.approx(star, rel=0.2)
+    assert budget.model.noise_sd == pytest.approx(0.002, rel=0.3)
+
+
+def test_a_budget_below_the_noise_warns_once_naming_the_smallest_it_can_hold():
+    budget = CapabilityBudget(1.001)
+    budget.target = 1.0
+    with pytest.warns(RuntimeWarning, match="scatter") as caught:
+        _plant(budget, 1e-3, 1e-3, 1.0, 5, 1500, star=2.0, noise=0.002)
+    said = [str(w.message) for w in caught if "scatter" in str(w.message)]
+    assert len(said) == 1
+    smallest = float(said[0].split("can hold is about ")[1].split(" ")[0])
+    assert smallest == pytest.approx(math.exp(2 * 0.002), rel=0.002)
 
 
 def test_a_kl_that_does_not_follow_the_target_down_holds_the_target_and_warns_once():
@@ -187,14 +270,38 @@ def test_a_kl_that_does_not_follow_the_target_down_holds_the_target_and_warns_on
 
 
 def test_mode_max_steers_a_score_that_must_stay_above_budget_times_the_reference():
-    budget = CapabilityBudget(0.9, mode="max", reference_key=None, gain=0.0, rate=0.02)
+    budget = CapabilityBudget(0.9, mode="max", reference_key=None, fall_per_batch=1.0)
+    budget.model.update = lambda *args: 0.0
+    budget.model.loop_gain = lambda n: 1.0
     ctl = _wired(budget, 3.0)
-    budget.reference = 1.0
+    budget.reference, budget.integral = 1.0, math.log(3.0)
     ctl.n_batches, ctl.kl_sum, ctl.kl_count = 5, 15.0, 5
     # A score of 0.8 is below 0.9: its loss log(1/0.8) exceeds the budget's log(1/0.9).
     new = budget.step(0.8)
     e = math.log(math.log(1 / 0.8) / math.log(1 / 0.9))
-    assert new == pytest.approx(3.0 * math.exp(-0.02 * 5 * e), rel=1e-14)
+    share = 1 - math.exp(-5 / 20)
+    assert new == pytest.approx(3.0 * math.exp(-0.5 * share * e - 0.5 * e), rel=1e-14)
+
+
+def test_a_perplexity_drifting_at_a_constant_kl_is_followed_with_a_steady_error():
+    # The excess grows as c(t) x KL, c rising by exp(rho) a batch; the KL holds the target.
+    # The integral lowers log T by rho a batch at the steady error rho n / (gain share)
+    # (docs/budget.md, "When it cannot hold the budget"); the prediction is taken out.
+    rho, n = 0.001, 5
+    budget = CapabilityBudget(1.15)
+    budget.model.update = lambda *args: 0.0
+    budget.model.loop_gain = lambda batches: 1.0
+    ctl = _wired(budget, 1.5)
+    budget.integral = math.log(1.5)
+    b = math.log(1.15)
+    for k in range(400):  # log T falls by 2 in all, above the floor (0.1)
+        target = budget.target
+        ctl.n_batches += n
+        ctl.kl_sum += target * n
+        ctl.kl_count += n
+        budget.step(math.exp(b * (target / 1.5) * math.exp(rho * n * k)) * REF)
+    error = budget_error(math.log(budget.ratio), b, 0.1)
+    assert error == pytest.approx(rho * n / (0.5 * (1 - math.exp(-n / 20))), rel=1e-3)
 
 
 @pytest.mark.parametrize("metric", [math.nan, math.inf, -1.0, 0.0])
@@ -217,9 +324,10 @@ def test_an_unusable_metric_leaves_the_target_and_warns_once(metric):
         ({"budget": 0.9}, "budget"),
         ({"budget": 1.2, "mode": "max"}, "budget"),
         ({"mode": "lower"}, "mode"),
-        ({"rate": 0.0}, "rate"),
+        ({"tau": 0.0}, "tau"),
         ({"gain": -1.0}, "gain"),
-        ({"max_step": math.nan}, "max_step"),
+        ({"fall_per_batch": math.nan}, "fall_per_batch"),
+        ({"raise_per_batch": -1.0}, "raise_per_batch"),
         ({"min_target": -1.0}, "min_target"),
         ({"min_target": 2.0, "max_target": 1.0}, "max_target"),
         ({"follow": 1.5}, "follow"),
@@ -292,7 +400,7 @@ class PlantModule(pl.LightningModule):
 def _callbacks(**budget):
     controller = KLControllerCallback(ExponentialKLController(1.0, target=3.0, k=0.3))
     monitor = KLDriftMonitor(3.0, window=4, verbose=False)
-    return [controller, monitor, CapabilityBudget(**{"budget": 1.15, "rate": 0.05, **budget})]
+    return [controller, monitor, CapabilityBudget(**{"budget": 1.15, "tau": 5.0, **budget})]
 
 
 VAL = dict(limit_val_batches=1, val_check_interval=2, check_val_every_n_epoch=None)
@@ -392,3 +500,160 @@ def test_logpid_law_with_a_budget_runs_and_logs_the_target():
     budget = CapabilityBudget(1.15)
     fit(module, [controller, budget], **VAL)
     assert len(module.targets) == 12 and budget.n_evaluations == 6
+
+
+# ---- what a run is told (issue 47, item 5) --------------------------------------------------
+
+
+def test_a_lowering_held_under_budget_says_within_budget_not_over():
+    # The integral sits below the target (it remembers an earlier excess): under budget the
+    # loop would still lower the target, and the KL law holds the KL above target / follow.
+    # (In a run the prediction alone can make it so: 1.135 measured, more to come.)
+    budget = CapabilityBudget(1.15)
+    ctl = _wired(budget, 2.0)
+    budget.integral = math.log(2.0) - 1.0
+    ctl.n_batches, ctl.kl_sum, ctl.kl_count = 5, 3.5 * 5, 5
+    with pytest.warns(RuntimeWarning, match="not lowered further") as caught:
+        assert budget.step(1.145 * REF) == 2.0
+    (message,) = [str(w.message) for w in caught]
+    assert "is within budget (1.145 x the reference's, budget 1.15; " in message
+    assert "over budget" not in message
+
+
+def _setup_trainer(*extra, limit_val_batches=1.0, heldout="default:validation"):
+    controller = KLControllerCallback(ExponentialKLController(1.0, target=3.0))
+    data = SimpleNamespace(hparams={"heldout": heldout})
+    return SimpleNamespace(
+        callbacks=[controller, *extra], limit_val_batches=limit_val_batches, datamodule=data
+    )
+
+
+@pytest.mark.parametrize(
+    ("settings", "option"),
+    [
+        ({"limit_val_batches": 0}, "`trainer.limit_val_batches` must be > 0"),
+        ({"limit_val_batches": 0.0}, "`trainer.limit_val_batches` must be > 0"),
+        ({"heldout": None}, "`data.init_args.heldout` must name the held-out text"),
+    ],
+)
+def test_a_run_without_validation_is_refused_at_set_up_naming_the_option(settings, option):
+    with pytest.raises(ValueError, match=re.escape(option)) as info:
+        CapabilityBudget().setup(_setup_trainer(**settings), None, "fit")
+    assert "\n" not in str(info.value)
+
+
+def test_a_run_shorter_than_its_validation_interval_is_refused_after_its_first_batch():
+    module = PlantModule(n_batches=8)
+    with pytest.raises(ValueError, match=r"`trainer.val_check_interval` must be at most the "):
+        fit(
+            module,
+            _callbacks(),
+            limit_val_batches=1,
+            val_check_interval=10,
+            check_val_every_n_epoch=None,
+        )
+    # A run of the interval's length is one evaluation, and is accepted.
+    callbacks = _callbacks()
+    fit(
+        PlantModule(n_batches=8),
+        callbacks,
+        limit_val_batches=1,
+        val_check_interval=8,
+        check_val_every_n_epoch=None,
+    )
+    assert callbacks[2].n_evaluations == 1
+
+
+def test_with_a_reference_refresh_the_set_up_says_which_reference_the_ratio_is_against(caplog):
+    from rlkl_lightning import ReferenceRefresh
+
+    with caplog.at_level("INFO"):
+        CapabilityBudget().setup(_setup_trainer(ReferenceRefresh(every=10)), None, "fit")
+    (said,) = [r.getMessage() for r in caplog.records if "CapabilityBudget" in r.getMessage()]
+    assert "the ratio stays against the initial reference's value" in said
+
+
+def test_the_end_of_a_run_prints_one_summary_line(caplog):
+    module = PlantModule(n_batches=40)
+    callbacks = _callbacks()
+    with caplog.at_level("INFO"):
+        fit(module, callbacks, **VAL)
+    budget = callbacks[2]
+    lines = [r.getMessage() for r in caplog.records if "evaluations skipped" in r.getMessage()]
+    assert lines == [budget.summary()]
+    assert 0 < budget.n_in_band < budget.n_evaluations == 20
+    share = f"{budget.n_in_band / 20:.0%}"
+    assert lines[0] == (
+        f"CapabilityBudget: {budget.n_in_band} of 20 evaluations ({share}) with the ratio in "
+        f"the band [1.12, 1.18] (budget 1.15 +- 20% of its excess); final target "
+        f"{budget.target:.4g}; beta at a bound in {callbacks[0].n_at_bound} of 40 batches; "
+        "0 evaluations skipped."
+    )
+
+
+def test_a_resume_says_once_which_target_is_in_force_and_the_monitor_takes_it(tmp_path, caplog):
+    first = PlantModule(n_batches=24)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=11, save_top_k=-1)
+    fit(first, [*_callbacks(), saver], max_steps=11, **VAL)
+    saved = first.trainer.callbacks[2].target
+    # Another configured target (--resume_with_changes): the budget's is the one in force.
+    controller = KLControllerCallback(ExponentialKLController(1.0, target=1.0, k=0.3))
+    monitor = KLDriftMonitor(1.0, window=4, verbose=False)
+    budget = CapabilityBudget(budget=1.15)
+    resumed = PlantModule(n_batches=12)
+    with warnings.catch_warnings(), caplog.at_level("INFO"):
+        warnings.simplefilter("error", RuntimeWarning)  # no "judged against 1" from the monitor
+        fit(
+            resumed,
+            [controller, monitor, budget],
+            ckpt_path=str(tmp_path / "epoch=0-step=11.ckpt"),
+            max_steps=12,
+            **VAL,
+        )
+    said = [r.getMessage() for r in caplog.records if "target in force" in r.getMessage()]
+    assert said == [
+        f"CapabilityBudget: resumed; the KL target in force is {saved:.4g} (the budget's, from "
+        "the checkpoint; `kl.target` 1 only starts a run)."
+    ]
+    assert resumed.targets[11] == pytest.approx(saved, rel=1e-7)  # logged as float32
+    assert controller.target == monitor.target == budget.target
+
+
+@pytest.mark.parametrize("ratio", [1.05, 1.0])
+def test_while_the_kl_lags_the_target_does_not_rise_by_any_term(ratio):
+    # The review's reproduction: a KL stuck at 1 nat, the ratio under budget. The integral was
+    # held, but the proportional term raised the target by max_raise every validation: to
+    # 4.27 nats at a ratio of 1.05 and 14.9 at 1.0 after 60 validations.
+    budget = CapabilityBudget(1.15)
+    ctl = _wired(budget, 1.0)
+    budget.integral = 0.0
+    targets = [1.0]
+    for _ in range(60):
+        ctl.n_batches += 5
+        ctl.kl_sum += 1.0 * 5
+        ctl.kl_count += 5
+        targets.append(budget.step(ratio * REF))
+    for before, after in zip(targets, targets[1:]):
+        if 1.0 < 0.7 * before:  # the KL has not reached follow x the target
+            assert after <= before
+    assert max(targets) < math.exp(0.05) / 0.7  # a rise stops once past KL / follow
+    assert targets[-20:] == [targets[-1]] * 20 and budget.n_held >= 50
+
+
+def test_the_docstring_gives_each_options_default_where_it_names_a_value():
+    # 0.4.0's `rate` docstring gave 0.3.0's value (gain / 80 batches) after the default
+    # had become 0.1.
+    import inspect
+
+    doc = inspect.getdoc(CapabilityBudget)
+    defaults = inspect.signature(CapabilityBudget).parameters
+    entries = re.split(r"\n    (?=\w+: )", doc.split("Args:")[1])
+    named = {}
+    for entry in entries:
+        name, _, text = entry.strip().partition(": ")
+        found = re.search(r"\((\d+(?:\.\d+)?): ", text)
+        if found:
+            named[name] = float(found.group(1))
+    assert set(named) == {"raise_per_batch", "fall_per_batch"}
+    for name, value in named.items():
+        assert value == defaults[name].default, name

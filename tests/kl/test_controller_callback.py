@@ -17,7 +17,11 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from rlkl_lightning.kl.controller_callback import KLControllerCallback
-from rlkl_lightning.kl.controllers import AdaptiveKLController, FixedKLController
+from rlkl_lightning.kl.controllers import (
+    AdaptiveKLController,
+    ExponentialKLController,
+    FixedKLController,
+)
 
 BATCH = 4
 INIT, TARGET, HORIZON = 0.5, 2.0, 20.0
@@ -367,3 +371,31 @@ def test_a_hold_as_long_as_the_refresh_period_warns_at_set_up(hold, every, warns
         assert f"hold_after_refresh ({hold}, `kl.hold_after_refresh`) >= the reference" in said[0]
         assert f"refresh's `every` ({every})" in said[0] and "never acts again" in said[0]
         assert f"Use hold_after_refresh < {every}" in said[0]
+
+
+def test_beta_at_a_bound_for_bound_patience_batches_warns_once_and_is_counted():
+    law = ExponentialKLController(1.0, target=1.0, k=1.0, min_kl_coef=0.5, max_kl_coef=2.0)
+    callback = KLControllerCallback(law, bound_patience=20)
+    module = SimpleNamespace(kl_coef=1.0)
+    kls = [5.0] * 40 + [0.5] + [0.0] * 30  # at the ceiling, off it, then at the floor
+    with pytest.warns(RuntimeWarning) as caught:
+        for kl in kls:
+            callback.on_kl(None, module, kl, 8)
+    said = [str(w.message) for w in caught if "consecutive batches" in str(w.message)]
+    assert said == [
+        "KLControllerCallback: beta has sat at its bound max_kl_coef=2 for 20 consecutive "
+        "batches (KL 5 against the target 1, nats per sequence): the KL law cannot reach the "
+        "target. Move the bound (`kl.max_kl_coef`) or the target; further batches at a bound "
+        "are counted in `n_at_bound` (`kl.bound_patience` sets the patience, 0 silences this)."
+    ]
+    assert callback.n_at_bound == 40 + 30 and callback.at_bound == 30  # warned once
+    quiet = KLControllerCallback(
+        ExponentialKLController(1.0, target=1.0, k=1.0, max_kl_coef=2.0), bound_patience=0
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for kl in kls[:40]:
+            quiet.on_kl(None, module, kl, 8)
+    assert quiet.n_at_bound == 40
+    with pytest.raises(ValueError, match="bound_patience must be an int >= 0"):
+        KLControllerCallback(law, bound_patience=-1)

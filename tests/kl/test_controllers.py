@@ -654,6 +654,7 @@ FEEDS = {
     "min_batches": [(KLDriftMonitor, "min_batches")],
     "hysteresis": [(KLDriftMonitor, "hysteresis")],
     "hold_after_refresh": [(KLControllerCallback, "hold_after_refresh")],
+    "bound_patience": [(KLControllerCallback, "bound_patience")],
 }
 
 
@@ -837,3 +838,15 @@ def test_pi_leaves_the_upper_bound_as_soon_as_the_error_changes_sign(saturating,
         ctl.update(kl, 1)
     assert ctl.value == 1.0
     assert ctl.update(below, 1) <= math.exp(-ki * 0.01)
+
+
+def test_logpid_has_a_default_ceiling_mirroring_its_floor():
+    # The 1-nat fixed-target run on the default world took beta to 1.5e7 without a ceiling.
+    law = LogPIDKLController(0.1, 1.0)
+    assert law.min_kl_coef == pytest.approx(0.1 * 0.09, rel=1e-15)
+    assert law.max_kl_coef == pytest.approx(0.1 / 0.09, rel=1e-15)
+    for _ in range(500):  # a KL PPO keeps at 5 x the target, whatever beta
+        law.update(5.0, 8)
+    assert law.value == law.max_kl_coef and law.integral == pytest.approx(math.log(0.1 / 0.09))
+    assert LogPIDKLController(0.1, 1.0, max_kl_coef=2.0).max_kl_coef == 2.0
+    assert LogPIDKLController(0.1, 1.0, min_kl_coef=1e-3).max_kl_coef == law.max_kl_coef

@@ -510,3 +510,35 @@ def test_rloo_counts_the_responses_of_a_batch_as_its_rows(tiny_lm_dir, tmp_path,
             + ["--model.init_args.optimization.num_minibatches=8", "--print_config"]
         )
     assert done.value.code in (0, None)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({}, "CapabilityBudget: `data.init_args.heldout` must name the held-out text"),
+        (
+            {"data": {"heldout": "PROMPTS"}, "trainer": {"limit_val_batches": 0}},
+            "CapabilityBudget: `trainer.limit_val_batches` must be > 0",
+        ),
+        (
+            {"data": {"heldout": "PROMPTS"}, "trainer": {"val_check_interval": 5}},
+            "CapabilityBudget: `trainer.val_check_interval` must be at most the run's length "
+            "(2 batches), got 5",
+        ),
+    ],
+)
+def test_a_budget_that_would_never_act_is_refused_in_one_line(
+    settings, message, tiny_lm_dir, tmp_path, capfd
+):
+    """Without its held-out text, with validation off, or validating less often than the run
+    lasts, the budget never moved the target and nothing said so (exit 0)."""
+    budget = {"class_path": "rlkl_lightning.CapabilityBudget", "init_args": {"budget": 1.2}}
+    trainer = {
+        "callbacks": [budget],
+        "check_val_every_n_epoch": None,
+        **settings.get("trainer", {}),
+    }
+    data = {k: str(tmp_path / "prompts.txt") for k in settings.get("data", {})}
+    config = tiny_cli_config(tiny_lm_dir, tmp_path, trainer=trainer, data=data)
+    said = cli_error(["fit", "--config", str(config)], capfd)
+    assert said.startswith(message) and "\n" not in said, said

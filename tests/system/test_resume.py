@@ -483,3 +483,39 @@ def test_the_end_of_run_save_leaves_the_epoch_checkpoint_in_place(
     steps = 2 * (len(PROMPTS) // BATCH) * STEPS_PER_BATCH
     names = sorted(p.name for p in (tmp_path / "epochs" / "ckpt").glob("*.ckpt"))
     assert names == [f"epoch=1-step={steps}.ckpt", "last.ckpt"]
+
+
+@pytest.mark.slow  # three runs of the shipped budget config on the default world: make test-slow
+def test_a_finished_budget_run_extended_equals_the_longer_run_in_every_value(tmp_path):
+    """``configs/ppo_budget.yaml`` for 10 batches, extended to 15 with ``--ckpt_path last``,
+    logs every value a 15-batch run logs. The final batch's ``last.ckpt`` was written before
+    that batch's validation (batch 10), and a resume skips the validation of the batch its
+    checkpoint ends: the budget's move at batch 10 was lost (15 of 416 values differed)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rlkl_lightning.compare.events import read_scalars
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+    def run(name, batches, *extra):
+        args = [sys.executable, str(root / "train.py"), "fit", "--config"]
+        args += [str(root / "configs" / "ppo_budget.yaml"), "--seed_everything", "0"]
+        args += [f"--trainer.max_steps={16 * batches}", "--trainer.enable_progress_bar=false"]
+        args += [f"--trainer.logger.init_args.save_dir={tmp_path}"]
+        args += [f"--trainer.logger.init_args.name={name}"]
+        args += ["--trainer.logger.init_args.version=0", *extra]
+        subprocess.run(args, cwd=tmp_path, env=env, check=True, capture_output=True)
+
+    run("whole", 15)
+    run("cut", 10)
+    run("cut", 15, "--ckpt_path", "last")
+    whole, cut = (read_scalars(tmp_path / name / "version_0") for name in ("whole", "cut"))
+    whole = {k: v for k, v in whole.items() if not k.startswith("perf/")}
+    cut = {k: v for k, v in cut.items() if not k.startswith("perf/")}
+    assert sum(len(v) for v in whole.values()) == 416
+    assert cut == whole
+    assert whole["budget/ratio"][10] != whole["budget/ratio"][9]  # batch 10's validation

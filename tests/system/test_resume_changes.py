@@ -297,3 +297,43 @@ def test_an_option_added_to_a_group_since_the_checkpoint_was_written_is_its_defa
     assert not any(key.startswith(f"{prefix}group.") for key in out)  # RLOO's, not this run's
     current = {**out, f"{prefix}ppo.advantage": "'sign'"}
     assert differences(out, current) == [f"{prefix}ppo.advantage: 'gae' -> 'sign'"]
+
+
+def test_under_a_budget_a_changed_kl_target_is_said_not_applied_and_changes_are_listed_once(
+    caplog,
+):
+    """Under a ``CapabilityBudget`` ``kl.target`` only starts a run: a resume takes the budget's
+    target, so a new one is neither refused nor listed as applied; the CLI's comparison and
+    Lightning's load of the same checkpoint print the list once."""
+    from rlkl_lightning.cli.run_settings import CALLBACKS_KEY, RunSettings, nested_settings
+
+    def settings(target, lr, callbacks="['CapabilityBudget']"):
+        prefix = "model.init_args.optimization."
+        mine = {"kl.target": target, f"{prefix}lr": lr, CALLBACKS_KEY: callbacks}
+        return nested_settings(mine)  # with the defaults a checkpoint's settings are filled with
+
+    def checkpoint(target, lr, callbacks="['CapabilityBudget']"):
+        return {"callbacks": {"RunSettings": {"settings": settings(target, lr, callbacks)}}}
+
+    guard = RunSettings(settings("1.0", "0.001"), allow_changes=False)
+    with caplog.at_level("INFO"):
+        guard.compare(checkpoint("1.5", "0.001"))  # the CLI, before fit
+        guard.compare(checkpoint("1.5", "0.001"))  # Lightning's load: another dict, same run
+    assert guard.changes == []
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "Not applied on resume: kl.target: 1.5 -> 1.0 (a CapabilityBudget sets the target; "
+        "its own, from the checkpoint, is in force)"
+    ]
+    caplog.clear()
+    guard = RunSettings(settings("1.0", "0.002"), allow_changes=True)
+    with caplog.at_level("INFO"):
+        guard.compare(checkpoint("1.5", "0.001"))
+        guard.compare(checkpoint("1.5", "0.001"))
+    assert guard.changes == ["model.init_args.optimization.lr: 0.001 -> 0.002"]
+    listed = [r.getMessage() for r in caplog.records if "Resuming with changed" in r.getMessage()]
+    assert len(listed) == 1 and "kl.target" not in listed[0]
+    # Without a budget a changed target is a change of the trajectory: refused.
+    guard = RunSettings(settings("1.0", "0.001", "[]"), allow_changes=False)
+    with pytest.raises(ValueError, match=r"kl.target: 1.5 -> 1.0"):
+        guard.compare(checkpoint("1.5", "0.001", "[]"))
