@@ -1,7 +1,9 @@
 """The vLLM rollout engine: vLLM in this process samples, the trainer's weights pushed into it.
 
-``engine.kind="vllm"`` (docs/engines.md). One :class:`VLLMEngine` per process, built on the
-first rollout from the policy's own config, with dummy weights: the policy's weights are
+``engine.kind="vllm"`` (docs/engines.md): :class:`VLLMRolloutEngine`, the
+:class:`~rlkl_lightning.algorithms.engines.base.RolloutEngine` a module holds. One vLLM
+``LLM`` per process (:class:`VLLMEngine`), built at fit start (or on the first rollout without
+a trainer) from the policy's own config, with dummy weights: the policy's weights are
 pushed from memory before every rollout that follows a change (an update, a resume, a
 reference refresh), never read from disk. The push goes through the model runner's in-place
 ``reload_weights``, which feeds Hugging Face names and layouts through the vLLM model's own
@@ -23,16 +25,19 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import random
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from rlkl_lightning.algorithms.engines.base import ENGINES, RolloutEngine
 from rlkl_lightning.algorithms.rollout import response_mask_after_eos
+from rlkl_lightning.models.logprobs import TokenScores, score_tokens
 from rlkl_lightning.trajectory import Trajectory
 
 #: The one line a user without vLLM reads (the environment is built by the Makefile).
@@ -425,3 +430,105 @@ def check_vllm_settings(engine: Any, device: torch.device, world_size: int) -> N
             "vLLM's `external_launcher` is not supported here yet: use one process, or "
             "`engine.kind='native'`"
         )
+
+
+#: The sampling options the engine is given per request.
+ENGINE_SAMPLING = ("temperature", "top_k", "top_p", "max_new_tokens")
+
+#: Distinct numbers for the engines of one process (whose weights the shared ``LLM`` holds).
+_engines = itertools.count()
+
+
+def engine_dtype(module: Any) -> str:
+    """The engine's dtype: the trainer's precision (without a trainer, the policy's).
+
+    Raises:
+        ValueError: For a precision vLLM does not run with, naming the allowed ones.
+    """
+    if module._trainer is not None:
+        precision = str(module.trainer.precision)
+        if precision not in PRECISION_DTYPES:
+            raise ValueError(
+                f"{module.owner}: `engine.kind='vllm'` runs with precision "
+                f"{sorted(PRECISION_DTYPES)}, got {precision!r}"
+            )
+        return PRECISION_DTYPES[precision]
+    dtype = next(module.policy.parameters()).dtype
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+
+
+@ENGINES.register("vllm")
+class VLLMRolloutEngine(RolloutEngine):
+    """vLLM samples, the trainer's weights pushed into it; the policy scores its samples.
+
+    The trajectory has the native loop's layout; ``sampler_logprobs`` are the engine's
+    log-probs, ``logprobs`` the trainer's (those enter ratios and the KL), and the scores
+    (logits, hidden states) are the policy's, as the native loop keeps them.
+    """
+
+    shares_weights: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.number = next(_engines)
+        #: This process's ``LLM`` (:func:`shared_engine`), once started.
+        self.llm_engine: VLLMEngine | None = None
+
+    def start(self, module: Any) -> None:
+        """Check the settings and build (or reuse) this process's ``LLM`` for the policy."""
+        world_size = module.trainer.world_size if module._trainer is not None else 1
+        check_vllm_settings(module.engine, module.device, world_size)
+        dtype = engine_dtype(module)  # a precision vLLM cannot run with stops here
+        if self.llm_engine is not None:  # started, and not closed since
+            return
+        hp = module.sampling
+        self.llm_engine = shared_engine(
+            module.policy,
+            max_model_len=hp.max_prompt_tokens + hp.max_new_tokens,
+            dtype=dtype,
+            gpu_memory_utilization=module.engine.gpu_memory_utilization,
+            sleep_mode=module.engine.sleep_mode,
+            device_type=module.device.type,
+        )
+
+    def push(self, module: Any) -> None:
+        """Push the policy's weights if the ``LLM`` holds others (another version or module)."""
+        if self.llm_engine is None:
+            self.start(module)
+        engine = self.llm_engine
+        owner = (self.number, module.weights_version)
+        if engine.push_enabled and engine.weights_of != owner:
+            engine.push(engine_weights(module.policy), owner)
+
+    def sample(
+        self, module: Any, prompt_ids: Tensor, prompt_mask: Tensor, keep_logits: bool
+    ) -> tuple[Trajectory, TokenScores]:
+        """The engine's samples, one seeded request per row; then the policy's scores of them."""
+        if self.llm_engine is None:
+            self.start(module)
+        hp, tokenizer = module.sampling, module.tokenizer
+        batch = module.batches_seen + module.skipped_batches  # both restored on a resume
+        seed, rank = run_seed(), module.global_rank
+        seeds = [request_seed(seed, batch, rank, row) for row in range(len(prompt_ids))]
+        eos = tokenizer.eos_token_id if hp.stop_at_eos else None
+        pad = tokenizer.pad_token_id
+        sampling = {name: getattr(hp, name) for name in ENGINE_SAMPLING}
+        response_ids, sampler_logprobs = self.llm_engine.sample(
+            prompt_ids, prompt_mask, seeds, sampling, eos, pad
+        )
+        traj = engine_trajectory(prompt_ids, prompt_mask, response_ids, sampler_logprobs, eos, pad)
+        policy = module.policy
+        was_training = policy.training
+        policy.eval()
+        try:
+            with torch.no_grad():
+                scores = score_tokens(policy, traj, hp.temperature, logits=keep_logits)
+        finally:
+            policy.train(was_training)
+        return traj._replace(logprobs=scores.logprobs), scores
+
+    def close(self) -> None:
+        """Let go of the ``LLM``; the process keeps it for the next module with its settings.
+
+        :func:`close_shared_engine` shuts it down.
+        """
+        self.llm_engine = None
