@@ -202,22 +202,46 @@ def test_without_vllm_the_engine_is_refused_in_one_line_naming_make_vllm_env(tin
 
 
 @pytest.mark.parametrize(
-    "settings, device, world_size, message",
+    "settings, device, world_size, strategy, message",
     [
-        ({"sleep_mode": True}, "cpu", 1, r"`engine.sleep_mode`=True .* needs CUDA"),
-        ({}, "cpu", 2, r"`engine.kind='vllm'` runs in one process; this run has 2"),
+        ({"sleep_mode": True}, "cpu", 1, "ddp", r"`engine.sleep_mode`=True .* needs CUDA"),
+        (
+            {},
+            "cpu",
+            2,
+            "FSDPStrategy",
+            r"`engine.kind='vllm'` runs in one process or under DDP .* 2 processes under "
+            r"FSDPStrategy.*`trainer.strategy=ddp`",
+        ),
     ],
 )
 def test_settings_the_vllm_engine_does_not_run_with_are_refused_by_name(
-    settings, device, world_size, message
+    settings, device, world_size, strategy, message
 ):
     from rlkl_lightning.algorithms.engines.vllm import check_vllm_settings
     from rlkl_lightning.algorithms.options import Engine
 
     engine = Engine(kind="vllm", **settings)
     with pytest.raises(ValueError, match=message):
-        check_vllm_settings(engine, torch.device(device), world_size)
+        check_vllm_settings(engine, torch.device(device), world_size, strategy)
     check_vllm_settings(Engine(kind="vllm"), torch.device("cpu"), 1)  # the default runs
+    check_vllm_settings(Engine(kind="vllm"), torch.device("cpu"), 2, "ddp")  # DDP runs
+
+
+def test_under_ddp_the_engine_gets_the_trainers_rank_variables_and_the_external_launcher(
+    monkeypatch,
+):
+    from rlkl_lightning.algorithms.engines.vllm import launcher_arguments, set_rank_variables
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(name, "7")  # left from another launch: the trainer's win
+    set_rank_variables(3, 1, 4)
+    assert [os.environ[n] for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE")] == ["3", "1", "4"]
+    assert launcher_arguments(1) == {}
+    assert launcher_arguments(2) == {
+        "distributed_executor_backend": "external_launcher",
+        "tensor_parallel_size": 1,
+    }
 
 
 def test_a_vllm_config_without_vllm_stops_with_one_line_naming_make_vllm_env(

@@ -191,6 +191,8 @@ class VLLMEngine:
         gpu_memory_utilization: ``engine.gpu_memory_utilization``.
         sleep_mode: Free the engine's memory between rollouts (CUDA only).
         device_type: Where the trainer runs (``cuda``: CUDA graphs; else eager).
+        world_size: The training processes; above 1, one engine per rank through vLLM's
+            ``external_launcher`` (:func:`set_rank_variables` first).
     """
 
     def __init__(
@@ -202,6 +204,7 @@ class VLLMEngine:
         gpu_memory_utilization: float,
         sleep_mode: bool,
         device_type: str,
+        world_size: int = 1,
     ) -> None:
         vllm = import_vllm()
         self.sleep_mode = sleep_mode
@@ -226,6 +229,7 @@ class VLLMEngine:
             enforce_eager=device_type != "cuda",
             enable_sleep_mode=sleep_mode,
             logprobs_mode="processed_logprobs",
+            **launcher_arguments(world_size),
         )
         self._asleep = False
 
@@ -324,6 +328,29 @@ def _repack_kept_cpu_weights(worker: Any) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
+def launcher_arguments(world_size: int) -> dict[str, Any]:
+    """The arguments of one vLLM engine in each of ``world_size`` training processes.
+
+    One process: none (vLLM's default, the engine in this process). Several: vLLM's
+    ``external_launcher``, which joins the process group the trainer made, one engine per rank
+    with no tensor parallelism (each rank samples its own prompts with the full model).
+    """
+    if world_size == 1:
+        return {}
+    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}
+
+
+def set_rank_variables(global_rank: int, local_rank: int, world_size: int) -> None:
+    """Set ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` as the trainer knows them.
+
+    vLLM's ``external_launcher`` reads them; Lightning's own launcher sets ``LOCAL_RANK`` and
+    ``WORLD_SIZE`` but not ``RANK``, and a variable left from another launch must not win.
+    """
+    os.environ["RANK"] = str(global_rank)
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+
+
 _ENGINE: dict[str, Any] = {"key": None, "engine": None, "dir": None}
 
 
@@ -335,6 +362,7 @@ def shared_engine(
     gpu_memory_utilization: float,
     sleep_mode: bool,
     device_type: str,
+    world_size: int = 1,
 ) -> VLLMEngine:
     """This process's engine for ``policy``'s architecture and these settings.
 
@@ -350,7 +378,7 @@ def shared_engine(
             "`engine.kind='vllm'` needs a Hugging Face causal LM as the policy (its config "
             f"builds vLLM's model); got {type(policy).__name__}"
         )
-    settings = (max_model_len, dtype, gpu_memory_utilization, sleep_mode, device_type)
+    settings = (max_model_len, dtype, gpu_memory_utilization, sleep_mode, device_type, world_size)
     key = repr((config.to_json_string(use_diff=False), settings))
     if _ENGINE["key"] != key:
         close_shared_engine()
@@ -364,6 +392,7 @@ def shared_engine(
                 gpu_memory_utilization=gpu_memory_utilization,
                 sleep_mode=sleep_mode,
                 device_type=device_type,
+                world_size=world_size,
             )
         _ENGINE.update(key=key, engine=engine, dir=folder)
     return _ENGINE["engine"]
@@ -412,23 +441,32 @@ def engine_trajectory(
     )
 
 
-def check_vllm_settings(engine: Any, device: torch.device, world_size: int) -> None:
+def check_vllm_settings(
+    engine: Any, device: torch.device, world_size: int, strategy: str = "ddp"
+) -> None:
     """Refuse, by name, the settings this engine does not run with.
 
+    Args:
+        engine: The ``engine`` options group.
+        device: The trainer's device.
+        world_size: The training processes.
+        strategy: The trainer's strategy's class name, ``ddp`` for DDP (several processes run
+            under DDP only).
+
     Raises:
-        ValueError: ``engine.sleep_mode`` off CUDA; more than one process (vLLM's
-            ``external_launcher`` under DDP is not supported here yet).
+        ValueError: ``engine.sleep_mode`` off CUDA; several processes under another strategy
+            than DDP (FSDP: every rank would first gather the full weights, not built yet).
     """
     if engine.sleep_mode and device.type != "cuda":
         raise ValueError(
             f"`engine.sleep_mode`=True frees vLLM's accelerator memory and needs CUDA; this run "
             f"is on {device.type!r}: set `engine.sleep_mode`=False"
         )
-    if world_size > 1:
+    if world_size > 1 and strategy != "ddp":
         raise ValueError(
-            f"`engine.kind='vllm'` runs in one process; this run has {world_size} (DDP/FSDP). "
-            "vLLM's `external_launcher` is not supported here yet: use one process, or "
-            "`engine.kind='native'`"
+            f"`engine.kind='vllm'` runs in one process or under DDP (one engine per rank); this "
+            f"run has {world_size} processes under {strategy}, whose sharded weights the engine "
+            "cannot be given yet: use `trainer.strategy=ddp`, or `engine.kind='native'`"
         )
 
 
@@ -457,6 +495,18 @@ def engine_dtype(module: Any) -> str:
     return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
 
 
+def strategy_name(trainer: Any) -> str:
+    """``ddp`` for a DDP trainer (or none), else its strategy's class name (``FSDPStrategy``)."""
+    if trainer is None:
+        return "ddp"
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, DDPStrategy | SingleDeviceStrategy):
+        return "ddp"
+    return type(strategy).__name__
+
+
 @ENGINES.register("vllm")
 class VLLMRolloutEngine(RolloutEngine):
     """vLLM samples, the trainer's weights pushed into it; the policy scores its samples.
@@ -474,12 +524,21 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm_engine: VLLMEngine | None = None
 
     def start(self, module: Any) -> None:
-        """Check the settings and build (or reuse) this process's ``LLM`` for the policy."""
-        world_size = module.trainer.world_size if module._trainer is not None else 1
-        check_vllm_settings(module.engine, module.device, world_size)
+        """Check the settings and build (or reuse) this process's ``LLM`` for the policy.
+
+        Under DDP every rank builds its own engine here, at the same hook (vLLM's start-up is
+        a collective: it agrees on the KV-cache memory over the ranks), after the rank
+        variables vLLM reads are set from the trainer.
+        """
+        trainer = module._trainer
+        world_size = trainer.world_size if trainer is not None else 1
+        strategy = strategy_name(trainer)
+        check_vllm_settings(module.engine, module.device, world_size, strategy)
         dtype = engine_dtype(module)  # a precision vLLM cannot run with stops here
         if self.llm_engine is not None:  # started, and not closed since
             return
+        if world_size > 1:
+            set_rank_variables(trainer.global_rank, trainer.local_rank, world_size)
         hp = module.sampling
         self.llm_engine = shared_engine(
             module.policy,
@@ -488,6 +547,7 @@ class VLLMRolloutEngine(RolloutEngine):
             gpu_memory_utilization=module.engine.gpu_memory_utilization,
             sleep_mode=module.engine.sleep_mode,
             device_type=module.device.type,
+            world_size=world_size,
         )
 
     def push(self, module: Any) -> None:
