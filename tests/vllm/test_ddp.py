@@ -72,3 +72,19 @@ def test_a_rank_whose_pushes_are_off_exceeds_the_gap(tmp_path):
     assert min(ranks[1]["gaps"][1:]) > GAP, ranks[1]["gaps"]  # then stale weights
     assert ranks[0]["betas"] == ranks[1]["betas"]
     print(f"rank 1 without pushes: gaps {[f'{g:.1e}' for g in ranks[1]['gaps']]}")
+
+
+def test_vllm_logs_on_rank_zero_only():
+    import logging
+
+    from rlkl_lightning.algorithms.engines.vllm import quiet_vllm_logs
+
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    try:
+        quiet_vllm_logs(0)
+        assert logger.getEffectiveLevel() <= logging.INFO
+        quiet_vllm_logs(1)
+        assert logging.getLogger("vllm.v1.engine.core").getEffectiveLevel() == logging.ERROR
+    finally:
+        logger.setLevel(level)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import logging
 import os
 import random
 import tempfile
@@ -351,6 +352,16 @@ def set_rank_variables(global_rank: int, local_rank: int, world_size: int) -> No
     os.environ["WORLD_SIZE"] = str(world_size)
 
 
+def quiet_vllm_logs(global_rank: int) -> None:
+    """Keep vLLM's log lines to rank 0: the other ranks log its errors only.
+
+    Every rank's engine logs the same start-up and push lines; one copy is enough.
+    """
+    import_vllm()  # vLLM configures its logger when imported
+    if global_rank != 0:
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+
+
 _ENGINE: dict[str, Any] = {"key": None, "engine": None, "dir": None}
 
 
@@ -539,6 +550,7 @@ class VLLMRolloutEngine(RolloutEngine):
             return
         if world_size > 1:
             set_rank_variables(trainer.global_rank, trainer.local_rank, world_size)
+            quiet_vllm_logs(trainer.global_rank)
         hp = module.sampling
         self.llm_engine = shared_engine(
             module.policy,
