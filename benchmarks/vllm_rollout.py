@@ -107,8 +107,8 @@ def run(shape: str, iters: int, warmup: int) -> dict:
         for kind in order:
             module = native if kind == "native" else engined
             if kind == "vllm":
-                engined._weights_version += 1  # as after an update: the push is timed apart
-                seconds, _ = timed(engined.sync_rollout_engine)
+                engined.weights_version += 1  # as after an update: the push is timed apart
+                seconds, _ = timed(lambda e=engined: e.rollout_engine.push(e))
                 if i >= warmup:
                     pushes.append(seconds)
             torch.manual_seed(i)
@@ -125,7 +125,7 @@ def run(shape: str, iters: int, warmup: int) -> dict:
         out[kind]["tokens"] = tokens[kind]
     out["push_median_s"] = statistics.median(pushes)
     del native, engined, traj
-    from rlkl_lightning.algorithms.vllm_engine import close_shared_engine
+    from rlkl_lightning.algorithms.engines.vllm import close_shared_engine
 
     close_shared_engine()  # the next shape builds its own
     out["shape"] = f"{len(prompts)} responses, up to {sampling['max_new_tokens']} tokens"

@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from typing_extensions import override
 
@@ -59,6 +60,26 @@ def quiet_lightning_notes() -> None:
         category=FutureWarning,
     )
     drop_lightning_tips()
+    warnings_on_rank_zero_only()
+
+
+def warnings_on_rank_zero_only() -> None:
+    """Show Python warnings in the process of global rank 0 only: each once per run, not per rank.
+
+    Every rank runs the same code and meets the same warnings; rank 0's copy is the one shown.
+    The rank is read when a warning is shown (Lightning sets it once the processes know
+    theirs), so a one-process run shows everything.
+    """
+    if getattr(warnings.showwarning, "rank_zero_only", False):
+        return
+    show = warnings.showwarning
+
+    def shown(*args: Any, **kwargs: Any) -> None:
+        if getattr(rank_zero_only, "rank", 0) == 0:
+            show(*args, **kwargs)
+
+    shown.rank_zero_only = True  # type: ignore[attr-defined]
+    warnings.showwarning = shown
 
 
 def drop_lightning_tips() -> None:

@@ -184,11 +184,13 @@ def _use_distributed(distributed: bool) -> bool:
 
 
 def _all_reduce_sum(t: Tensor) -> Tensor:
-    # The autograd-aware collective keeps gradients exact: its backward all-reduces
-    # the incoming gradients, so every rank must run backward when x requires grad.
-    from torch.distributed.nn.functional import all_reduce
+    # The functional collective is autograd-aware (torch 2.13 registers its backward: the
+    # incoming gradients all-reduced), so every rank must run backward when x requires grad.
+    # Its gradient equals torch.distributed.nn.functional.all_reduce's bit for bit (a `dist`
+    # test), without that function's deprecation warning on every rank.
+    from torch.distributed import _functional_collectives as collectives
 
-    return all_reduce(t, op=dist.ReduceOp.SUM)
+    return collectives.wait_tensor(collectives.all_reduce(t, "sum", dist.group.WORLD))
 
 
 def masked_whiten(

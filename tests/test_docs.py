@@ -107,7 +107,7 @@ def test_the_readme_lists_every_page_of_the_guide():
 def test_every_registered_component_is_named_on_its_page():
     """Names read from the registries: a new law, estimator, advantage or engine needs its docs."""
     from rlkl_lightning.algorithms.advantage_estimators import ADVANTAGES
-    from rlkl_lightning.algorithms.options import ENGINE_KINDS  # engine.kind's choices
+    from rlkl_lightning.algorithms.engines import ENGINES
     from rlkl_lightning.kl.estimators import ESTIMATORS
     from rlkl_lightning.kl.laws import LAWS
 
@@ -115,9 +115,10 @@ def test_every_registered_component_is_named_on_its_page():
         "controllers.md": LAWS.names(),
         "kl.md": ESTIMATORS.names(),
         "pipeline.md": tuple(n for registry in ADVANTAGES.values() for n in registry.names()),
-        "engines.md": ENGINE_KINDS,
+        "engines.md": ENGINES.names(),
     }
-    assert {"logpid", "exact", "grpo", "vllm"} <= {n for names in pages.values() for n in names}
+    named = {n for names in pages.values() for n in names}
+    assert {"logpid", "exact", "grpo", "vllm", "compiled"} <= named
     missing = {
         page: [n for n in names if f"`{n}`" not in (ROOT / "docs" / page).read_text()]
         for page, names in pages.items()

@@ -238,3 +238,58 @@ def test_distributed_whitening_equals_whitening_the_full_batch(tmp_path):
     torch.testing.assert_close(results[0]["out_no_valid"], ref, rtol=0, atol=1e-12)
     assert torch.all(results[1]["out_no_valid"] == 0)
     assert results[0]["raised"] and results[1]["raised"]
+
+
+def _legacy_all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """The collective ``masked_whiten`` used before: ``torch.distributed.nn``'s, deprecated."""
+    import warnings
+
+    from torch.distributed.nn.functional import all_reduce
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return all_reduce(t, op=dist.ReduceOp.SUM)
+
+
+def _collective_worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    import warnings
+
+    from rlkl_lightning import masked
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        x, mask = _padded(seed=rank + 1)
+        weights = torch.linspace(-1, 2, x.numel(), dtype=x.dtype).reshape(x.shape)
+        results = {}
+        for name, reduce in (("new", masked._all_reduce_sum), ("old", _legacy_all_reduce_sum)):
+            masked._all_reduce_sum = reduce
+            leaf = x.clone().requires_grad_(True)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = masked_whiten(leaf, mask)
+                (out * weights).sum().backward()
+            results[name] = (out.detach(), leaf.grad, [str(w.message) for w in caught])
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_the_functional_collective_gives_todays_values_and_gradients_bit_for_bit(tmp_path):
+    """``masked_whiten``'s all-reduce: torch's functional collective against the deprecated one."""
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(
+        _collective_worker,
+        args=(2, str(tmp_path / "init"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method=method,
+    )
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt")
+        (new, new_grad, new_warnings), (old, old_grad, _) = results["new"], results["old"]
+        assert torch.equal(new, old) and torch.equal(new_grad, old_grad)
+        assert new_grad.abs().sum() > 0
+        assert new_warnings == []  # the deprecated collective warned on every rank

@@ -23,6 +23,14 @@ from typing import Any, ClassVar
 from rlkl_lightning.algorithms.advantage_estimators import advantage_spec
 from rlkl_lightning.algorithms.advantages import GROUP_SCALES
 from rlkl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS
+from rlkl_lightning.algorithms.engines import (
+    CompiledEngine,
+    RolloutEngine,
+    VLLMRolloutEngine,
+    build_engine,
+    engine_class,
+    engine_spec,
+)
 from rlkl_lightning.algorithms.losses import IMPORTANCE_RATIOS
 from rlkl_lightning.checkpoints import plain
 from rlkl_lightning.kl.estimators import estimator_spec, kl_estimator
@@ -392,7 +400,6 @@ class Logging:
         check_rules(self)
 
 
-ENGINE_KINDS = ("native", "vllm")
 #: Corrections of the sampler/trainer mismatch (docs/engines.md): none, truncated importance
 #: weights per token (TIS) or a sequence mask beyond a ratio threshold (sequence-level MIS).
 MISMATCH_CORRECTIONS = ("none", "token_tis", "sequence_mis")
@@ -403,12 +410,15 @@ class Engine:
     """The rollout engine: what samples the responses (docs/engines.md).
 
     Args:
-        kind: ``native`` (the module's own KV-cache loop; its log-probs are the trainer's) or
-            ``vllm`` (a vLLM engine in this process, its weights pushed after every update;
-            the trainer computes the behaviour log-probs again and logs the gap, ``mismatch/*``).
-        compiled_decode: with ``native``, a static KV cache and one compiled decode step
-            (CUDA graphs on a GPU): the eager loop's tokens and random stream, its log-probs
-            to float rounding.
+        kind: the engine (:mod:`~rlkl_lightning.algorithms.engines`): ``native`` (the module's
+            own KV-cache loop; its log-probs are the trainer's), ``compiled`` (that loop with a
+            static KV cache and one compiled decode step), ``vllm`` (a vLLM engine in this
+            process, its weights pushed after every update; the trainer computes the behaviour
+            log-probs again and logs the gap, ``mismatch/*``), or an engine of your own: the
+            dotted path of a ``RolloutEngine`` subclass or ``{class_path, init_args}``.
+        compiled_decode: with ``native``, the ``compiled`` engine: a static KV cache and one
+            compiled decode step (CUDA graphs on a GPU), the eager loop's tokens and random
+            stream, its log-probs to float rounding.
         gpu_memory_utilization: with ``vllm``, the share of the accelerator's memory vLLM may
             take for its weights and KV cache (on a CPU: of its KV-cache space).
         sleep_mode: with ``vllm`` on CUDA, free the engine's memory during the update.
@@ -424,7 +434,6 @@ class Engine:
 
     group: ClassVar[str] = "engine"
     RULES: ClassVar[tuple] = (
-        ("kind", _one_of(ENGINE_KINDS), f"one of {ENGINE_KINDS}"),
         ("compiled_decode", _boolean, "True or False"),
         ("gpu_memory_utilization", lambda x: _number(x) and 0 < x <= 1, "in (0, 1]"),
         ("sleep_mode", _boolean, "True or False"),
@@ -432,7 +441,7 @@ class Engine:
         ("correction_threshold", _finite_above(1), "a finite number > 1"),
     )
 
-    kind: str = "native"
+    kind: str | dict[str, Any] = "native"
     compiled_decode: bool = False
     gpu_memory_utilization: float = 0.3
     sleep_mode: bool = False
@@ -441,18 +450,28 @@ class Engine:
 
     def __post_init__(self) -> None:
         check_rules(self)
-        if self.kind != "vllm":
-            for name, default in (("sleep_mode", False), ("correction", "none")):
-                if getattr(self, name) != default:
-                    raise ValueError(
-                        f"`engine.{name}` applies to `engine.kind='vllm'` only; with "
-                        f"kind={self.kind!r} it must be {default!r}, got {getattr(self, name)!r}"
-                    )
+        # A component (docs/engines.md), kept as a plain value for the checkpoint.
+        object.__setattr__(self, "kind", engine_spec(self.kind, "engine.kind"))
+        engine, _ = engine_class(self.kind)
+        rules = (
+            ("sleep_mode", False, engine is VLLMRolloutEngine, ""),
+            ("correction", "none", not engine.shares_weights, " (an engine with its own weights)"),
+        )
+        for name, default, applies, what in rules:
+            if not applies and getattr(self, name) != default:
+                raise ValueError(
+                    f"`engine.{name}` applies to `engine.kind='vllm'`{what} only; with "
+                    f"kind={self.kind!r} it must be {default!r}, got {getattr(self, name)!r}"
+                )
         if self.compiled_decode and self.kind != "native":
             raise ValueError(
                 "`engine.compiled_decode` applies to `engine.kind='native'` only; with "
                 f"kind={self.kind!r} it must be False, got True"
             )
+
+    def build(self) -> RolloutEngine:
+        """A new engine of ``kind`` (``compiled_decode``: the compiled one), not started."""
+        return CompiledEngine() if self.compiled_decode else build_engine(self.kind)
 
 
 @dataclass(frozen=True)

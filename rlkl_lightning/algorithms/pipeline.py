@@ -26,7 +26,6 @@ every model once it is loaded, and the update's threads (:meth:`RLPipeline.updat
 from __future__ import annotations
 
 import inspect
-import itertools
 import time
 from functools import partial
 from typing import Any, ClassVar
@@ -78,18 +77,8 @@ from rlkl_lightning.algorithms.resume import (
     with_frozen_weights,
     with_refreshed_weights,
 )
-from rlkl_lightning.algorithms.rollout import sample_and_score
 from rlkl_lightning.algorithms.update import OneThread, run_update
 from rlkl_lightning.algorithms.validation import HeldoutPerplexity, encode_texts
-from rlkl_lightning.algorithms.vllm_engine import (
-    PRECISION_DTYPES,
-    check_vllm_settings,
-    engine_trajectory,
-    engine_weights,
-    request_seed,
-    run_seed,
-    shared_engine,
-)
 from rlkl_lightning.checkpoints import plain, plain_hyperparameters
 from rlkl_lightning.kl import estimators as klmod
 from rlkl_lightning.kl.loss import within_trust_region
@@ -117,12 +106,6 @@ from rlkl_lightning.rewards import (
     validate_scores,
 )
 from rlkl_lightning.trajectory import Trajectory
-
-#: The sampling options an engine other than the native loop is given per request.
-ENGINE_SAMPLING = ("temperature", "top_k", "top_p", "max_new_tokens")
-
-#: Distinct numbers for the modules of one process (whose weights an engine holds).
-_modules = itertools.count()
 
 #: On a CPU, rollout logits up to this size are kept: recomputing small ones cost more time
 #: than it saved (docs/benchmarks.md, "Memory").
@@ -167,8 +150,8 @@ class RLPipeline(LightningModule):
             (:class:`~.options.Safeguards`).
         logging: the samples table and the per-token KL diagnostics
             (:class:`~.options.Logging`).
-        engine: what samples the responses: the native loop or vLLM
-            (:class:`~.options.Engine`).
+        engine: what samples the responses: the native loop, its compiled decode step, vLLM
+            or an engine of your own (:class:`~.options.Engine`, :mod:`.engines`).
     """
 
     #: The name messages give the module (its options are named in them too).
@@ -228,11 +211,10 @@ class RLPipeline(LightningModule):
         self.log_reference_refreshes = False
         self.heldout = HeldoutPerplexity()
         self.heldout_test = HeldoutPerplexity()  # a data module's second loader: test text
-        #: The rollout engine other than the native loop (built on the first rollout).
-        self._rollout_engine = None
-        self._engine_owner = next(_modules)
+        #: What samples the responses, picked once (:mod:`.engines`); started at fit start.
+        self.rollout_engine = self.engine.build()
         #: Counts changes of the policy's weights; an engine that holds an older one gets a push.
-        self._weights_version = 0
+        self.weights_version = 0
         self.threads: OneThread | ValueThread = OneThread()
         self.save_hyperparameters(ignore=["reward", "gold_reward"])  # objects, not settings
         # LightningCLI saves a subclass's own arguments as the hyperparameters; the record must
@@ -343,20 +325,22 @@ class RLPipeline(LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        """Keep the frozen models frozen and the rewards on our device; check the decode step."""
-        if self.engine.compiled_decode:
-            from rlkl_lightning.algorithms.compiled_decode import check
+        """Keep the frozen models frozen and the rewards on our device; start the engine.
 
-            check(self.policy, self.device)
+        Every rank starts its engine here, at the same point (vLLM's start is a collective).
+        """
         if isinstance(self.reference, torch.nn.Module):  # else: the policy, adapters off
             freeze(self.reference)
         disable_dropout(self.policy)
-        if self.engine.kind == "vllm":
-            check_vllm_settings(self.engine, self.device, self.trainer.world_size)
-            self._engine_dtype()  # a precision vLLM cannot run with stops here
         for reward in (self.reward, self.gold_reward):
             if hasattr(reward, "to"):
                 reward.to(self.device)
+        self.rollout_engine.start(self)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        """Close the rollout engine (it starts again if this module samples once more)."""
+        self.rollout_engine.close()
 
     def refresh_reference(self, alpha: float = 1.0) -> None:
         """``reference <- alpha x policy + (1 - alpha) x reference``; ``alpha = 1``: a copy.
@@ -369,7 +353,7 @@ class RLPipeline(LightningModule):
         self.refreshed_keys = sorted(set(self.refreshed_keys) | set(changed))
         self.reference_refreshes += 1
         self.last_refresh_batch = self.batches_seen
-        self._weights_version += 1  # LoRA: the base weights moved (the policy did not)
+        self.weights_version += 1  # LoRA: the base weights moved (the policy did not)
         self.heldout.reference_perplexity = None
         self.heldout_test.reference_perplexity = None
 
@@ -399,96 +383,15 @@ class RLPipeline(LightningModule):
     def rollout(self, prompts: list[str]) -> tuple[Trajectory, TokenScores]:
         """Phase 1: sample a response per prompt; the policy's scores of them come along.
 
-        With ``engine.kind="vllm"`` the engine samples (:meth:`engine_rollout`) and the policy
-        scores its samples in one pass.
+        The engine (``engine.kind``) gets the policy's weights first if it holds its own and
+        they changed; an engine other than the native loop keeps its own log-probs as
+        ``sampler_logprobs`` beside the trainer's.
         """
-        if self.engine.kind != "native":
-            return self.engine_rollout(*self._encode_prompts(prompts))
-        hp = self.sampling
         prompt_ids, prompt_mask = self._encode_prompts(prompts)
-        return sample_and_score(
-            self.policy,
-            prompt_ids,
-            prompt_mask,
-            max_new_tokens=hp.max_new_tokens,
-            temperature=hp.temperature,
-            top_k=hp.top_k,
-            top_p=hp.top_p,
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-            stop_at_eos=hp.stop_at_eos,
-            keep_logits=keep_rollout_logits(
-                self.policy, self.device, len(prompts), hp.max_new_tokens
-            ),
-            compiled=self.engine.compiled_decode,
-        )
-
-    def engine_rollout(
-        self, prompt_ids: Tensor, prompt_mask: Tensor
-    ) -> tuple[Trajectory, TokenScores]:
-        """Sample with the rollout engine, then score the samples with the policy.
-
-        The trajectory has the native loop's layout; ``sampler_logprobs`` are the engine's
-        log-probs, ``logprobs`` the trainer's (those enter ratios and the KL), and the scores
-        (logits, hidden states) are the policy's, as the native loop keeps them. The engine
-        gets the policy's weights first if they changed since it last got them.
-        """
-        engine = self.sync_rollout_engine()
-        hp = self.sampling
-        batch = self.batches_seen + self.skipped_batches  # both restored on a resume
-        seed, rank = run_seed(), self.global_rank
-        seeds = [request_seed(seed, batch, rank, row) for row in range(len(prompt_ids))]
-        eos = self.tokenizer.eos_token_id if hp.stop_at_eos else None
-        pad = self.tokenizer.pad_token_id
-        sampling = {name: getattr(hp, name) for name in ENGINE_SAMPLING}
-        response_ids, sampler_logprobs = engine.sample(
-            prompt_ids, prompt_mask, seeds, sampling, eos, pad
-        )
-        traj = engine_trajectory(prompt_ids, prompt_mask, response_ids, sampler_logprobs, eos, pad)
-        keep = keep_rollout_logits(self.policy, self.device, len(prompt_ids), hp.max_new_tokens)
-        was_training = self.policy.training
-        self.policy.eval()
-        try:
-            with torch.no_grad():
-                scores = score_tokens(self.policy, traj, hp.temperature, logits=keep)
-        finally:
-            self.policy.train(was_training)
-        return traj._replace(logprobs=scores.logprobs), scores
-
-    def sync_rollout_engine(self):
-        """The rollout engine, given the policy's weights if they changed since it got them."""
-        engine = self.rollout_engine()
-        owner = (self._engine_owner, self._weights_version)
-        if engine.push_enabled and engine.weights_of != owner:
-            engine.push(engine_weights(self.policy), owner)
-        return engine
-
-    def rollout_engine(self):
-        """The rollout engine of ``engine.kind`` (vLLM: this process's, built on first use)."""
-        if self._rollout_engine is None:
-            hp = self.sampling
-            self._rollout_engine = shared_engine(
-                self.policy,
-                max_model_len=hp.max_prompt_tokens + hp.max_new_tokens,
-                dtype=self._engine_dtype(),
-                gpu_memory_utilization=self.engine.gpu_memory_utilization,
-                sleep_mode=self.engine.sleep_mode,
-                device_type=self.device.type,
-            )
-        return self._rollout_engine
-
-    def _engine_dtype(self) -> str:
-        """The engine's dtype: the trainer's precision (without a trainer, the policy's)."""
-        if self._trainer is not None:
-            precision = str(self.trainer.precision)
-            if precision not in PRECISION_DTYPES:
-                raise ValueError(
-                    f"{self.owner}: `engine.kind='vllm'` runs with precision "
-                    f"{sorted(PRECISION_DTYPES)}, got {precision!r}"
-                )
-            return PRECISION_DTYPES[precision]
-        dtype = next(self.policy.parameters()).dtype
-        return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+        rows, tokens = len(prompts), self.sampling.max_new_tokens
+        keep = keep_rollout_logits(self.policy, self.device, rows, tokens)
+        self.rollout_engine.push(self)
+        return self.rollout_engine.sample(self, prompt_ids, prompt_mask, keep)
 
     def score(
         self, prompts: list[str], traj: Trajectory, policy_scores: TokenScores
@@ -612,7 +515,7 @@ class RLPipeline(LightningModule):
                 return run_update(self, traj)
             finally:
                 self.threads = OneThread()
-                self._weights_version += 1  # the rollout engine needs them again
+                self.weights_version += 1  # the rollout engine needs them again
 
     @override
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -853,7 +756,7 @@ class RLPipeline(LightningModule):
             setattr(self, name, int(counters.get(name, 0)))
         self.heldout.reference_perplexity = counters.get("reference_perplexity")
         self.heldout_test.reference_perplexity = counters.get("test_reference_perplexity")
-        self._weights_version += 1  # the rollout engine gets the loaded weights
+        self.weights_version += 1  # the rollout engine gets the loaded weights
         self._rng_to_restore = checkpoint.get("rlkl_rng")
 
     @override

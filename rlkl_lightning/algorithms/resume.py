@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
@@ -38,11 +39,19 @@ def rng_states(trainer: Trainer | None, device: torch.device) -> dict[str, list[
         states["cuda"] = torch.cuda.get_rng_state(device)
     if trainer is None or trainer.world_size == 1:
         return {key: [value] for key, value in states.items()}
-    strategy = trainer.strategy
-    return {  # one tensor per rank, not views into the gathered one (restore_rng_states)
-        key: [t.clone() for t in strategy.all_gather(value.to(strategy.root_device)).cpu()]
-        for key, value in states.items()
-    }
+    device = trainer.strategy.root_device
+    return {key: _gathered(value.to(device), trainer.world_size) for key, value in states.items()}
+
+
+def _gathered(value: Tensor, world_size: int) -> list[Tensor]:
+    """``value`` of every rank, in rank order, on the CPU (a collective).
+
+    Plain ``torch.distributed``: Lightning's ``strategy.all_gather`` goes through a deprecated
+    torch function that warned on every rank.
+    """
+    gathered = [torch.empty_like(value) for _ in range(world_size)]
+    dist.all_gather(gathered, value.contiguous())
+    return [t.cpu() for t in gathered]
 
 
 def restore_rng_states(

@@ -20,12 +20,13 @@ import torch
 
 from rlkl_lightning import PPOModule, RLOOModule
 from rlkl_lightning.algorithms import pipeline as pipeline_module
-from rlkl_lightning.algorithms.rollout import sample_and_score
-from rlkl_lightning.algorithms.vllm_engine import (
+from rlkl_lightning.algorithms.engines import NativeEngine
+from rlkl_lightning.algorithms.engines.vllm import (
     MISSING_VLLM,
     engine_weights,
     request_seed,
 )
+from rlkl_lightning.algorithms.rollout import sample_and_score
 from rlkl_lightning.models.forward import trunk_forward
 from rlkl_lightning.models.lora import attach_adapters
 from rlkl_lightning.rewards import FunctionReward
@@ -35,7 +36,7 @@ SAMPLING = {"max_prompt_tokens": 8, "max_new_tokens": 10, "temperature": 0.7}
 
 
 class NativeAsEngine:
-    """An engine that samples with the native loop and returns only tokens and log-probs."""
+    """vLLM's ``LLM`` stand-in: samples with the native loop, returns only tokens and log-probs."""
 
     def __init__(self, policy, seed: int = 0):
         self.policy, self.seed = policy, seed
@@ -92,7 +93,7 @@ def test_an_engines_samples_give_the_native_trajectory(tiny_lm_dir, keep_logits,
     traj, scores = native.rollout(PROMPTS)
     engined = module(tiny_lm_dir, "vllm")
     engined.policy.load_state_dict(native.policy.state_dict())
-    engined._rollout_engine = NativeAsEngine(copy.deepcopy(native.policy))
+    engined.rollout_engine.llm_engine = NativeAsEngine(copy.deepcopy(native.policy))
     traj_e, scores_e = engined.rollout(PROMPTS)
     assert traj.response_mask.sum() > len(PROMPTS) and not traj.response_mask.all()  # EOS seen
     for name in ("input_ids", "attention_mask", "response_ids", "response_mask"):
@@ -113,7 +114,7 @@ def test_an_engines_samples_give_the_native_trajectory(tiny_lm_dir, keep_logits,
 
 def test_native_is_the_native_loop_bit_for_bit(tiny_lm_dir):
     native = module(tiny_lm_dir, "native")
-    native.rollout_engine = None  # never asked for an engine
+    assert type(native.rollout_engine) is NativeEngine
     torch.manual_seed(3)
     traj, scores = native.rollout(PROMPTS)
     torch.manual_seed(3)
@@ -138,7 +139,7 @@ def test_training_through_an_engine_pushes_the_updated_weights_once_per_batch(ti
     from helpers.trainers import fit_on_prompts
 
     engined = module(tiny_lm_dir, "vllm", cls, optimization={"ppo_epochs": 1, "lr": 1e-2})
-    fake = engined._rollout_engine = NativeAsEngine(engined.policy)
+    fake = engined.rollout_engine.llm_engine = NativeAsEngine(engined.policy)
     trainer = fit_on_prompts(engined, PROMPTS * 3, batch_size=4)
     assert engined.batches_seen == 3 and len(fake.pushed) == 3  # before each rollout
     names = [name for name, _ in engined.policy.named_parameters()]  # tied weights once
@@ -184,7 +185,7 @@ def test_a_lora_policy_is_pushed_merged_and_its_base_weights_stay(tiny_lm_dir):
 
 
 def test_without_vllm_the_engine_is_refused_in_one_line_naming_make_vllm_env(tiny_lm_dir):
-    from rlkl_lightning.algorithms.vllm_engine import import_vllm
+    from rlkl_lightning.algorithms.engines.vllm import import_vllm
 
     try:
         import_vllm()
@@ -201,22 +202,46 @@ def test_without_vllm_the_engine_is_refused_in_one_line_naming_make_vllm_env(tin
 
 
 @pytest.mark.parametrize(
-    "settings, device, world_size, message",
+    "settings, device, world_size, strategy, message",
     [
-        ({"sleep_mode": True}, "cpu", 1, r"`engine.sleep_mode`=True .* needs CUDA"),
-        ({}, "cpu", 2, r"`engine.kind='vllm'` runs in one process; this run has 2"),
+        ({"sleep_mode": True}, "cpu", 1, "ddp", r"`engine.sleep_mode`=True .* needs CUDA"),
+        (
+            {},
+            "cpu",
+            2,
+            "FSDPStrategy",
+            r"`engine.kind='vllm'` runs in one process or under DDP .* 2 processes under "
+            r"FSDPStrategy.*`trainer.strategy=ddp`",
+        ),
     ],
 )
 def test_settings_the_vllm_engine_does_not_run_with_are_refused_by_name(
-    settings, device, world_size, message
+    settings, device, world_size, strategy, message
 ):
+    from rlkl_lightning.algorithms.engines.vllm import check_vllm_settings
     from rlkl_lightning.algorithms.options import Engine
-    from rlkl_lightning.algorithms.vllm_engine import check_vllm_settings
 
     engine = Engine(kind="vllm", **settings)
     with pytest.raises(ValueError, match=message):
-        check_vllm_settings(engine, torch.device(device), world_size)
+        check_vllm_settings(engine, torch.device(device), world_size, strategy)
     check_vllm_settings(Engine(kind="vllm"), torch.device("cpu"), 1)  # the default runs
+    check_vllm_settings(Engine(kind="vllm"), torch.device("cpu"), 2, "ddp")  # DDP runs
+
+
+def test_under_ddp_the_engine_gets_the_trainers_rank_variables_and_the_external_launcher(
+    monkeypatch,
+):
+    from rlkl_lightning.algorithms.engines.vllm import launcher_arguments, set_rank_variables
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(name, "7")  # left from another launch: the trainer's win
+    set_rank_variables(3, 1, 4)
+    assert [os.environ[n] for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE")] == ["3", "1", "4"]
+    assert launcher_arguments(1) == {}
+    assert launcher_arguments(2) == {
+        "distributed_executor_backend": "external_launcher",
+        "tensor_parallel_size": 1,
+    }
 
 
 def test_a_vllm_config_without_vllm_stops_with_one_line_naming_make_vllm_env(
@@ -226,7 +251,7 @@ def test_a_vllm_config_without_vllm_stops_with_one_line_naming_make_vllm_env(
 
     from helpers.cli_runs import cli_error
 
-    from rlkl_lightning.algorithms.vllm_engine import import_vllm
+    from rlkl_lightning.algorithms.engines.vllm import import_vllm
 
     try:
         import_vllm()
@@ -248,7 +273,7 @@ def test_a_vllm_config_without_vllm_stops_with_one_line_naming_make_vllm_env(
 
 
 def test_a_separate_vllm_engine_process_is_refused_by_name(monkeypatch):
-    from rlkl_lightning.algorithms.vllm_engine import IN_PROCESS, import_vllm
+    from rlkl_lightning.algorithms.engines.vllm import IN_PROCESS, import_vllm
 
     monkeypatch.setenv(IN_PROCESS, "1")
     with pytest.raises(RuntimeError, match="VLLM_ENABLE_V1_MULTIPROCESSING='1' asks for a sep"):
@@ -259,3 +284,62 @@ def test_a_separate_vllm_engine_process_is_refused_by_name(monkeypatch):
     except RuntimeError as error:  # vLLM missing here: the usual line, not the variable's
         assert str(error) == MISSING_VLLM
     assert os.environ[IN_PROCESS] == "0"  # unset: the engine stays in this process
+
+
+class CountingEngine(NativeEngine):
+    """A user's engine (named by its dotted path): the native loop, counting the calls."""
+
+    def __init__(self, label: str = "none"):
+        self.label, self.calls = label, []
+
+    def start(self, module):
+        self.calls.append("start")
+
+    def push(self, module):
+        self.calls.append(f"push {module.weights_version}")
+
+    def sample(self, module, prompt_ids, prompt_mask, keep_logits):
+        self.calls.append("sample")
+        return super().sample(module, prompt_ids, prompt_mask, keep_logits)
+
+    def close(self):
+        self.calls.append("close")
+
+
+@pytest.mark.parametrize(
+    ("engine", "built"),
+    [
+        ({}, "NativeEngine"),
+        ({"kind": "compiled"}, "CompiledEngine"),
+        ({"compiled_decode": True}, "CompiledEngine"),
+        ({"kind": "vllm"}, "VLLMRolloutEngine"),
+        ({"kind": {"class_path": "vllm"}}, "VLLMRolloutEngine"),
+    ],
+)
+def test_the_engine_is_picked_once_from_engine_kind(engine, built):
+    from rlkl_lightning.algorithms.options import Engine
+
+    assert type(Engine(**engine).build()).__name__ == built
+
+
+def test_a_users_engine_by_dotted_path_samples_and_is_started_pushed_and_closed(tiny_lm_dir):
+    from helpers.trainers import fit_on_prompts
+
+    kind = {"class_path": f"{__name__}.CountingEngine", "init_args": {"label": "mine"}}
+    ppo = PPOModule(
+        policy=str(tiny_lm_dir),
+        reward=FunctionReward(reward),
+        sampling=SAMPLING,
+        engine={"kind": kind},
+        logging={"log_samples_every": 0},
+        optimization={"ppo_epochs": 1},
+    )
+    engine = ppo.rollout_engine
+    assert type(engine) is CountingEngine and engine.label == "mine"
+    assert ppo.hparams["engine"]["kind"] == kind  # a plain spec in the checkpoint
+    fit_on_prompts(ppo, PROMPTS * 2, batch_size=4)
+    assert engine.calls == ["start", "push 0", "sample", "push 1", "sample", "close"]
+    with pytest.raises(ValueError, match=r"`engine.kind.init_args` has no argument 'colour'"):
+        PPOModule(policy=str(tiny_lm_dir), engine={"kind": {**kind, "init_args": {"colour": 1}}})
+    with pytest.raises(ValueError, match=r"`engine.kind` must be one of .* names function"):
+        PPOModule(policy=str(tiny_lm_dir), engine={"kind": f"{__name__}.reward"})

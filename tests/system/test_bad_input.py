@@ -222,7 +222,7 @@ def test_unknown_estimator_names_the_allowed_ones(tiny_lm_dir):
         ("penalty.loss_weight_clip", 0.5, "None or a finite number >= 1"),
         ("logging.kl_token_threshold", 0.0, "None or a number > 0"),
         ("penalty.trust_region", math.inf, "None or a number > 0"),
-        ("engine.kind", "sglang", r"one of \('native', 'vllm'\)"),
+        ("engine.kind", "sglang", r"one of \('native', 'compiled', 'vllm'\) or the dotted path .*"),
         ("engine.correction", "tis", r"one of \('none', 'token_tis', 'sequence_mis'\)"),
         ("engine.correction_threshold", 1.0, "a finite number > 1"),
         ("engine.gpu_memory_utilization", 0.0, r"in \(0, 1\]"),

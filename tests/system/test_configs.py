@@ -262,7 +262,7 @@ def test_real_model_config_parses(capsys):
 
 @pytest.mark.parametrize("name", ["ppo_vllm.yaml", "grpo_vllm.yaml"])
 def test_vllm_configs_parse_without_vllm(name, capsys):
-    """The engine is built on the first rollout, so parsing needs no vLLM (tests/vllm runs them)."""
+    """The engine starts at fit start, so parsing needs no vLLM (tests/vllm runs them)."""
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(ROOT / "configs" / name), "--print_config"])
     assert exit_info.value.code == 0

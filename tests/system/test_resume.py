@@ -519,3 +519,49 @@ def test_a_finished_budget_run_extended_equals_the_longer_run_in_every_value(tmp
     assert sum(len(v) for v in whole.values()) == 416
     assert cut == whole
     assert whole["budget/ratio"][10] != whole["budget/ratio"][9]  # batch 10's validation
+
+
+def _gather_rng_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import os
+    import warnings
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from rlkl_lightning.algorithms.resume import rng_states
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(10 + rank)
+        own = torch.get_rng_state()
+        trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(root_device="cpu"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            states = rng_states(trainer, torch.device("cpu"))
+        messages = [str(w.message) for w in caught]
+        torch.save((own, states, messages), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_every_ranks_rng_state_is_gathered_with_plain_torch_distributed_and_no_warning(tmp_path):
+    """``rng_states`` under 2 gloo processes: each rank's own state, in rank order, silently."""
+    import torch.multiprocessing as mp
+
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(
+        _gather_rng_worker,
+        args=(str(tmp_path / "init"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method=method,
+    )
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    owns = [own for own, _, _ in results]
+    assert not torch.equal(owns[0], owns[1])
+    for _, states, messages in results:
+        assert list(states) == ["cpu"] and len(states["cpu"]) == 2
+        assert all(torch.equal(got, own) for got, own in zip(states["cpu"], owns, strict=True))
+        assert all(t.storage_offset() == 0 for t in states["cpu"])  # no views
+        assert messages == []  # Lightning's all_gather warned on every rank

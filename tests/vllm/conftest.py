@@ -2,7 +2,7 @@
 
 ``pyproject.toml`` leaves this folder out of the main suite (``--ignore=tests/vllm``); naming it
 on the command line runs it. Every test in one process shares one vLLM engine
-(:func:`~rlkl_lightning.algorithms.vllm_engine.shared_engine`), built by the first module that
+(:func:`~rlkl_lightning.algorithms.engines.vllm.shared_engine`), built by the first module that
 samples, so the settings that size it (``max_model_len``, dtype, memory) are the same in every
 in-process test: :data:`SAMPLING`.
 """
@@ -17,7 +17,7 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 
 try:
-    from rlkl_lightning.algorithms.vllm_engine import import_vllm
+    from rlkl_lightning.algorithms.engines.vllm import import_vllm
 
     import_vllm()
     MISSING_VLLM = None

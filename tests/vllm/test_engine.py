@@ -20,8 +20,8 @@ from conftest import ENGINE, PROMPTS, SAMPLING
 from helpers.trainers import fit_on_prompts
 
 from rlkl_lightning import PPOModule, RLOOModule
+from rlkl_lightning.algorithms.engines.vllm import request_seed
 from rlkl_lightning.algorithms.rollout import sample_and_score
-from rlkl_lightning.algorithms.vllm_engine import request_seed
 from rlkl_lightning.models.logprobs import score_tokens
 from rlkl_lightning.rewards import FunctionReward
 
@@ -42,6 +42,12 @@ def make(world_dir, cls=PPOModule, **options):
         optimization={"lr": 3e-3, "ppo_epochs": 1, "num_minibatches": 2},
     )
     return cls(**{**args, **options})
+
+
+def synced(module):
+    """The process's vLLM ``LLM`` wrapper, started, with the module's weights if they changed."""
+    module.rollout_engine.push(module)
+    return module.rollout_engine.llm_engine
 
 
 def chi_square_p(a: torch.Tensor, b: torch.Tensor, vocab: int) -> float:
@@ -80,7 +86,7 @@ def first_tokens_native(module, prompt: str, n: int) -> torch.Tensor:
 
 
 def first_tokens_engine(module, prompt: str, n: int, temperature: float) -> torch.Tensor:
-    engine = module.sync_rollout_engine()
+    engine = synced(module)
     ids, mask = module._encode_prompts([prompt] * n)
     seeds = [request_seed(0, 0, 0, row) for row in range(n)]
     sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0, "max_new_tokens": 1}
@@ -104,7 +110,7 @@ def engine_logprobs(module, traj) -> torch.Tensor:
     """The engine's ``[B, R]`` log-probs of the trajectory's responses (teacher forced)."""
     from vllm import SamplingParams
 
-    engine = module.rollout_engine()
+    engine = synced(module)
     prompt_len = traj.input_ids.shape[1] - traj.response_ids.shape[1]
     requests, starts = [], []
     for ids, mask in zip(traj.input_ids, traj.attention_mask, strict=True):
@@ -128,11 +134,11 @@ def trainer_logprobs(module, traj) -> torch.Tensor:
 
 
 class GapRecorder:
-    """Wraps a module's ``engine_rollout``: the per-token gap of every batch it sampled."""
+    """Wraps a module's engine's ``sample``: the per-token gap of every batch it sampled."""
 
     def __init__(self, module):
-        self.inner, self.gaps = module.engine_rollout, []
-        module.engine_rollout = self
+        self.inner, self.gaps = module.rollout_engine.sample, []
+        module.rollout_engine.sample = self
 
     def __call__(self, *args):
         traj, scores = self.inner(*args)
@@ -150,7 +156,7 @@ def test_pushed_weights_give_the_trainers_logprobs_and_unpushed_ones_do_not(worl
     fit_on_prompts(module, PROMPTS * 3, batch_size=8)  # 3 batches, 6 optimizer steps
     assert len(recorder.gaps) == 3
     assert all(mean < 1e-5 and top < 1e-4 for mean, top in recorder.gaps), recorder.gaps
-    engine = module.sync_rollout_engine()  # the last update's weights
+    engine = synced(module)  # the last update's weights
     after = trainer_logprobs(module, fixed)
     assert (after - before).abs().max() > 0.05  # the policy moved
     torch.testing.assert_close(engine_logprobs(module, fixed), after, rtol=0, atol=1e-4)
@@ -164,7 +170,7 @@ def test_pushed_weights_give_the_trainers_logprobs_and_unpushed_ones_do_not(worl
         assert max(mean for mean, _ in recorder.gaps[3:]) > 1e-3  # and so does every batch
     finally:
         engine.push_enabled = True
-    module.sync_rollout_engine()
+    synced(module)
     torch.testing.assert_close(engine_logprobs(module, fixed), moved, rtol=0, atol=1e-4)
 
 
@@ -175,10 +181,10 @@ def test_a_lora_policy_is_pushed_merged_and_its_base_weights_stay(world_dir):
     torch.manual_seed(0)
     fixed, _ = module.rollout(PROMPTS)
     before = trainer_logprobs(module, fixed)
-    engine = module.rollout_engine()
+    engine = synced(module)
     pushes = engine.pushes
     fit_on_prompts(module, PROMPTS * 3, batch_size=8)
-    module.sync_rollout_engine()
+    synced(module)
     assert engine.pushes - pushes == 3  # before batches 2 and 3, and now
     after = trainer_logprobs(module, fixed)
     assert (after - before).abs().max() > 0.05  # the adapters moved the policy
@@ -190,19 +196,19 @@ def test_a_lora_policy_is_pushed_merged_and_its_base_weights_stay(world_dir):
 def test_a_push_resets_the_prefix_cache(world_dir):
     """A group's prompt, sent before a push and again after it, is scored with new weights."""
     module = make(world_dir, cls=RLOOModule)
-    engine = module.sync_rollout_engine()
+    engine = synced(module)
     torch.manual_seed(0)
     fixed, _ = module.rollout([PROMPTS[2]] * 4)
     engine_logprobs(module, fixed)  # cached keys and values of the old weights, if any
     with torch.no_grad():
         for param in module.policy.parameters():
             param.mul_(1.05)
-    module._weights_version += 1  # as an update does
+    module.weights_version += 1  # as an update does
     resets = []
     reset = engine.llm.reset_prefix_cache
     engine.llm.reset_prefix_cache = lambda *a, **k: resets.append(1) or reset(*a, **k)
     try:
-        module.sync_rollout_engine()
+        synced(module)
     finally:
         engine.llm.reset_prefix_cache = reset
     assert resets == [1]

@@ -1,7 +1,9 @@
 """The vLLM rollout engine: vLLM in this process samples, the trainer's weights pushed into it.
 
-``engine.kind="vllm"`` (docs/engines.md). One :class:`VLLMEngine` per process, built on the
-first rollout from the policy's own config, with dummy weights: the policy's weights are
+``engine.kind="vllm"`` (docs/engines.md): :class:`VLLMRolloutEngine`, the
+:class:`~rlkl_lightning.algorithms.engines.base.RolloutEngine` a module holds. One vLLM
+``LLM`` per process (:class:`VLLMEngine`), built at fit start (or on the first rollout without
+a trainer) from the policy's own config, with dummy weights: the policy's weights are
 pushed from memory before every rollout that follows a change (an update, a resume, a
 reference refresh), never read from disk. The push goes through the model runner's in-place
 ``reload_weights``, which feeds Hugging Face names and layouts through the vLLM model's own
@@ -23,16 +25,20 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
+import logging
 import os
 import random
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from rlkl_lightning.algorithms.engines.base import ENGINES, RolloutEngine
 from rlkl_lightning.algorithms.rollout import response_mask_after_eos
+from rlkl_lightning.models.logprobs import TokenScores, score_tokens
 from rlkl_lightning.trajectory import Trajectory
 
 #: The one line a user without vLLM reads (the environment is built by the Makefile).
@@ -186,6 +192,8 @@ class VLLMEngine:
         gpu_memory_utilization: ``engine.gpu_memory_utilization``.
         sleep_mode: Free the engine's memory between rollouts (CUDA only).
         device_type: Where the trainer runs (``cuda``: CUDA graphs; else eager).
+        world_size: The training processes; above 1, one engine per rank through vLLM's
+            ``external_launcher`` (:func:`set_rank_variables` first).
     """
 
     def __init__(
@@ -197,6 +205,7 @@ class VLLMEngine:
         gpu_memory_utilization: float,
         sleep_mode: bool,
         device_type: str,
+        world_size: int = 1,
     ) -> None:
         vllm = import_vllm()
         self.sleep_mode = sleep_mode
@@ -221,6 +230,7 @@ class VLLMEngine:
             enforce_eager=device_type != "cuda",
             enable_sleep_mode=sleep_mode,
             logprobs_mode="processed_logprobs",
+            **launcher_arguments(world_size),
         )
         self._asleep = False
 
@@ -319,6 +329,39 @@ def _repack_kept_cpu_weights(worker: Any) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
+def launcher_arguments(world_size: int) -> dict[str, Any]:
+    """The arguments of one vLLM engine in each of ``world_size`` training processes.
+
+    One process: none (vLLM's default, the engine in this process). Several: vLLM's
+    ``external_launcher``, which joins the process group the trainer made, one engine per rank
+    with no tensor parallelism (each rank samples its own prompts with the full model).
+    """
+    if world_size == 1:
+        return {}
+    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}
+
+
+def set_rank_variables(global_rank: int, local_rank: int, world_size: int) -> None:
+    """Set ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` as the trainer knows them.
+
+    vLLM's ``external_launcher`` reads them; Lightning's own launcher sets ``LOCAL_RANK`` and
+    ``WORLD_SIZE`` but not ``RANK``, and a variable left from another launch must not win.
+    """
+    os.environ["RANK"] = str(global_rank)
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+
+
+def quiet_vllm_logs(global_rank: int) -> None:
+    """Keep vLLM's log lines to rank 0: the other ranks log its errors only.
+
+    Every rank's engine logs the same start-up and push lines; one copy is enough.
+    """
+    import_vllm()  # vLLM configures its logger when imported
+    if global_rank != 0:
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+
+
 _ENGINE: dict[str, Any] = {"key": None, "engine": None, "dir": None}
 
 
@@ -330,6 +373,7 @@ def shared_engine(
     gpu_memory_utilization: float,
     sleep_mode: bool,
     device_type: str,
+    world_size: int = 1,
 ) -> VLLMEngine:
     """This process's engine for ``policy``'s architecture and these settings.
 
@@ -345,7 +389,7 @@ def shared_engine(
             "`engine.kind='vllm'` needs a Hugging Face causal LM as the policy (its config "
             f"builds vLLM's model); got {type(policy).__name__}"
         )
-    settings = (max_model_len, dtype, gpu_memory_utilization, sleep_mode, device_type)
+    settings = (max_model_len, dtype, gpu_memory_utilization, sleep_mode, device_type, world_size)
     key = repr((config.to_json_string(use_diff=False), settings))
     if _ENGINE["key"] != key:
         close_shared_engine()
@@ -359,6 +403,7 @@ def shared_engine(
                 gpu_memory_utilization=gpu_memory_utilization,
                 sleep_mode=sleep_mode,
                 device_type=device_type,
+                world_size=world_size,
             )
         _ENGINE.update(key=key, engine=engine, dir=folder)
     return _ENGINE["engine"]
@@ -407,21 +452,155 @@ def engine_trajectory(
     )
 
 
-def check_vllm_settings(engine: Any, device: torch.device, world_size: int) -> None:
+def check_vllm_settings(
+    engine: Any, device: torch.device, world_size: int, strategy: str = "ddp"
+) -> None:
     """Refuse, by name, the settings this engine does not run with.
 
+    Args:
+        engine: The ``engine`` options group.
+        device: The trainer's device.
+        world_size: The training processes.
+        strategy: The trainer's strategy's class name, ``ddp`` for DDP (several processes run
+            under DDP only).
+
     Raises:
-        ValueError: ``engine.sleep_mode`` off CUDA; more than one process (vLLM's
-            ``external_launcher`` under DDP is not supported here yet).
+        ValueError: ``engine.sleep_mode`` off CUDA; several processes under another strategy
+            than DDP (FSDP: every rank would first gather the full weights, not built yet).
     """
     if engine.sleep_mode and device.type != "cuda":
         raise ValueError(
             f"`engine.sleep_mode`=True frees vLLM's accelerator memory and needs CUDA; this run "
             f"is on {device.type!r}: set `engine.sleep_mode`=False"
         )
-    if world_size > 1:
+    if world_size > 1 and strategy != "ddp":
         raise ValueError(
-            f"`engine.kind='vllm'` runs in one process; this run has {world_size} (DDP/FSDP). "
-            "vLLM's `external_launcher` is not supported here yet: use one process, or "
-            "`engine.kind='native'`"
+            f"`engine.kind='vllm'` runs in one process or under DDP (one engine per rank); this "
+            f"run has {world_size} processes under {strategy}, whose sharded weights the engine "
+            "cannot be given yet: use `trainer.strategy=ddp`, or `engine.kind='native'`"
         )
+
+
+#: The sampling options the engine is given per request.
+ENGINE_SAMPLING = ("temperature", "top_k", "top_p", "max_new_tokens")
+
+#: Distinct numbers for the engines of one process (whose weights the shared ``LLM`` holds).
+_engines = itertools.count()
+
+
+def engine_dtype(module: Any) -> str:
+    """The engine's dtype: the trainer's precision (without a trainer, the policy's).
+
+    Raises:
+        ValueError: For a precision vLLM does not run with, naming the allowed ones.
+    """
+    if module._trainer is not None:
+        precision = str(module.trainer.precision)
+        if precision not in PRECISION_DTYPES:
+            raise ValueError(
+                f"{module.owner}: `engine.kind='vllm'` runs with precision "
+                f"{sorted(PRECISION_DTYPES)}, got {precision!r}"
+            )
+        return PRECISION_DTYPES[precision]
+    dtype = next(module.policy.parameters()).dtype
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+
+
+def strategy_name(trainer: Any) -> str:
+    """``ddp`` for a DDP trainer (or none), else its strategy's class name (``FSDPStrategy``)."""
+    if trainer is None:
+        return "ddp"
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, DDPStrategy | SingleDeviceStrategy):
+        return "ddp"
+    return type(strategy).__name__
+
+
+@ENGINES.register("vllm")
+class VLLMRolloutEngine(RolloutEngine):
+    """vLLM samples, the trainer's weights pushed into it; the policy scores its samples.
+
+    The trajectory has the native loop's layout; ``sampler_logprobs`` are the engine's
+    log-probs, ``logprobs`` the trainer's (those enter ratios and the KL), and the scores
+    (logits, hidden states) are the policy's, as the native loop keeps them.
+    """
+
+    shares_weights: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.number = next(_engines)
+        #: This process's ``LLM`` (:func:`shared_engine`), once started.
+        self.llm_engine: VLLMEngine | None = None
+
+    def start(self, module: Any) -> None:
+        """Check the settings and build (or reuse) this process's ``LLM`` for the policy.
+
+        Under DDP every rank builds its own engine here, at the same hook (vLLM's start-up is
+        a collective: it agrees on the KV-cache memory over the ranks), after the rank
+        variables vLLM reads are set from the trainer.
+        """
+        trainer = module._trainer
+        world_size = trainer.world_size if trainer is not None else 1
+        strategy = strategy_name(trainer)
+        check_vllm_settings(module.engine, module.device, world_size, strategy)
+        dtype = engine_dtype(module)  # a precision vLLM cannot run with stops here
+        if self.llm_engine is not None:  # started, and not closed since
+            return
+        if world_size > 1:
+            set_rank_variables(trainer.global_rank, trainer.local_rank, world_size)
+            quiet_vllm_logs(trainer.global_rank)
+        hp = module.sampling
+        self.llm_engine = shared_engine(
+            module.policy,
+            max_model_len=hp.max_prompt_tokens + hp.max_new_tokens,
+            dtype=dtype,
+            gpu_memory_utilization=module.engine.gpu_memory_utilization,
+            sleep_mode=module.engine.sleep_mode,
+            device_type=module.device.type,
+            world_size=world_size,
+        )
+
+    def push(self, module: Any) -> None:
+        """Push the policy's weights if the ``LLM`` holds others (another version or module)."""
+        if self.llm_engine is None:
+            self.start(module)
+        engine = self.llm_engine
+        owner = (self.number, module.weights_version)
+        if engine.push_enabled and engine.weights_of != owner:
+            engine.push(engine_weights(module.policy), owner)
+
+    def sample(
+        self, module: Any, prompt_ids: Tensor, prompt_mask: Tensor, keep_logits: bool
+    ) -> tuple[Trajectory, TokenScores]:
+        """The engine's samples, one seeded request per row; then the policy's scores of them."""
+        if self.llm_engine is None:
+            self.start(module)
+        hp, tokenizer = module.sampling, module.tokenizer
+        batch = module.batches_seen + module.skipped_batches  # both restored on a resume
+        seed, rank = run_seed(), module.global_rank
+        seeds = [request_seed(seed, batch, rank, row) for row in range(len(prompt_ids))]
+        eos = tokenizer.eos_token_id if hp.stop_at_eos else None
+        pad = tokenizer.pad_token_id
+        sampling = {name: getattr(hp, name) for name in ENGINE_SAMPLING}
+        response_ids, sampler_logprobs = self.llm_engine.sample(
+            prompt_ids, prompt_mask, seeds, sampling, eos, pad
+        )
+        traj = engine_trajectory(prompt_ids, prompt_mask, response_ids, sampler_logprobs, eos, pad)
+        policy = module.policy
+        was_training = policy.training
+        policy.eval()
+        try:
+            with torch.no_grad():
+                scores = score_tokens(policy, traj, hp.temperature, logits=keep_logits)
+        finally:
+            policy.train(was_training)
+        return traj._replace(logprobs=scores.logprobs), scores
+
+    def close(self) -> None:
+        """Let go of the ``LLM``; the process keeps it for the next module with its settings.
+
+        :func:`close_shared_engine` shuts it down.
+        """
+        self.llm_engine = None

@@ -1,0 +1,59 @@
+"""A callback that records, on its own rank, what a rollout engine did in each batch.
+
+Used by ``tests/vllm/test_ddp.py`` through ``train.py`` (``trainer.callbacks``): per batch the
+beta the batch used, the rows this rank sampled and this rank's sampler/trainer gap (the mean
+absolute per-token difference of the engine's and the trainer's log-probs, in nats); at the end
+of the fit the policy's weights. ``stale_rank`` switches that rank's weight pushes off after
+the first one (the engine keeps the initial weights: the negative control).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+
+class EngineRecorder(pl.Callback):
+    """Write ``rank{r}.pt``: betas, rows, gaps per batch and the final policy weights."""
+
+    def __init__(self, out_dir: str, stale_rank: int = -1) -> None:
+        self.out_dir = Path(out_dir)
+        self.stale_rank = stale_rank
+        self.betas: list[float] = []
+        self.rows: list[int] = []
+        self.gaps: list[float] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: Any) -> None:  # noqa: D102
+        engine = pl_module.rollout_engine
+        sample, push = engine.sample, engine.push
+
+        def recorded_sample(module, prompt_ids, prompt_mask, keep_logits):
+            traj, scores = sample(module, prompt_ids, prompt_mask, keep_logits)
+            mask = traj.response_mask
+            gap = (traj.logprobs - traj.sampler_logprobs).abs() * mask
+            self.gaps.append(float(gap.sum() / mask.sum()))
+            self.rows.append(len(prompt_ids))
+            return traj, scores
+
+        pushes = []
+
+        def stale_push(module):
+            if not pushes:  # the first push: the engine's dummy weights become the policy's
+                pushes.append(1)
+                push(module)
+
+        engine.sample = recorded_sample
+        if trainer.global_rank == self.stale_rank:
+            engine.push = stale_push
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: D102
+        self.betas.append(float(pl_module.kl_coef))
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: Any) -> None:  # noqa: D102
+        weights = {k: v.detach().clone() for k, v in pl_module.policy.state_dict().items()}
+        record = {"betas": self.betas, "rows": self.rows, "gaps": self.gaps, "weights": weights}
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(record, self.out_dir / f"rank{trainer.global_rank}.pt")
