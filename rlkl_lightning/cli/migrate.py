@@ -3,7 +3,9 @@
 The modules' flat options of 0.1.0 go into their groups, the module's ``kl`` group of
 0.2.0-0.4.0 is named ``penalty`` (:mod:`rlkl_lightning.migrations`), and a law's gains of
 0.1.0-0.4.0 (``kl.horizon``, ``kl.k``, ``kl.kp``, ``kl.ki``) become the arguments of the law in
-``kl.controller``; everything else is kept in its order. Where only a group is renamed the file is
+``kl.controller``; ``CapabilityBudget``'s steps per validation of 0.3.0-0.5.0 (``max_raise``,
+``max_step``) become steps per batch and its ``rate`` is dropped (0.6.0's law has its own
+gains); everything else is kept in its order. Where only a group is renamed the file is
 rewritten in place, comments and layout kept; where flat options move into groups it is written
 again from its values, and its comments are lost (the first line says so).
 """
@@ -34,7 +36,7 @@ def migrate_text(text: str, name: str = "the config") -> str:
         return text
     if not isinstance(config, dict):
         raise ValueError(f"`migrate`: {name} must be a YAML mapping (a run config)")
-    wanted = _law_arguments(upgrade_config(config))
+    wanted = _budget_arguments(_law_arguments(upgrade_config(config)))
     if wanted == config:
         return text
     renamed = _renamed_in_place(text)
@@ -67,6 +69,43 @@ def _law_arguments(config: dict[str, Any]) -> dict[str, Any]:
                 "init_args": taken,
             }
     return {**config, "kl": kl}
+
+
+#: CapabilityBudget's steps of 0.3.0-0.5.0 (per validation) and 0.6.0's (per batch).
+_BUDGET_STEPS = {"max_raise": "raise_per_batch", "max_step": "fall_per_batch"}
+
+
+def _budget_arguments(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with a ``CapabilityBudget``'s old steps per validation as steps per batch.
+
+    ``rate`` (the old integral gain per batch) is dropped; without a whole-batch
+    ``trainer.val_check_interval`` the steps cannot be converted and are dropped too (the
+    defaults apply).
+    """
+    trainer = config.get("trainer")
+    callbacks = trainer.get("callbacks") if isinstance(trainer, dict) else None
+    if not isinstance(callbacks, list):
+        return config
+    interval = trainer.get("val_check_interval")
+    per = interval if isinstance(interval, int) and not isinstance(interval, bool) else None
+    changed = []
+    for callback in callbacks:
+        args = callback.get("init_args") if isinstance(callback, dict) else None
+        if (
+            not isinstance(args, dict)
+            or not str(callback.get("class_path", "")).endswith("CapabilityBudget")
+            or not ({"rate"} | _BUDGET_STEPS.keys()) & args.keys()
+        ):
+            changed.append(callback)
+            continue
+        args = {name: value for name, value in args.items() if name != "rate"}
+        for old, new in _BUDGET_STEPS.items():
+            if old in args:
+                value = args.pop(old)
+                if per is not None and per > 0 and isinstance(value, int | float):
+                    args[new] = value / per
+        changed.append({**callback, "init_args": args})
+    return {**config, "trainer": {**trainer, "callbacks": changed}}
 
 
 def _renamed_in_place(text: str) -> str | None:
@@ -106,7 +145,7 @@ def main(args: list[str] | None = None) -> None:
     """Print the migrated config; a file that cannot be read ends with one line, status 2."""
     parser = argparse.ArgumentParser(
         prog="python -m rlkl_lightning.cli migrate",
-        description="Print a run config of an older version (0.1.0-0.4.0) as today's.",
+        description="Print a run config of an older version (0.1.0-0.5.0) as today's.",
     )
     parser.add_argument("config", help="the old YAML run config")
     path = Path(parser.parse_args(args).config)

@@ -152,3 +152,28 @@ def test_a_file_that_is_not_a_config_is_one_line(tmp_path):
     )
     assert done.returncode == 2
     assert done.stderr == f"error: `migrate`: {bad} must be a YAML mapping (a run config)\n"
+
+
+def test_the_budgets_steps_per_validation_become_steps_per_batch_and_rate_is_dropped():
+    old = {
+        "trainer": {
+            "val_check_interval": 5,
+            "callbacks": [
+                {
+                    "class_path": "rlkl_lightning.CapabilityBudget",
+                    "init_args": {"budget": 1.3, "rate": 0.1, "max_raise": 0.2, "max_step": 0.5},
+                },
+                {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"},
+            ],
+        }
+    }
+    new = yaml.safe_load(migrate_text(yaml.safe_dump(old)))
+    budget, checkpoint = new["trainer"]["callbacks"]
+    assert budget["init_args"] == {"budget": 1.3, "raise_per_batch": 0.04, "fall_per_batch": 0.1}
+    assert checkpoint == old["trainer"]["callbacks"][1]
+    from rlkl_lightning import CapabilityBudget
+
+    CapabilityBudget(**budget["init_args"])  # today's arguments
+    old["trainer"]["val_check_interval"] = 0.5  # a share of an epoch: no whole-batch step
+    new = yaml.safe_load(migrate_text(yaml.safe_dump(old)))
+    assert new["trainer"]["callbacks"][0]["init_args"] == {"budget": 1.3}
