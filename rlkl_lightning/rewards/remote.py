@@ -183,6 +183,8 @@ class RemoteReward(RewardModel):
         except (OSError, http.client.HTTPException, ValueError):
             info = {}
         info = info if isinstance(info, dict) else {}
+        if self.api == "rlkl" and isinstance(info.get("model"), dict):
+            info = info["model"]  # LitServe's /info: the reward under `model`, then its own
         if self.api == "vllm" and self.model is None:
             models = info.get("data") or [{}]
             self.model = models[0].get("id") if isinstance(models[0], dict) else None
