@@ -163,3 +163,20 @@ def test_bad_options_are_refused_naming_them(option, value, allowed):
     kwargs = {"url": "http://127.0.0.1:1", "check_health": False, option: value}
     with pytest.raises(ValueError, match=rf"`{option}` must be .*{re.escape(allowed)}"):
         RemoteReward(**kwargs)
+
+
+def test_a_resume_against_a_server_serving_another_reward_is_refused_naming_the_change():
+    import json
+    from types import SimpleNamespace
+
+    from rlkl_lightning.algorithms.pipeline import check_reward_server
+
+    saved = json.dumps({"reward": "default", "settings": {"max_pairs": 1024}})
+    same = SimpleNamespace(url="http://h:1", server_info=json.loads(saved))
+    check_reward_server(saved, same, "PPOModule")  # the same reward: resumes
+    check_reward_server(None, same, "PPOModule")  # a checkpoint that recorded none
+    other = SimpleNamespace(url="http://h:1", server_info={**same.server_info, "reward": "./clf"})
+    with pytest.raises(
+        ValueError, match=r"at http://h:1 serves another .*reward: 'default' -> './clf'"
+    ):
+        check_reward_server(saved, other, "PPOModule")
