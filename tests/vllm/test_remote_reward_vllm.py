@@ -36,7 +36,8 @@ def classifier_dir(world_dir, tmp_path_factory) -> Path:
         world_dir, num_labels=2, id2label=labels, label2id={v: k for k, v in labels.items()}
     )
     tokenizer = AutoTokenizer.from_pretrained(world_dir)
-    model.config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
+    model.config.pad_token_id = pad if pad is not None else tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -48,7 +49,9 @@ def served(classifier_dir, tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("vllm_serve") / "log.txt"
-    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(classifier_dir)]
+    # `vllm serve` is this module's command line (the CLI wrapper needs vLLM's package metadata).
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    command += [str(classifier_dir)]
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     command += ["--max-model-len", "64", "--runner", "pooling"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
