@@ -112,24 +112,15 @@ def gae_advantages(traj: Trajectory, kl_coef: float, options: Any, global_sum: G
     reward_scale = None
     if options.whiten_rewards:
         reward_scale = whitening_scale(rewards, mask, global_sum)
-        rewards = whiten(rewards, mask, shift_mean=False)
+        rewards = masked_whiten(rewards, mask, shift_mean=False)
     advantages, returns = gae(rewards, traj.values, mask, options.gamma, options.lam)
     scale = whitening_scale(advantages, mask, global_sum)
     if reward_scale is not None:
         scale = scale * reward_scale
     kl_scale = scale.to(advantages.dtype).expand(mask.shape[0]).clone()
-    return traj._replace(advantages=whiten(advantages, mask), returns=returns, kl_scale=kl_scale)
-
-
-def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-    """:func:`~rlkl_lightning.masked.masked_whiten`; 0 where fewer than 2 tokens are valid.
-
-    Under DDP a rank whose samples' rewards all failed trains on no row (``on_scored_rows``),
-    yet runs the estimator for the sums it shares with the other ranks: it has nothing to whiten.
-    """
-    if int(mask.sum()) < 2:
-        return torch.zeros_like(x)
-    return masked_whiten(x, mask, shift_mean=shift_mean)
+    return traj._replace(
+        advantages=masked_whiten(advantages, mask), returns=returns, kl_scale=kl_scale
+    )
 
 
 def whitening_scale(x: Tensor, mask: Tensor, global_sum: GlobalSum, eps: float = 1e-8) -> Tensor:

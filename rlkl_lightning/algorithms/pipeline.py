@@ -803,6 +803,12 @@ class RLPipeline(LightningModule):
             f"the rewards of {n_failed} of {n} samples failed ({why}), more than "
             f"`safeguards.max_failed_fraction`={limit}",
         )
+        # A rank with no scored sample would make fewer collectives in the update than the
+        # others (its statistics have no loss terms); with none anywhere there is nothing to learn.
+        self.gate(
+            bool(failed.all()),
+            f"the rewards of every sample of a rank failed ({why}; {n_failed} of {n} in all)",
+        )
         rank_zero_warn(
             f"{self.owner}: the rewards of {n_failed} of {n} samples failed at batch "
             f"{self.batches_seen + 1} ({why}); they are left out of the advantages and the "

@@ -179,26 +179,12 @@ def test_a_server_silent_past_the_deadline_stops_the_run_in_one_line(tiny_lm_dir
     assert PROMPTS  # the prompts the run was given
 
 
-def test_a_rank_whose_rewards_all_failed_still_makes_the_shared_sums_and_trains_on_nothing():
-    b, t = 3, 4
-    traj = Trajectory(
-        input_ids=torch.zeros(b, t, dtype=torch.long),
-        attention_mask=torch.ones(b, t),
-        response_ids=torch.zeros(b, t, dtype=torch.long),
-        response_mask=torch.ones(b, t),
-        kl=torch.rand(b, t),
-        scores=torch.full((b,), math.nan),
-        values=torch.randn(b, t),
-        sample_mask=torch.zeros(b, dtype=torch.bool),
+def test_a_rank_with_no_scored_sample_skips_the_batch_whatever_the_limit(tiny_lm_dir):
+    module = PPOModule(
+        **module_args(
+            tiny_lm_dir, reward=FlakyReward(lambda i: True), safeguards={"max_failed_fraction": 1.0}
+        )
     )
-    sums = []
-
-    def other_ranks_too(x):  # as under DDP: another rank's scored tokens come in the sums
-        sums.append(x)
-        return x + 10.0
-
-    out = on_scored_rows(gae_advantages, traj, 0.1, PPOOptions(), other_ranks_too)
-    assert len(sums) == 2  # the whitening scale's two sums, as on every other rank
-    assert torch.equal(out.advantages, torch.zeros(b, t)) and torch.equal(
-        out.returns, torch.zeros(b, t)
-    )
+    with pytest.warns(RuntimeWarning, match=r"the rewards of every sample of a rank failed"):
+        fit(module, batches=1, batch_size=4)
+    assert module.skipped_batches == 1

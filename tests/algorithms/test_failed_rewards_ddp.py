@@ -112,3 +112,25 @@ def test_masks_enter_the_global_statistics_of_two_ranks():
     grpo = torch.tensor(out[0]["grpo"] + out[1]["grpo"])
     torch.testing.assert_close(grpo, one["grpo"].float(), rtol=1e-5, atol=1e-6)
     assert grpo[4:].tolist() == [0.0, 0.0, 0.0, 0.0]  # rank 1's groups have < 2 scored
+
+
+def test_a_ddp_run_trains_on_while_most_of_one_ranks_rewards_fail(tiny_lm_dir, tmp_path):
+    import yaml
+    from helpers.ddp_runs import train_py
+    from helpers.kill_runs import write_config
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = write_config(tmp_path, tiny_lm_dir, "ddp")
+    data = yaml.safe_load(config.read_text())
+    data["model"]["init_args"]["reward"] = {"class_path": "helpers.kill_helpers.RankFailingReward"}
+    data["trainer"].update(strategy="ddp", devices=2, max_steps=4)  # 2 batches per rank
+    config.write_text(yaml.safe_dump(data))
+    train_py(config, config.parent, timeout=300)  # a mismatched collective would hang: bounded
+    (version,) = (config.parent / "runs" / "tiny").glob("version_*")
+    events = EventAccumulator(str(version))
+    events.Reload()
+    failed = [e.value for e in events.Scalars("reward/failed_fraction")]
+    # 6 prompts a rank: batches of 4 and 2; rank 1 trains on 1 sample each time (not skipped)
+    assert failed == [3 / 8, 1 / 4]
+    assert [e.value for e in events.Scalars("progress/skipped_batches")] == [0.0, 0.0]
+    assert all(math.isfinite(e.value) for e in events.Scalars("objective/score"))
