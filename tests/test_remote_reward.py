@@ -180,3 +180,19 @@ def test_a_resume_against_a_server_serving_another_reward_is_refused_naming_the_
         ValueError, match=r"at http://h:1 serves another .*reward: 'default' -> './clf'"
     ):
         check_reward_server(saved, other, "PPOModule")
+
+
+@pytest.mark.slow  # the CLI's start-up: about 10 s
+def test_train_py_refuses_an_unreachable_server_in_one_line_before_the_policy_loads(capfd):
+    from pathlib import Path
+
+    from helpers.cli_runs import cli_error
+
+    with FaultServer() as server:
+        url = server.url  # then stopped: nothing answers there
+    config = Path(__file__).parents[1] / "configs" / "ppo_remote_reward.yaml"
+    message = cli_error(
+        ["fit", "--config", str(config), f"--model.reward.init_args.url={url}"], capfd
+    )
+    assert message.startswith(f"RemoteReward: no reward server answers at {url}/health")
+    assert "\n" not in message
