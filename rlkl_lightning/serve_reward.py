@@ -52,8 +52,12 @@ def build_reward(args: argparse.Namespace) -> Any:
 
 
 def describe(args: argparse.Namespace) -> dict[str, Any]:
-    """What ``/info`` says the server serves (a client records it and checks it on resume)."""
-    settings = {"max_pairs": args.max_pairs, "init_args": args.init_args}
+    """What ``/info`` says the server serves: what decides the scores, nothing else.
+
+    A client records it and checks it on resume (a server restarted with other limits serves
+    the same reward).
+    """
+    settings: dict[str, Any] = {"init_args": args.init_args}
     if Path(args.reward).is_dir():
         settings.update(label=args.label, score=args.score, text=args.text)
     return {"reward": args.reward, "settings": settings}
