@@ -115,9 +115,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--batches", type=int, default=150)
+    parser.add_argument("--modes", nargs="+", default=["uniform", "longest"])
+    parser.add_argument("--no_clean", action="store_true", help="leave out the fault-free run")
     args = parser.parse_args()
-    cases = [("none", "mask")] + [
-        (m, v) for m in ("uniform", "longest") for v in ("mask", "zero", "kl_masked")
+    cases = [("none", "mask")] * (not args.no_clean) + [
+        (m, v) for m in args.modes for v in ("mask", "zero", "kl_masked")
     ]
     results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     for mode, variant in cases:
