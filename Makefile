@@ -21,7 +21,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,docs,mlflow]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,docs,mlflow,serve]'
 	touch $(STAMP)
 
 setup: $(STAMP)

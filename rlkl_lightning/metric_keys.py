@@ -71,6 +71,13 @@ EXACT_KL_TO_REF = "exact/kl_to_ref"  #: KL(pi‖ref), nats per sequence
 EXACT_REWARD = "exact/reward"  #: E_pi[R]
 EXACT_KL_TO_OPTIMUM = "exact/kl_to_optimum"  #: KL(pi‖pi*) to the optimum at the current beta
 
+# The reward's failures and latency (logged only with a reward that marks failed samples:
+# RemoteReward, docs/rewards-at-scale.md).
+REWARD_FAILED_FRACTION = "reward/failed_fraction"  #: samples whose reward failed (masked)
+REWARD_RETRIES = "reward/retries"  #: retried requests of the batch, summed over ranks
+REWARD_LATENCY_P50 = "reward/latency_ms_p50"  #: median milliseconds of a request, retries in
+REWARD_LATENCY_P95 = "reward/latency_ms_p95"  #: 95th percentile of the same
+
 # Timings (left out of the same-metrics comparison: they differ run to run).
 TOKENS_PER_S = "perf/tokens_per_s"
 ROLLOUT_S = "perf/rollout_s"

@@ -3,7 +3,8 @@
 Shapes: ``B`` sequences, ``P`` prompt tokens (left padded), ``R`` response tokens (right
 padded after the first EOS). The rollout fills the first five fields, scoring the next four,
 shaping the next three; with vLLM the rollout adds the engine's log-probs and scoring the
-correction's weights (the next two); the update weighs each micro-batch's tokens (the last).
+correction's weights (the next two); the update weighs each micro-batch's tokens (the next);
+where a reward failed for some samples, scoring marks the samples the update uses (the last).
 Minibatches are ``trajectory.select(rows)``.
 """
 
@@ -44,6 +45,10 @@ class Trajectory(NamedTuple):
             micro-batch by the update as the loss aggregation says
             (:meth:`~rlkl_lightning.algorithms.objective.PolicyObjective.weigh`), 0 on padding;
             None: the loss is the token mean.
+        sample_mask: ``[B]`` bool, the samples the advantages, the group baselines and the
+            losses use: False where the reward failed (after a remote reward's retries) and,
+            with group advantages, for every member of a group with fewer than 2 scored; such
+            a sample stays in the measured KL. None: every sample (docs/rewards-at-scale.md).
     """
 
     input_ids: Tensor
@@ -61,6 +66,7 @@ class Trajectory(NamedTuple):
     sampler_logprobs: Tensor | None = None
     mismatch_weights: Tensor | None = None
     loss_weights: Tensor | None = None
+    sample_mask: Tensor | None = None
 
     def select(self, rows: Tensor) -> Trajectory:
         """The trajectory of the sequences ``rows`` (a minibatch); unset fields stay None."""

@@ -25,7 +25,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlkl_lightning.algorithms.advantages import gae, group_advantages, shape_rewards
+from rlkl_lightning.algorithms.advantages import (
+    gae,
+    group_advantages,
+    scored_groups,
+    shape_rewards,
+)
 from rlkl_lightning.components import Registry, check_arguments, plain_spec
 from rlkl_lightning.kl.estimators import sequence_kl
 from rlkl_lightning.masked import masked_whiten
@@ -140,6 +145,13 @@ def _group_estimator(method: str) -> AdvantageEstimator:
         # kl_coef x its KL in nats per sequence (Ziegler et al. 2019's R = r - beta KL).
         returns = traj.scores - kl_coef * sequence_kl(traj.kl, mask)
         k, scale = options.responses_per_prompt, options.scale_rewards
+        if traj.sample_mask is not None:  # failed rewards: baselines of the scored, per group
+            kept = scored_groups(traj.sample_mask, k)
+            std = batch_std_of(returns[kept], global_sum) if scale == "batch" else None
+            advantages = group_advantages(
+                returns, k, method, scale=scale, batch_std=std, scored=kept
+            )
+            return traj._replace(advantages=advantages[:, None] * mask, sample_mask=kept)
         batch_std = batch_std_of(returns, global_sum) if scale == "batch" else None
         advantages = group_advantages(returns, k, method, scale=scale, batch_std=batch_std)
         return traj._replace(advantages=advantages[:, None] * mask)
@@ -150,6 +162,33 @@ def _group_estimator(method: str) -> AdvantageEstimator:
         "on every token of a response."
     )
     return estimate
+
+
+def on_scored_rows(
+    estimate: AdvantageEstimator,
+    traj: Trajectory,
+    kl_coef: float,
+    options: Any,
+    global_sum: GlobalSum,
+) -> Trajectory:
+    """A token-level estimator run on the rows of ``traj.sample_mask`` alone, put back in place.
+
+    The rows left out (failed rewards) get advantages and returns 0 and ``kl_scale`` 1; the
+    update leaves them out (``RLPipeline.update``). Whatever the estimator sums over ranks
+    (PPO's whitening scale) is a sum over the scored rows of every rank.
+    """
+    rows = traj.sample_mask.nonzero().flatten()
+    part = estimate(traj.select(rows), kl_coef, options, global_sum)
+    filled = {}
+    for name in ("advantages", "returns", "kl_scale"):
+        value = getattr(part, name)
+        if value is not None:
+            full_shape = (traj.response_mask.shape[0], *value.shape[1:])
+            fill = 1.0 if name == "kl_scale" else 0.0
+            whole = value.new_full(full_shape, fill)
+            whole[rows] = value
+            filled[name] = whole
+    return traj._replace(**filled)
 
 
 ADVANTAGES["group"].register("rloo")(_group_estimator("rloo"))

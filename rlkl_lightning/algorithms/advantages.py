@@ -17,7 +17,14 @@ from torch import Tensor
 
 from rlkl_lightning.masked import valid_mask, zero_padding
 
-__all__ = ["GROUP_ADVANTAGES", "GROUP_SCALES", "gae", "group_advantages", "shape_rewards"]
+__all__ = [
+    "GROUP_ADVANTAGES",
+    "GROUP_SCALES",
+    "gae",
+    "group_advantages",
+    "scored_groups",
+    "shape_rewards",
+]
 
 GROUP_ADVANTAGES = ("rloo", "grpo")
 #: What ``grpo`` advantages are divided by: the group's standard deviation, the batch's, or 1.
@@ -137,6 +144,7 @@ def group_advantages(
     eps: float = 1e-4,
     scale: str = "group",
     batch_std: Tensor | None = None,
+    scored: Tensor | None = None,
 ) -> Tensor:
     """Advantages of ``k`` responses per prompt from their returns, with no value function.
 
@@ -166,6 +174,10 @@ def group_advantages(
             prompts). ``rloo`` takes only ``group`` (it never divides).
         batch_std: with ``scale="batch"``, the standard deviation to use (the global batch's
             under DDP); None: that of ``returns``.
+        scored: ``[n * k]`` bool, False for a response whose reward failed: it is left out of
+            its group's mean and standard deviation (``k`` is then the group's number of
+            scored responses, ``m``) and its advantage is 0; a group with ``m < 2`` has no
+            baseline, and all its advantages are 0. None: all scored (the formulas above).
 
     Returns:
         ``[n * k]`` advantages (each group's sum is 0), dtype of ``returns`` (float32 at least).
@@ -186,10 +198,12 @@ def group_advantages(
             f"group_advantages: `returns` must be [n * {group_size}], got {tuple(returns.shape)}"
         )
     r = returns.to(torch.promote_types(returns.dtype, torch.float32)).view(-1, group_size)
-    centred = r - r.mean(dim=1, keepdim=True)
     if scale not in GROUP_SCALES or (method == "rloo" and scale != "group"):
         allowed = GROUP_SCALES if method == "grpo" else ("group",)
         raise ValueError(f"group_advantages: `scale` must be one of {allowed}, got {scale!r}")
+    if scored is not None:
+        return _scored_group_advantages(r, scored.view_as(r), method, eps, scale, batch_std)
+    centred = r - r.mean(dim=1, keepdim=True)
     if method == "rloo":
         advantages = centred * (group_size / (group_size - 1))
     elif scale == "group":
@@ -200,3 +214,32 @@ def group_advantages(
     else:
         advantages = centred
     return advantages.flatten()
+
+
+def _scored_group_advantages(
+    r: Tensor, scored: Tensor, method: str, eps: float, scale: str, batch_std: Tensor | None
+) -> Tensor:
+    """:func:`group_advantages` over each group's scored responses only (``m`` of them)."""
+    scored = scored.to(torch.bool)
+    m = scored.sum(dim=1, keepdim=True).to(r.dtype)
+    has_baseline = m >= 2
+    values = torch.where(scored, r, torch.zeros_like(r))  # a failed return may be nan
+    mean = values.sum(dim=1, keepdim=True) / m.clamp(min=1)
+    centred = torch.where(scored, values - mean, torch.zeros_like(r))
+    if method == "rloo":
+        advantages = centred * (m / (m - 1).clamp(min=1))
+    elif scale == "group":
+        std = (centred.square().sum(dim=1, keepdim=True) / (m - 1).clamp(min=1)).sqrt()
+        advantages = centred / (std + eps)
+    elif scale == "batch":
+        std = values[scored].std() if batch_std is None else batch_std.to(r.dtype)
+        advantages = centred / (std + eps)
+    else:
+        advantages = centred
+    return torch.where(scored & has_baseline, advantages, torch.zeros_like(r)).flatten()
+
+
+def scored_groups(scored: Tensor, group_size: int) -> Tensor:
+    """``[n * k]`` bool: the scored responses of groups with at least 2 scored (a baseline)."""
+    groups = scored.to(torch.bool).view(-1, group_size)
+    return (groups & (groups.sum(dim=1, keepdim=True) >= 2)).flatten()

@@ -62,10 +62,11 @@ def batch_metrics(
         torch.stack([kl_seq.sum(), diagnostics["entropy_sum"], n_tokens.to(traj.kl.dtype)])
     )
     t_start, t_rollout, t_scored, t_end = clock
+    scored = ~diagnostics["failed"] if "failed" in diagnostics else None
     metrics = {
         keys.KL: kl_seq.mean(),
         keys.KL_PER_TOKEN: kl_sum / all_tokens,
-        keys.SCORE: traj.scores.mean(),
+        keys.SCORE: traj.scores.mean() if scored is None else traj.scores[scored].mean(),
         keys.NON_SCORE_REWARD: -kl_coef * kl_seq.mean(),
         keys.ENTROPY: entropy_sum / all_tokens,
         keys.RESPONSE_TOKENS: n_tokens / n,
@@ -105,13 +106,46 @@ def _global_sample_means(
     if "penalized_kl" in diagnostics:
         per_sample[keys.NON_SCORE_REWARD] = diagnostics["penalized_kl"]
     device = traj.response_mask.device
+    scored = ~diagnostics["failed"] if "failed" in diagnostics else None
+    if scored is not None:  # the score is the mean of the scored samples alone
+        per_sample[keys.SCORE] = traj.scores[scored]
     local = [v.to(device=device, dtype=torch.float64).sum() for v in per_sample.values()]
     n = torch.tensor(float(traj.response_mask.shape[0]), dtype=torch.float64, device=device)
-    *sums, total = global_sum(torch.stack([*local, n])).unbind()
+    n_scored = n if scored is None else scored.sum().to(torch.float64)
+    *sums, total, total_scored = global_sum(torch.stack([*local, n, n_scored])).unbind()
     means = {key: value / total for key, value in zip(per_sample, sums, strict=True)}
+    means[keys.SCORE] = sums[list(per_sample).index(keys.SCORE)] / total_scored
     means[keys.KL] = means[keys.kl_of(kl_estimator)]
     means[keys.NON_SCORE_REWARD] = -kl_coef * means.get(keys.NON_SCORE_REWARD, means[keys.KL])
     return means
+
+
+def reward_metrics(
+    failed: Tensor, stats: dict, global_sum: Callable[[Tensor], Tensor]
+) -> dict[str, Tensor]:
+    """The ``reward/*`` metrics of a reward that marks failed samples (RemoteReward).
+
+    Args:
+        failed: ``[B]`` bool, the samples whose reward failed.
+        stats: The reward's ``last_stats``: ``retries`` (int) and ``latency_ms`` (a list, one
+            per request); missing ones count as none.
+        global_sum: Sums a tensor over all ranks (identity on one process).
+
+    Returns:
+        The failed share and the retries of all ranks, and this rank's request latency
+        quantiles (under DDP the logged value is their mean over ranks).
+    """
+    device = failed.device
+    local = [float(failed.sum()), float(failed.numel()), float(stats.get("retries", 0))]
+    n_failed, n, retries = global_sum(torch.tensor(local, dtype=torch.float64, device=device))
+    latency = torch.tensor(stats.get("latency_ms") or [float("nan")], dtype=torch.float64)
+    p50, p95 = latency.quantile(torch.tensor([0.5, 0.95], dtype=torch.float64))
+    return {
+        keys.REWARD_FAILED_FRACTION: n_failed / n,
+        keys.REWARD_RETRIES: retries,
+        keys.REWARD_LATENCY_P50: p50,
+        keys.REWARD_LATENCY_P95: p95,
+    }
 
 
 def token_kl_stats(

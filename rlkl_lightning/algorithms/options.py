@@ -56,6 +56,10 @@ def _none_or_positive(x: Any) -> bool:
     return x is None or (_number(x) and math.isfinite(x) and x > 0)
 
 
+def _unit_interval(x: Any) -> bool:
+    return _number(x) and 0.0 <= x <= 1.0
+
+
 def _boolean(x: Any) -> bool:
     return isinstance(x, bool)
 
@@ -352,6 +356,9 @@ class Safeguards:
         max_skipped_in_a_row: stop the run with an error once this many batches in a row were
             skipped (a reward model that always fails would otherwise burn the whole run);
             None: never stop.
+        max_failed_fraction: skip the batch (beta unchanged) when more than this share of its
+            samples' rewards failed (a remote reward's, after its retries; over all ranks);
+            below it, the failed samples are masked (docs/rewards-at-scale.md).
     """
 
     group: ClassVar[str] = "safeguards"
@@ -362,10 +369,12 @@ class Safeguards:
             lambda x: x is None or _int_at_least(1)(x),
             "None or an integer >= 1",
         ),
+        ("max_failed_fraction", _unit_interval, "a number in [0, 1]"),
     )
 
     score_clip: float | None = None
     max_skipped_in_a_row: int | None = 20
+    max_failed_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         check_rules(self)

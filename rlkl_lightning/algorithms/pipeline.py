@@ -26,6 +26,7 @@ every model once it is loaded, and the update's threads (:meth:`RLPipeline.updat
 from __future__ import annotations
 
 import inspect
+import json
 import time
 from functools import partial
 from typing import Any, ClassVar
@@ -50,6 +51,7 @@ from rlkl_lightning.algorithms.metrics import (
     batch_metrics,
     gold_scores,
     log_samples_table,
+    reward_metrics,
     token_kl_stats,
     top_kl_tokens,
 )
@@ -410,19 +412,24 @@ class RLPipeline(LightningModule):
             Where another engine sampled (``sampler_logprobs``), the trajectory also carries
             ``engine.correction``'s ``mismatch_weights`` and the diagnostics the ``mismatch/*``
             metrics (docs/mismatch.md).
+            With a reward that marks failed samples, the diagnostics hold them (``failed``,
+            ``[B]`` bool; their scores are ``nan``), and where one failed on any rank the
+            trajectory's ``sample_mask`` leaves them out of what follows but the KL.
         """
         mask = traj.response_mask
-        with no_grad(self.reference):
-            ref = score_tokens(self.reference, traj, self.sampling.temperature)
-        # The logits only feed the no-grad exact KL below: an inference tensor is fine there,
-        # and a copy of [B, R, V] is not (it is a large share of this phase's peak memory).
-        ref_logits, ref_logprobs = ref.logits, ref.logprobs.clone()
         ids, valid = traj.response_ids.cpu(), mask.bool().cpu()  # one copy off a GPU, not B
         responses = [
             self.tokenizer.decode(row[m], skip_special_tokens=True)
             for row, m in zip(ids, valid, strict=True)
         ]
-        scores = self._reward_scores(prompts, responses)
+        pending = self._start_reward(prompts, responses)  # a remote reward works meanwhile
+        with no_grad(self.reference):
+            ref = score_tokens(self.reference, traj, self.sampling.temperature)
+        # The logits only feed the no-grad exact KL below: an inference tensor is fine there,
+        # and a copy of [B, R, V] is not (it is a large share of this phase's peak memory).
+        ref_logits, ref_logprobs = ref.logits, ref.logprobs.clone()
+        scores, failed = self._reward_scores(prompts, responses, pending)
+        sample_mask = self._mask_failed(failed)
         measured = klmod.kl_estimator(self.penalty.estimator).name  # a plugged one: its own name
         per_token = {  # every registered estimator with a formula, and a plugged one
             name: estimator.per_token(traj.logprobs, ref_logprobs)
@@ -447,6 +454,9 @@ class RLPipeline(LightningModule):
         diagnostics["entropy_sum"] = masked_sum(entropy, mask)
         diagnostics.update(gold_scores(self.gold_reward, prompts, responses, self.owner))
         traj = traj._replace(ref_logprobs=ref_logprobs, kl=kl, scores=scores)
+        if failed is not None:  # a reward that marks failed samples (RemoteReward)
+            diagnostics["failed"] = failed
+            traj = traj._replace(sample_mask=sample_mask)
         if traj.sampler_logprobs is not None:  # another engine sampled: its gap to the trainer
             traj, gap = self._mismatch(traj)
             diagnostics.update(gap)
@@ -508,8 +518,11 @@ class RLPipeline(LightningModule):
         """Phase 4: ``ppo_epochs`` x ``num_minibatches`` optimizer steps over the trajectory.
 
         Each minibatch's loss aggregates its per-token terms as ``loss_aggregation`` says; the
-        returned statistics are means over the optimizer steps.
+        returned statistics are means over the optimizer steps. With a ``sample_mask`` (failed
+        rewards), on the samples it keeps alone.
         """
+        if traj.sample_mask is not None:  # failed rewards: the scored samples alone
+            traj = traj.select(traj.sample_mask.nonzero().flatten())
         with self.update_threads() as self.threads:
             try:
                 return run_update(self, traj)
@@ -551,6 +564,9 @@ class RLPipeline(LightningModule):
             partial(global_sum, self._trainer),
             distributed,
         )
+        if "failed" in diagnostics:  # a reward that marks failures: how it went
+            client = getattr(self.reward, "last_stats", {}) or {}
+            metrics.update(reward_metrics(diagnostics["failed"], client, self.global_sum))
         metrics[keys.SAMPLES] = torch.tensor(float(self.samples_seen), dtype=torch.float32)
         skipped = torch.tensor(float(self.skipped_batches), dtype=torch.float32)
         metrics[keys.SKIPPED_BATCHES] = skipped
@@ -608,7 +624,19 @@ class RLPipeline(LightningModule):
         ids, mask = encode(self.tokenizer, prompts, "left", self.sampling.max_prompt_tokens)
         return ids.to(self.device), mask.to(self.device)
 
-    def _reward_scores(self, prompts: list[str], responses: list[str]) -> Tensor:
+    def _start_reward(self, prompts: list[str], responses: list[str]) -> Any:
+        """A remote reward's requests, sent now (its ``submit``); None: score in place."""
+        submit = getattr(self.reward, "submit", None)
+        if not callable(submit):
+            return None
+        try:
+            return submit(prompts, responses)
+        except (ValueError, RuntimeError, OSError) as err:
+            return partial(_raise, err)  # the error is handled where the scores are read
+
+    def _reward_scores(
+        self, prompts: list[str], responses: list[str], pending: Any = None
+    ) -> tuple[Tensor, Tensor | None]:
         """The reward model's ``[B]`` scores on our device, clipped; skips or stops on faults.
 
         A ``ValueError``/``RuntimeError`` skips the batch (a wrong shape stops the run). An
@@ -616,10 +644,23 @@ class RLPipeline(LightningModule):
         reached) stops the run on every rank with a ``RuntimeError`` naming the batch: skipping
         would train on nothing for as long as the outage lasts. The last checkpoint stays as it
         was (a checkpoint is written only after its batch), so ``--ckpt_path last`` continues.
+
+        Returns:
+            The scores, and with a reward that marks failed samples (``marks_failures``:
+            ``nan`` where one failed) the ``[B]`` bool of those (their scores stay ``nan``);
+            else None.
         """
         error: Exception | None = None
+        failed = None
         try:
-            scores = validate_scores(self.reward(prompts, responses), len(prompts), self.reward)
+            raw = pending() if pending is not None else self.reward(prompts, responses)
+            if getattr(self.reward, "marks_failures", False):
+                raw = torch.as_tensor(raw, dtype=torch.float32).detach().cpu()
+                failed = ~torch.isfinite(raw)
+                scores = validate_scores(raw.masked_fill(failed, 0.0), len(prompts), self.reward)
+                scores = scores.masked_fill(failed, float("nan"))
+            else:
+                scores = validate_scores(raw, len(prompts), self.reward)
         except (ValueError, RuntimeError, OSError) as err:
             scores, error = None, err
         if any_rank(self._trainer, error is not None):
@@ -643,7 +684,41 @@ class RLPipeline(LightningModule):
         clip = self.safeguards.score_clip
         if clip is not None:
             scores = scores.clamp(-clip, clip)
-        return scores
+        return scores, (None if failed is None else failed.to(self.device))
+
+    def _mask_failed(self, failed: Tensor | None) -> Tensor | None:
+        """The samples to train on where a reward failed on any rank (None: all of them).
+
+        Skips the batch (beta unchanged) when the failed share of all ranks' samples is above
+        ``safeguards.max_failed_fraction``. Collectives only with a reward that marks failures.
+        """
+        if failed is None:
+            return None
+        counts = torch.stack([failed.sum(), torch.tensor(failed.numel(), device=failed.device)])
+        n_failed, n = (int(x) for x in self.global_sum(counts.to(torch.float64)))
+        if not n_failed:
+            return None
+        share, limit = n_failed / n, self.safeguards.max_failed_fraction
+        stats = getattr(self.reward, "last_stats", {}) or {}
+        why = (stats.get("errors") or ["unknown"])[0]
+        self.gate(
+            share > limit,
+            f"the rewards of {n_failed} of {n} samples failed ({why}), more than "
+            f"`safeguards.max_failed_fraction`={limit}",
+        )
+        # A rank with no scored sample would make fewer collectives in the update than the
+        # others (its statistics have no loss terms); with none anywhere there is nothing to learn.
+        self.gate(
+            bool(failed.all()),
+            f"the rewards of every sample of a rank failed ({why}; {n_failed} of {n} in all)",
+        )
+        rank_zero_warn(
+            f"{self.owner}: the rewards of {n_failed} of {n} samples failed at batch "
+            f"{self.batches_seen + 1} ({why}); they are left out of the advantages and the "
+            "losses, and kept in the KL",
+            category=RuntimeWarning,
+        )
+        return ~failed
 
     def gate(self, bad: bool, why: str) -> None:
         """Skip the batch if ``bad`` on any rank (a collective under DDP: call it on every rank).
@@ -743,6 +818,9 @@ class RLPipeline(LightningModule):
             "test_reference_perplexity": self.heldout_test.reference_perplexity,
         }
         checkpoint["rlkl_rng"] = rng_states(self._trainer, self.device)
+        info = getattr(self.reward, "server_info", None)
+        if info:  # what a remote reward's server said it serves, checked on resume
+            checkpoint["rlkl_reward_server"] = json.dumps(info, sort_keys=True)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -758,9 +836,33 @@ class RLPipeline(LightningModule):
         self.heldout_test.reference_perplexity = counters.get("test_reference_perplexity")
         self.weights_version += 1  # the rollout engine gets the loaded weights
         self._rng_to_restore = checkpoint.get("rlkl_rng")
+        check_reward_server(checkpoint.get("rlkl_reward_server"), self.reward, self.owner)
 
     @override
     def on_train_start(self) -> None:
         """Put back a loaded checkpoint's RNG state, right before the first resumed batch."""
         states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
         restore_rng_states(states, self.trainer, self.device, self.owner)
+
+
+def _raise(error: Exception) -> None:
+    raise error
+
+
+def check_reward_server(saved: str | None, reward: Any, owner: str) -> None:
+    """Refuse to resume against a reward server that serves another reward than the checkpoint's.
+
+    ``saved`` is the server's info (JSON) a checkpoint recorded; None: it recorded none.
+    """
+    info = getattr(reward, "server_info", None)
+    if saved is None or not info:
+        return
+    before, now = json.loads(saved), info
+    if before != now:
+        changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+        lines = "; ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
+        raise ValueError(
+            f"{owner}: the reward server at {getattr(reward, 'url', '?')} serves another reward "
+            f"than the checkpoint was trained with ({lines}); serve the checkpoint's reward to "
+            "resume, or start a new run"
+        )

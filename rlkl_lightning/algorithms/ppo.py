@@ -23,7 +23,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
-from rlkl_lightning.algorithms.advantage_estimators import advantage_estimator
+from rlkl_lightning.algorithms.advantage_estimators import advantage_estimator, on_scored_rows
 from rlkl_lightning.algorithms.losses import value_loss
 from rlkl_lightning.algorithms.options import (
     Engine,
@@ -157,8 +157,13 @@ class PPOModule(RLPipeline):
 
     @override
     def shape(self, traj: Trajectory) -> Trajectory:
-        """The advantages of ``ppo.advantage`` (``gae``: KL-shaped rewards, GAE, whitening)."""
+        """The advantages of ``ppo.advantage`` (``gae``: KL-shaped rewards, GAE, whitening).
+
+        Where some rewards failed, on the scored responses alone (their whitening too).
+        """
         estimate = advantage_estimator(self.ppo.advantage, "token", "ppo.advantage")
+        if traj.sample_mask is not None:  # some rewards failed: the scored rows alone
+            return on_scored_rows(estimate, traj, self.reward_kl_coef, self.ppo, self.global_sum)
         return estimate(traj, self.reward_kl_coef, self.ppo, self.global_sum)
 
     @override

@@ -122,3 +122,23 @@ class UnreachableReward(RewardModel):
         return torch.tensor(
             [sum(w == "good" for w in r.split()) / max(len(r.split()), 1) for r in responses]
         )
+
+
+class RankFailingReward:
+    """The fraction of ``good`` words; all but the first reward of rank 1 fail (``nan``).
+
+    It marks failures (``marks_failures``), as ``RemoteReward`` does: the pipeline masks them.
+    """
+
+    marks_failures = True
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+        """Scores on rank 0; on rank 1 the first sample's, ``nan`` for the others."""
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        words = [r.split() for r in responses]
+        scores = [sum(w == "good" for w in ws) / max(len(ws), 1) for ws in words]
+        if rank == 1:
+            scores = scores[:1] + [float("nan")] * (len(scores) - 1)
+        return torch.tensor(scores)

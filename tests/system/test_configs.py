@@ -31,11 +31,13 @@ BASES = sorted((ROOT / "configs" / "base").rglob("*.yaml"))
 CONFIGS = sorted(set((ROOT / "configs").rglob("*.yaml")) - set(BASES))
 NEEDS_HUB = {"ppo_gpt2_imdb.yaml", "ppo_qwen_lora_bf16.yaml"}
 NEEDS_VLLM = {"ppo_vllm.yaml", "grpo_vllm.yaml"}
+NEEDS_SERVER = {"ppo_remote_reward.yaml"}  # trained against a loopback server below
 #: The run configs that train offline with the native engine: each trains two batches here.
 NATIVE_RUNS = sorted(
     c.name
     for c in CONFIGS
-    if not c.name.startswith("compare") and c.name not in {"sft.yaml", *NEEDS_HUB, *NEEDS_VLLM}
+    if not c.name.startswith("compare")
+    and c.name not in {"sft.yaml", *NEEDS_HUB, *NEEDS_VLLM, *NEEDS_SERVER}
 )
 
 
@@ -247,6 +249,24 @@ def test_sft_config_trains_and_exports_a_loadable_model(tiny_lm_dir, tmp_path, m
     )
     assert AutoModelForCausalLM.from_pretrained(export).config.n_layer == 1
     assert "val/perplexity" in scalar_tags(tmp_path / "runs")
+
+
+def test_the_remote_reward_config_trains_against_a_loopback_server(tiny_lm_dir, tmp_path):
+    from helpers.fault_server import FaultServer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(["the film was", "this book is"] * 4))
+    with FaultServer() as server:
+        cli = main(
+            ["fit", "--config", str(ROOT / "configs" / "ppo_remote_reward.yaml")]
+            + [f"--model.policy={tiny_lm_dir}", "--model.sampling.max_prompt_tokens=8"]
+            + ["--model.sampling.max_new_tokens=4", f"--model.reward.init_args.url={server.url}"]
+            + [f"--data.prompts={prompts}", "--data.heldout=null", "--data.batch_size=4"]
+            + ["--trainer.max_steps=16", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+        )
+        assert len(server.scoring_requests()) == 1  # one batch of 4, one request
+    assert cli.model.batches_seen == 1 and cli.model.reward.url == server.url
+    assert "reward/failed_fraction" in scalar_tags(tmp_path)
 
 
 def test_real_model_config_parses(capsys):

@@ -1,163 +1,15 @@
-"""Reward models: map (prompt, response) pairs to one scalar score each.
+"""A reward from a Hugging Face sequence classifier: the score of one of its labels."""
 
-A reward model is any callable ``reward(prompts, responses) -> Tensor[B]`` (float32, on
-the CPU); :class:`RewardModel` is that interface, checkable with ``isinstance``. Three
-implementations:
-
-- :class:`FunctionReward` wraps a plain Python function.
-- :class:`SequenceClassifierReward` scores with a Hugging Face sequence classifier
-  (e.g. a sentiment model), by hub name or local directory.
-- :class:`VaderSentimentReward` is the VADER compound sentiment of the response, the
-  reward of the embedded default world (no model download).
-
-Every output goes through :func:`validate_scores`: a wrong shape or a non-finite score
-raises :class:`InvalidRewardError` naming the reward class, so a trainer never learns from
-garbage. A non-finite score is a numeric fault of one batch (``PPOModule`` skips it); a
-wrong shape or non-numeric output (:class:`RewardShapeError`) means the reward model is
-broken, and ``PPOModule`` stops instead of skipping every batch.
-"""
-
-import abc
 import os
-from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-__all__ = [
-    "FunctionReward",
-    "InvalidRewardError",
-    "RewardModel",
-    "RewardShapeError",
-    "SequenceClassifierReward",
-    "VaderSentimentReward",
-    "validate_scores",
-]
+from rlkl_lightning.rewards.base import check_pairs, validate_scores
 
 SCORES = ("logit", "prob", "log_odds")
 TEXTS = ("response", "prompt+response")
-
-
-class RewardModel(abc.ABC):
-    """Scores a batch of responses to their prompts.
-
-    Any object with ``__call__(prompts, responses)`` counts as a reward model for ``isinstance``
-    without subclassing this class (a structural check, as for a protocol). It is an abstract
-    class rather than a ``typing.Protocol`` so that LightningCLI configs can name a reward by
-    ``class_path`` (``PPOModule``'s ``reward`` argument); a protocol with only ``__call__``
-    would be read there as a plain callable.
-    """
-
-    @abc.abstractmethod
-    def __call__(self, prompts: list[str], responses: list[str]) -> Tensor:
-        """Returns one score per pair.
-
-        Args:
-            prompts: ``B`` prompts.
-            responses: ``B`` responses (the generated text without the prompt).
-
-        Returns:
-            ``[B]`` float32 scores on the CPU.
-        """
-
-    @classmethod
-    def __subclasshook__(cls, other: type) -> bool:
-        if cls is not RewardModel or issubclass(other, type):  # a class is callable, not a reward
-            return NotImplemented
-        return any("__call__" in base.__dict__ for base in other.__mro__) or NotImplemented
-
-
-class InvalidRewardError(ValueError):
-    """A reward model returned a wrong shape or non-finite scores."""
-
-
-class RewardShapeError(InvalidRewardError):
-    """A reward model returned non-numeric scores or not one score per sample."""
-
-
-def validate_scores(scores: Any, batch_size: int, source: object) -> Tensor:
-    """Checks a reward output and returns it as a ``[B]`` float32 CPU tensor.
-
-    Args:
-        scores: What the reward model returned: a tensor, array or sequence of numbers.
-        batch_size: ``B``, the number of (prompt, response) pairs scored.
-        source: The reward model, or its name, for the error message (a non-string is
-            named by its class).
-
-    Returns:
-        ``[B]`` float32 tensor on the CPU.
-
-    Raises:
-        RewardShapeError: If ``scores`` is not numeric or not of shape ``[B]``.
-        InvalidRewardError: If ``scores`` holds ``nan``/``inf``.
-    """
-    if not isinstance(source, str):
-        source = type(source).__name__
-    try:
-        if isinstance(scores, Tensor):
-            out = scores.detach().to(device="cpu", dtype=torch.float32)
-        else:
-            out = torch.as_tensor(scores, dtype=torch.float32)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise RewardShapeError(f"{source} returned non-numeric scores: {err}") from err
-    if out.shape != (batch_size,):
-        raise RewardShapeError(
-            f"{source} must return one score per sample, shape [{batch_size}], "
-            f"got shape {list(out.shape)}"
-        )
-    bad = ~torch.isfinite(out)
-    if bool(bad.any()):
-        idx = bad.nonzero().flatten().tolist()
-        raise InvalidRewardError(
-            f"{source} returned non-finite scores at indices {idx[:10]}: {out[bad][:10].tolist()}"
-        )
-    return out
-
-
-def _check_pairs(prompts: Sequence[str], responses: Sequence[str], source: str) -> None:
-    if len(prompts) != len(responses):
-        raise ValueError(f"{source}: got {len(prompts)} prompts but {len(responses)} responses")
-
-
-class FunctionReward:
-    """A reward from a plain Python function.
-
-    Args:
-        fn: ``fn(prompt, response) -> float`` called once per pair, or with
-            ``batched=True``, ``fn(prompts, responses) -> sequence of B floats``
-            (a list, array or tensor).
-        batched: Call ``fn`` once on the whole batch.
-
-    Example:
-        >>> reward = FunctionReward(lambda prompt, response: float(len(response)))
-        >>> reward(["Hi"], ["there"])
-        tensor([5.])
-    """
-
-    def __init__(
-        self,
-        fn: Callable[[str, str], float] | Callable[[list[str], list[str]], Sequence[float]],
-        batched: bool = False,
-    ) -> None:
-        if not callable(fn):
-            raise ValueError(f"fn must be callable, got {type(fn).__name__}")
-        self.fn = fn
-        self.batched = batched
-
-    def __call__(self, prompts: list[str], responses: list[str]) -> Tensor:
-        """Scores the pairs; see :class:`RewardModel`."""
-        name = repr(self)
-        _check_pairs(prompts, responses, name)
-        if self.batched:
-            scores = self.fn(list(prompts), list(responses))
-        else:
-            scores = [self.fn(p, r) for p, r in zip(prompts, responses, strict=True)]
-        return validate_scores(scores, len(prompts), name)
-
-    def __repr__(self) -> str:
-        fn_name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
-        return f"FunctionReward({fn_name}, batched={self.batched})"
 
 
 class SequenceClassifierReward:
@@ -267,7 +119,7 @@ class SequenceClassifierReward:
 
     def __call__(self, prompts: list[str], responses: list[str]) -> Tensor:
         """Scores the pairs; see :class:`RewardModel`."""
-        _check_pairs(prompts, responses, repr(self))
+        check_pairs(prompts, responses, repr(self))
         if self.text == "response":
             texts = list(responses)
         else:
@@ -329,26 +181,3 @@ def _resolve_label(label: str | int, config: Any, name: str) -> int:
         if label.casefold() in folded:
             return folded[label.casefold()]
     raise ValueError(f"label {label!r} not found in {name}; available labels: {available}")
-
-
-class VaderSentimentReward:
-    """VADER compound sentiment of the response, in ``[-1, 1]``.
-
-    The rule-based analyzer of Hutto & Gilbert 2014 (``vaderSentiment`` package): no
-    model, no download, fast on a CPU. It is the reward of the embedded default world,
-    where PPO learns to write more positive reviews. The prompt is ignored.
-    """
-
-    def __init__(self) -> None:
-        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
-
-        self._analyzer = SentimentIntensityAnalyzer()
-
-    def __call__(self, prompts: list[str], responses: list[str]) -> Tensor:
-        """Scores the responses; see :class:`RewardModel`."""
-        _check_pairs(prompts, responses, repr(self))
-        scores = [self._analyzer.polarity_scores(r)["compound"] for r in responses]
-        return validate_scores(scores, len(responses), repr(self))
-
-    def __repr__(self) -> str:
-        return "VaderSentimentReward()"
