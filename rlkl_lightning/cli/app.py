@@ -46,6 +46,7 @@ from rlkl_lightning.cli.collective_timeout import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     OPTION,
     apply_collective_timeout,
+    check_collective_timeout,
     timeout_message,
 )
 from rlkl_lightning.cli.help import HelpfulParser
@@ -124,6 +125,7 @@ class RLKLCLI(LightningCLI):
         arguments (:meth:`_check_components`): before any weights load.
         """
         _check_logger_packages(self._get(self.config, "trainer").get("logger"))
+        check_collective_timeout(self._get(self.config, "collective_timeout"))  # before weights
         self._check_components()
         if self.subcommand != "fit" or self._get(self.config, "ckpt_path") != "last":
             return

@@ -156,3 +156,21 @@ def test_a_rank_waiting_for_a_peer_that_never_comes_stops_within_the_timeout(tmp
         "(--collective_timeout): another rank stopped or hangs, its own output says where"
     ], text[-4000:]
     assert "Traceback" not in text, text[-4000:]
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
+def test_a_collective_timeout_that_is_not_a_positive_number_is_refused_in_one_line(
+    value, tmp_path, tiny_lm_dir, capsys
+):
+    from helpers.ddp_runs import PROMPTS, config
+
+    from rlkl_lightning.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    path = config(tmp_path, (tiny_lm_dir, tiny_lm_dir), prompts, "bad", "", 2)
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config", str(path), f"--collective_timeout={value}"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: `collective_timeout` must be a "), err
