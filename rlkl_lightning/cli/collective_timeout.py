@@ -51,13 +51,25 @@ def apply_collective_timeout(strategy: Any, seconds: float) -> None:
     _RUN.update(strategy=strategy, seconds=strategy._timeout.total_seconds())
 
 
+def collective_timed_out(error: BaseException) -> bool:
+    """Whether ``error`` is torch.distributed's timeout (gloo's, the store's), not another one.
+
+    gloo raises a plain ``RuntimeError`` quoting its source file; a timeout of the user's own
+    code (a remote reward) must keep its own message.
+    """
+    if not isinstance(error, RuntimeError):
+        return False
+    text = str(error).lower()
+    if "timed out" not in text and "timeout" not in text:
+        return False
+    distributed = getattr(dist, "DistError", ())
+    return isinstance(error, distributed) or "gloo" in text or "c10d" in text
+
+
 def timeout_message(error: BaseException) -> str | None:
     """One line for a collective that timed out in this run's process group, else None."""
     strategy, seconds = _RUN["strategy"], _RUN["seconds"]
-    if strategy is None or not isinstance(error, RuntimeError):
-        return None
-    text = str(error)
-    if "timed out" not in text.lower() and "timeout" not in text.lower():
+    if strategy is None or not collective_timed_out(error):
         return None
     rank = getattr(strategy, "global_rank", None)
     world = getattr(strategy, "world_size", None)

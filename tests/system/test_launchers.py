@@ -174,3 +174,21 @@ def test_a_collective_timeout_that_is_not_a_positive_number_is_refused_in_one_li
     assert stopped.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: `collective_timeout` must be a "), err
+
+
+def test_only_torch_distributeds_timeouts_become_the_ranks_line(monkeypatch):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from rlkl_lightning.cli import collective_timeout
+
+    monkeypatch.setattr(collective_timeout, "_RUN", {"strategy": None, "seconds": None})
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+        "2000ms for recv operation to complete"
+    )
+    assert collective_timeout.timeout_message(gloo) is None  # no process group in this run
+    collective_timeout.apply_collective_timeout(DDPStrategy(), 2)
+    line = collective_timeout.timeout_message(gloo)
+    assert line is not None and line.startswith("rank 0 of 1 waited 2 s at a collective"), line
+    for other in (RuntimeError("the reward server: read timeout"), ValueError("gloo timed out")):
+        assert collective_timeout.timeout_message(other) is None
