@@ -2,7 +2,8 @@
 #   make study   runs the adaptive-vs-fixed KL study on the embedded default world
 #   make test    runs ruff and the test suite but for the slow tests below: every module at
 #                unit level and every config once (4 minutes on 2 cores; .ci/run fails it over 6)
-#   make test-dist      runs the tests marked `dist`: several training processes (DDP, FSDP)
+#   make test-dist      runs the tests marked `dist`: several training processes (DDP, FSDP,
+#                       torchrun)
 #   make test-slow      runs the tests marked `slow`: killed and resumed runs, studies,
 #                       benchmark smoke runs, long training runs, sweeps
 #   make test-compiled  runs tests/compiled/: the compiled decode step against the eager loop

@@ -42,6 +42,13 @@ from rlkl_lightning.checkpoints import (
     first_resumed_step,
     newest_last_checkpoint,
 )
+from rlkl_lightning.cli.collective_timeout import (
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    OPTION,
+    apply_collective_timeout,
+    check_collective_timeout,
+    timeout_message,
+)
 from rlkl_lightning.cli.help import HelpfulParser
 from rlkl_lightning.cli.run_end import ExtendFinishedEpoch, SaveLastAtEnd
 from rlkl_lightning.cli.run_settings import RunSettings, trajectory_settings
@@ -90,7 +97,7 @@ class RLKLCLI(LightningCLI):
         return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
-        """Add the ``kl`` group and ``--resume_with_changes``."""
+        """Add the ``kl`` group, ``--resume_with_changes`` and ``--collective_timeout``."""
         parser.add_class_arguments(KLSettings, "kl", sub_configs=True)  # `kl: base/kl.yaml`
         parser.add_argument(
             "--resume_with_changes",
@@ -99,6 +106,13 @@ class RLKLCLI(LightningCLI):
             help="Resume although the settings that shape the trajectory (KL law, target, "
             "horizon, model, batch size, ...) differ from the checkpoint's: the callbacks' "
             "states are carried over and the changes printed (default: refuse, listing them).",
+        )
+        parser.add_argument(
+            OPTION,
+            type=float,
+            default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+            help="Seconds a rank waits at a collective for its peers before the run stops with "
+            "a line naming the rank (several processes; a strategy's own `timeout` wins).",
         )
 
     def before_instantiate_classes(self) -> None:
@@ -111,6 +125,7 @@ class RLKLCLI(LightningCLI):
         arguments (:meth:`_check_components`): before any weights load.
         """
         _check_logger_packages(self._get(self.config, "trainer").get("logger"))
+        check_collective_timeout(self._get(self.config, "collective_timeout"))  # before weights
         self._check_components()
         if self.subcommand != "fit" or self._get(self.config, "ckpt_path") != "last":
             return
@@ -200,6 +215,8 @@ class RLKLCLI(LightningCLI):
         # Before the trainer exists: Lightning adds its own callbacks to the configured list.
         configured_bar = any(isinstance(c, ProgressBar) for c in config.get("callbacks") or [])
         trainer = super().instantiate_trainer(**kwargs)
+        run = self.config[self.subcommand] if self.subcommand else self.config
+        apply_collective_timeout(trainer.strategy, run.get("collective_timeout"))
         if not configured_bar:
             for i, callback in enumerate(trainer.callbacks):
                 if type(callback) in (RichProgressBar, TQDMProgressBar):  # Lightning's default
@@ -406,7 +423,7 @@ def main(args: list[str] | None = None) -> RLKLCLI:
     try:
         return _cli(None if args is None else given)
     except Exception as error:
-        message = None if verbose else user_message(error)
+        message = None if verbose else (timeout_message(error) or user_message(error))
         if message is None:
             raise
         message = with_option_paths(message)

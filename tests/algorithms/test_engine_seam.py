@@ -231,11 +231,14 @@ def test_settings_the_vllm_engine_does_not_run_with_are_refused_by_name(
 def test_under_ddp_the_engine_gets_the_trainers_rank_variables_and_the_external_launcher(
     monkeypatch,
 ):
+    from types import SimpleNamespace
+
     from rlkl_lightning.algorithms.engines.vllm import launcher_arguments, set_rank_variables
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.setenv(name, "7")  # left from another launch: the trainer's win
-    set_rank_variables(3, 1, 4)
+    trainer = SimpleNamespace(global_rank=3, local_rank=1, world_size=4, strategy=None)
+    set_rank_variables(trainer)  # srun and torchrun: tests/system/test_launchers.py
     assert [os.environ[n] for n in ("RANK", "LOCAL_RANK", "WORLD_SIZE")] == ["3", "1", "4"]
     assert launcher_arguments(1) == {}
     assert launcher_arguments(2) == {

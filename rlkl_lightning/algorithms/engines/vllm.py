@@ -341,15 +341,28 @@ def launcher_arguments(world_size: int) -> dict[str, Any]:
     return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}
 
 
-def set_rank_variables(global_rank: int, local_rank: int, world_size: int) -> None:
-    """Set ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` as the trainer knows them.
+def rank_variables(trainer: Any) -> dict[str, str]:
+    """The variables vLLM's ``external_launcher`` reads, as ``trainer`` knows them.
 
-    vLLM's ``external_launcher`` reads them; Lightning's own launcher sets ``LOCAL_RANK`` and
-    ``WORLD_SIZE`` but not ``RANK``, and a variable left from another launch must not win.
+    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` from the
+    trainer and its cluster environment, whichever launched the process: Lightning's own
+    launcher sets no ``RANK``, srun (``SLURMEnvironment``) none of the five, torchrun
+    (``TorchElasticEnvironment``) all of them; a variable left from another launch must not win.
     """
-    os.environ["RANK"] = str(global_rank)
-    os.environ["LOCAL_RANK"] = str(local_rank)
-    os.environ["WORLD_SIZE"] = str(world_size)
+    values = {
+        "RANK": str(trainer.global_rank),
+        "LOCAL_RANK": str(trainer.local_rank),
+        "WORLD_SIZE": str(trainer.world_size),
+    }
+    cluster = getattr(trainer.strategy, "cluster_environment", None)
+    if cluster is not None:
+        values.update(MASTER_ADDR=str(cluster.main_address), MASTER_PORT=str(cluster.main_port))
+    return values
+
+
+def set_rank_variables(trainer: Any) -> None:
+    """Set :func:`rank_variables` in this process's environment, before vLLM reads them."""
+    os.environ.update(rank_variables(trainer))
 
 
 def quiet_vllm_logs(global_rank: int) -> None:
@@ -549,7 +562,7 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.llm_engine is not None:  # started, and not closed since
             return
         if world_size > 1:
-            set_rank_variables(trainer.global_rank, trainer.local_rank, world_size)
+            set_rank_variables(trainer)
             quiet_vllm_logs(trainer.global_rank)
         hp = module.sampling
         self.llm_engine = shared_engine(
