@@ -72,6 +72,7 @@ class FaultServer:
                 return None
 
             def _answer(self, status: int, body: bytes, headers: dict | None = None) -> None:
+                self._done()  # before the answer leaves: the client may send its next at once
                 self.send_response(status)
                 for key, value in (headers or {}).items():
                     self.send_header(key, value)
@@ -105,9 +106,16 @@ class FaultServer:
                         fault = server.rule(n, body)
                     else:
                         fault = server.script.pop(0) if server.script else "ok"
+                self.counted = True
                 try:
                     self._serve(fault, body)
                 finally:
+                    self._done()
+
+            def _done(self) -> None:
+                """This request no longer counts as in flight (once)."""
+                if getattr(self, "counted", False):
+                    self.counted = False
                     with server.lock:
                         server.in_flight -= 1
 
