@@ -65,3 +65,15 @@ def pytest_make_collect_report(collector):
     if report.skipped and skip_fails_in_ci(collector.path):
         _fail_the_skip(report)
     return report
+
+
+@pytest.fixture(autouse=True)
+def _rank_zero_restored():
+    """Lightning keeps the process's rank in a global that any Trainer under a (simulated)
+    cluster environment sets; a test that builds one as rank 3 would silence the rank-0-only
+    output of every later test in its process."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    rank = getattr(rank_zero_only, "rank", 0)
+    yield
+    rank_zero_only.rank = rank

@@ -39,7 +39,11 @@ TORCHRUN = {
 
 
 def _trainer(monkeypatch, launched: dict[str, str], left_over: dict[str, str]):
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
     from lightning.pytorch import Trainer
+
+    # The Trainer sets the process-wide rank (3 of 4 here): undone after the test.
+    monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0))
 
     for name in (*LAUNCH_VARIABLES, *SLURM, *TORCHRUN):
         monkeypatch.setenv(name, "")  # recorded, so that what Lightning sets is undone too
