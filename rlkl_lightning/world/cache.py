@@ -82,26 +82,6 @@ def build_corpus(
     return Corpus.at(target)
 
 
-@contextlib.contextmanager
-def keep_random_state() -> Iterator[None]:
-    """Restore Python's, NumPy's and torch's global generators (CPU and CUDA) on exit."""
-    import random
-
-    import numpy as np
-    import torch
-
-    python, numpy_state, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        random.setstate(python)
-        np.random.set_state(numpy_state)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
 def build_stage(
     target: Path,
     marker: str,
@@ -138,9 +118,11 @@ def build_stage(
             for stale in target.parent.glob(f"{prefix}-{target.name}-*"):
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+        from rlkl_lightning.random_streams import random_streams_kept
+
         try:
             try:
-                with keep_random_state():  # built inside a run, it leaves the run's draws alone
+                with random_streams_kept():  # built inside a run, it leaves the run's draws alone
                     make(tmp)
             except (KeyboardInterrupt, SystemExit):
                 # Ctrl-C; Lightning's trainer (the SFT) turns it into SystemExit(1), silently.

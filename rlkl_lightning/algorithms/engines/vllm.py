@@ -23,12 +23,10 @@ samples are kept as ``sampler_logprobs``, and the pipeline computes the trainer'
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import logging
 import os
-import random
 import tempfile
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -39,6 +37,7 @@ from torch import Tensor, nn
 from rlkl_lightning.algorithms.engines.base import ENGINES, RolloutEngine
 from rlkl_lightning.algorithms.rollout import response_mask_after_eos
 from rlkl_lightning.models.logprobs import TokenScores, score_tokens
+from rlkl_lightning.random_streams import random_streams_kept
 from rlkl_lightning.trajectory import Trajectory
 
 #: The one line a user without vLLM reads (the environment is built by the Makefile).
@@ -95,26 +94,6 @@ def request_seed(seed: int, batch: int, rank: int, row: int) -> int:
 def run_seed() -> int:
     """The ``seed_everything`` seed of this run (0 without one)."""
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
-
-
-@contextlib.contextmanager
-def random_streams_kept() -> Iterator[None]:
-    """Put Python's, NumPy's and torch's random streams back as they were after the block.
-
-    vLLM seeds them all when it starts (``seed``); the trainer's streams (minibatch order,
-    ...) must not depend on when the engine started, or a resumed run would shuffle
-    differently from the uninterrupted one.
-    """
-    import numpy as np
-
-    python, numpy_state = random.getstate(), np.random.get_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            random.setstate(python)
-            np.random.set_state(numpy_state)
 
 
 def engine_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
