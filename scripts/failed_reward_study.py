@@ -1,19 +1,23 @@
 """What failed rewards do to beta and the KL: masking vs a zero reward vs the KL masked too.
 
-PPO on the default world with the adaptive law (configs/ppo_adaptive.yaml's settings), the
-reward VADER, 10% of each batch's rewards failing in one of two modes: ``uniform`` (each sample
-by chance, from the study's own generator) or ``longest`` (the longest tenth of the batch's
-responses, by characters: failures that hit long, high-KL responses). Three ways to take a
-failure:
+PPO on the default world with the adaptive law (configs/ppo_adaptive.yaml's settings) and the
+reward served: ``python -m rlkl_lightning.serve_reward`` serves :class:`FailingVader` (VADER
+with 10% of each request's scores failed) on the loopback address, and the run reads it over
+HTTP with :class:`~rlkl_lightning.rewards.RemoteReward` (one request per batch). Failures come
+in one of two modes: ``uniform`` (each sample by chance, from the server's own generator) or
+``longest`` (the longest tenth of the batch's responses, by characters: failures that hit long,
+high-KL responses). The server answers a failed sample with ``null`` (the client masks it) or,
+for the zero variant, with 0. Three ways to take a failure:
 
 - ``mask``: the library's (the sample out of the advantages and losses, kept in the KL);
 - ``zero``: the failed sample scored 0 (verl's);
 - ``kl_masked``: masked, and left out of the KL the controller reads too (its per-sequence KL
   replaced by the scored samples' mean, so ``objective/kl`` is theirs).
 
-Beside them the fault-free run. For every seed it prints the final beta, the mean true KL
-(every sample's, nats per sequence) and the mean true VADER score of the last 10 batches, then
-the mean and standard error over seeds of each variant.
+Beside them the fault-free run (the same server, nothing failed). For every seed it prints the
+final beta, the mean true KL (every sample's, nats per sequence) and the mean true VADER score
+(every sample's, scored in the trainer) of the last 10 batches, then the mean and standard error
+over seeds of each variant.
 
     python scripts/failed_reward_study.py --seeds 0 1 2 --batches 150
 """
@@ -21,35 +25,48 @@ the mean and standard error over seeds of each variant.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
+import os
 import random
+import socket
 import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from rlkl_lightning import AdaptiveKLController, KLControllerCallback, PPOModule
 from rlkl_lightning.data import PromptDataModule
-from rlkl_lightning.rewards import VaderSentimentReward
+from rlkl_lightning.rewards import RemoteReward, RewardModel, VaderSentimentReward
 
 RATE = 0.1
 LAST = 10  # batches the final numbers average over
+ROOT = Path(__file__).resolve().parent.parent
 
 
-class FailingVader:
-    """VADER with ``RATE`` of the samples failed (``nan``, masked) or scored 0 (``zero``)."""
+class FailingVader(RewardModel):
+    """VADER with ``RATE`` of each request's samples failed (``nan``) or, ``zero``, scored 0.
 
-    def __init__(self, mode: str, variant: str, seed: int) -> None:
+    Served by ``python -m rlkl_lightning.serve_reward --reward
+    scripts.failed_reward_study.FailingVader --init_args '{"mode": ..., ...}'``.
+    """
+
+    def __init__(self, mode: str = "none", variant: str = "mask", seed: int = 0) -> None:
+        if mode not in ("none", "uniform", "longest"):
+            raise ValueError(f"FailingVader: `mode` must be none, uniform or longest, got {mode!r}")
         self.vader = VaderSentimentReward()
         self.mode, self.zero = mode, variant == "zero"
-        self.marks_failures = not self.zero
         self.rng = random.Random(seed)
-        self.true_scores: list[float] = []  # every sample's VADER, per batch
 
     def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
         """VADER's scores, ``RATE`` of them failed as the mode says."""
         scores = self.vader(prompts, responses)
-        self.true_scores.append(float(scores.mean()))
         n = len(responses)
         if self.mode == "uniform":
             failed = [self.rng.random() < RATE for _ in range(n)]
@@ -63,8 +80,45 @@ class FailingVader:
         return scores.masked_fill(torch.tensor(failed), filler)
 
 
+@contextlib.contextmanager
+def served(mode: str, variant: str, seed: int) -> Iterator[str]:
+    """A reward server of :class:`FailingVader` on a free loopback port; yields its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init = json.dumps({"mode": mode, "variant": variant, "seed": seed})
+    command = [sys.executable, "-m", "rlkl_lightning.serve_reward", "--port", str(port)]
+    command += ["--reward", "scripts.failed_reward_study.FailingVader", "--init_args", init]
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    server = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):  # up to a minute for the server to answer its health endpoint
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                break
+            if server.poll() is not None:
+                raise SystemExit(f"error: the reward server for {mode}/{variant} exited")
+            time.sleep(0.25)
+        else:
+            raise SystemExit(f"error: the reward server at {url} did not start within a minute")
+        yield url
+    finally:
+        server.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(10)
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
 class StudyPPO(PPOModule):
-    """PPOModule that records every sample's KL, and with ``mask_kl`` hides the failed ones'."""
+    """PPOModule that records every sample's KL and VADER score.
+
+    With ``mask_kl`` it hides the failed samples' KL from the controller.
+    """
 
     mask_kl = False
 
@@ -72,6 +126,9 @@ class StudyPPO(PPOModule):
         traj, responses, diagnostics = super().score(prompts, traj, policy_scores)
         self.true_kl = getattr(self, "true_kl", [])
         self.true_kl.append(float(diagnostics["kl_k1"].mean()))
+        self.true_scores = getattr(self, "true_scores", [])
+        self.vader = getattr(self, "vader", None) or VaderSentimentReward()
+        self.true_scores.append(float(self.vader(prompts, responses).mean()))
         if self.mask_kl and "failed" in diagnostics and diagnostics["failed"].any():
             scored = ~diagnostics["failed"]
             for key in [k for k in diagnostics if k.startswith("kl_") and "/" not in k]:
@@ -82,31 +139,32 @@ class StudyPPO(PPOModule):
 
 def run(seed: int, mode: str, variant: str, batches: int) -> tuple[float, float, float]:
     """Final beta, true KL and true score of one run."""
-    seed_everything(seed, verbose=False)
-    reward = FailingVader(mode, variant, seed)
-    module = StudyPPO(
-        reward=reward,
-        sampling={"max_prompt_tokens": 16},
-        optimization={"lr": 1.0e-4},
-        logging={"log_samples_every": 0},
-    )
-    module.mask_kl = variant == "kl_masked"
-    law = AdaptiveKLController(init_kl_coef=module.kl_coef, target=6.0, horizon=1000)
-    steps = module.optimization.ppo_epochs * module.optimization.num_minibatches
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=batches * steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[KLControllerCallback(law)],
-    )
-    trainer.fit(module, PromptDataModule(batch_size=32, heldout=None, seed=seed))
+    with served(mode, variant, seed) as url:
+        seed_everything(seed, verbose=False)
+        reward = RemoteReward(url, request_size=1024, deadline_s=60.0, seed=seed)
+        module = StudyPPO(
+            reward=reward,
+            sampling={"max_prompt_tokens": 16},
+            optimization={"lr": 1.0e-4},
+            logging={"log_samples_every": 0},
+        )
+        module.mask_kl = variant == "kl_masked"
+        law = AdaptiveKLController(init_kl_coef=module.kl_coef, target=6.0, horizon=1000)
+        steps = module.optimization.ppo_epochs * module.optimization.num_minibatches
+        trainer = Trainer(
+            accelerator="cpu",
+            max_steps=batches * steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[KLControllerCallback(law)],
+        )
+        trainer.fit(module, PromptDataModule(batch_size=32, heldout=None, seed=seed))
     kl = statistics.mean(module.true_kl[-LAST:])
-    score = statistics.mean(reward.true_scores[-LAST:])
+    score = statistics.mean(module.true_scores[-LAST:])
     return module.kl_coef, kl, score
 
 

@@ -712,12 +712,15 @@ class RLPipeline(LightningModule):
             bool(failed.all()),
             f"the rewards of every sample of a rank failed ({why}; {n_failed} of {n} in all)",
         )
-        rank_zero_warn(
-            f"{self.owner}: the rewards of {n_failed} of {n} samples failed at batch "
-            f"{self.batches_seen + 1} ({why}); they are left out of the advantages and the "
-            "losses, and kept in the KL",
-            category=RuntimeWarning,
-        )
+        if not getattr(self, "_warned_failed", False):
+            self._warned_failed = True
+            rank_zero_warn(
+                f"{self.owner}: the rewards of {n_failed} of {n} samples failed at batch "
+                f"{self.batches_seen + 1} ({why}); they are left out of the advantages and the "
+                "losses, and kept in the KL (warned once; `reward/failed_fraction` counts "
+                "every batch's)",
+                category=RuntimeWarning,
+            )
         return ~failed
 
     def gate(self, bad: bool, why: str) -> None:

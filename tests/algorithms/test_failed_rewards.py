@@ -117,7 +117,10 @@ def test_a_token_estimator_runs_on_the_scored_rows_and_leaves_the_others_at_zero
 def test_ppo_masks_failed_samples_and_keeps_them_in_the_logged_kl(tiny_lm_dir, spied):
     seen = Seen()
     module = PPOModule(**module_args(tiny_lm_dir, reward=FlakyReward(lambda i: i % 4 == 0)))
-    fit(module, batches=2, batch_size=8, callbacks=[seen])
+    with pytest.warns(RuntimeWarning, match="samples failed") as warned:
+        fit(module, batches=2, batch_size=8, callbacks=[seen])
+    # Once a run, not once a batch: the metric counts every batch's failures.
+    assert sum("samples failed" in str(w.message) for w in warned) == 1
     for (traj, _, diagnostics), trained, logged in zip(
         spied["scored"], spied["trained"], seen.history, strict=True
     ):
