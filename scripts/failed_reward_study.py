@@ -30,11 +30,13 @@ import json
 import math
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +48,7 @@ from rlkl_lightning.data import PromptDataModule
 from rlkl_lightning.rewards import RemoteReward, RewardModel, VaderSentimentReward
 
 RATE = 0.1
+VARIANTS = ("mask", "zero", "kl_masked")
 LAST = 10  # batches the final numbers average over
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,27 +94,43 @@ def served(mode: str, variant: str, seed: int) -> Iterator[str]:
     command += ["--reward", "scripts.failed_reward_study.FailingVader", "--init_args", init]
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
-    server = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    server = subprocess.Popen(  # its own session: LitServe's workers are stopped with it
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(240):  # up to a minute for the server to answer its health endpoint
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-                break
+        deadline = time.monotonic() + 300  # a loaded machine takes minutes to import and bind
+        while not _healthy(url):
             if server.poll() is not None:
                 raise SystemExit(f"error: the reward server for {mode}/{variant} exited")
-            time.sleep(0.25)
-        else:
-            raise SystemExit(f"error: the reward server at {url} did not start within a minute")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"error: the reward server at {url} did not start in 5 minutes")
+            time.sleep(0.5)
         yield url
     finally:
-        server.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
             server.wait(10)
-        if server.poll() is None:
-            server.kill()
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def _healthy(url: str) -> bool:
+    """Whether the server answers its health endpoint."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+    try:
+        with opener.open(f"{url}/health", timeout=2) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
 
 
 class StudyPPO(PPOModule):
@@ -174,15 +193,34 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--batches", type=int, default=150)
     parser.add_argument("--modes", nargs="+", default=["uniform", "longest"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--no_clean", action="store_true", help="leave out the fault-free run")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="a JSON-lines file each finished run is added to; runs already in it are not run "
+        "again, and the table is of every run in it that the other options name",
+    )
     args = parser.parse_args()
     cases = [("none", "mask")] * (not args.no_clean) + [
-        (m, v) for m in args.modes for v in ("mask", "zero", "kl_masked")
+        (m, v) for m in args.modes for v in args.variants
     ]
+    done = {}
+    if args.out is not None and args.out.exists():
+        for line in args.out.read_text().splitlines():
+            row = json.loads(line)
+            done[row["mode"], row["variant"], row["seed"], row["batches"]] = row["result"]
     results: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     for mode, variant in cases:
         for seed in args.seeds:
-            out = run(seed, mode, variant, args.batches)
+            key = (mode, variant, seed, args.batches)
+            if key not in done:
+                done[key] = run(seed, mode, variant, args.batches)
+                if args.out is not None:
+                    row = dict(zip(("mode", "variant", "seed", "batches"), key, strict=True))
+                    with args.out.open("a") as f:
+                        f.write(json.dumps({**row, "result": list(done[key])}) + "\n")
+            out = done[key]
             results.setdefault((mode, variant), []).append(out)
             print(
                 f"{mode:8s} {variant:9s} seed {seed}: beta {out[0]:.4f} kl {out[1]:.3f} "
