@@ -18,6 +18,7 @@ imports the rewards, nothing in the library imports it.
 import argparse
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -179,7 +180,13 @@ def main(argv: list[str] | None = None) -> None:
 
     server.app.add_exception_handler(RequestValidationError, one_line_400)
     print(f"serving {args.reward} at http://{args.host}:{args.port}/score", flush=True)
+    signal.signal(signal.SIGTERM, _stop)  # `kill PID` stops LitServe's workers too
     server.run(host=args.host, port=args.port, generate_client_file=False)
+
+
+def _stop(signum: int, frame: Any) -> None:
+    """SIGTERM as Ctrl-C: LitServe then stops its workers (else they outlive it, on the port)."""
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The reward server: what it serves and refuses (fast), and one LitServe smoke run (slow)."""
 
+import contextlib
 import http.client
 import json
 import os
@@ -93,7 +94,23 @@ def test_litserve_serves_vader_as_the_in_process_reward_scores_it(tmp_path):
         answer = connection.getresponse()
         detail = json.loads(answer.read())["detail"]
         assert answer.status == 400 and "\n" not in detail and "prompts" in detail
+        # `kill PID` of the server alone stops its workers too: none is left on the port.
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while True:  # bounded: the workers' exit, 10 s at most
+            try:
+                os.killpg(server.pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "a worker of the server outlived it"
+            time.sleep(0.2)
+        with socket.socket() as s:  # as a new server binds: past TIME_WAIT, not past a listener
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
         server.wait(timeout=30)
         log.close()
