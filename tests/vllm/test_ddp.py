@@ -26,7 +26,10 @@ GAP = 1e-5  # nats per token, the issue's bound
 pytestmark = pytest.mark.dist  # two training processes
 
 
-def run(tmp_path: Path, name: str, stale_rank: int = -1) -> list[dict]:
+def run(
+    tmp_path: Path, name: str, stale_rank: int = -1, extra: tuple = (), logged: bool = False
+) -> list[dict]:
+    """Train 3 batches on 2 ranks; every rank's record. ``logged``: the config's TensorBoard."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS * 2))
     out = tmp_path / name
@@ -39,7 +42,8 @@ def run(tmp_path: Path, name: str, stale_rank: int = -1) -> list[dict]:
         "--trainer.devices=2",
         "--trainer.accelerator=cpu",
         f"--trainer.max_steps={BATCHES * 16}",
-        "--trainer.logger=false",
+        *([] if logged else ["--trainer.logger=false"]),
+        *extra,
         "--trainer.use_distributed_sampler=false",
         f"--trainer.callbacks+={recorder}",
         f"--trainer.callbacks.out_dir={out}",
@@ -58,6 +62,7 @@ def test_grpo_under_ddp_samples_with_each_ranks_engine_and_the_trainers_weights(
     k = 4  # GRPO's responses per prompt (configs/base/rloo.yaml)
     assert [r["rows"] for r in ranks] == [[PER_RANK[0] * k] * BATCHES, [PER_RANK[1] * k] * BATCHES]
     assert ranks[0]["betas"] == ranks[1]["betas"] and len(set(ranks[0]["betas"])) == BATCHES
+    assert [r["tensor_parallel"] for r in ranks] == [1, 1]  # one whole engine per rank
     weights = [r["weights"] for r in ranks]
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
     for rank, record in enumerate(ranks):
