@@ -116,8 +116,8 @@ def check_tensor_parallel(size: int, world_size: int) -> None:
     if world_size % size:
         raise ValueError(
             f"`engine.kind.init_args.tensor_parallel_size`={size} must divide the training "
-            f"world size ({world_size} processes): vLLM's groups are that many training ranks; "
-            f"use a divisor of {world_size} (1: one engine per rank)"
+            f"world size, {world_size}: vLLM's groups are {size} contiguous training ranks; "
+            f"use a divisor of {world_size} (1: one whole engine per rank)"
         )
 
 
