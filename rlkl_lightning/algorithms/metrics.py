@@ -89,7 +89,7 @@ def batch_metrics(
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """This process's peak memory so far, in GB: what it ran out of first, per device type.
+    """This process's peak memory so far, in GB, of the memory a run on ``device`` runs out of.
 
     On CUDA the peak of the memory torch reserved on ``device`` (the trainer's and an
     in-process vLLM engine's tensors); elsewhere the process's peak resident set.

@@ -29,13 +29,16 @@ pytestmark = pytest.mark.dist  # two training processes
 def run(
     tmp_path: Path, name: str, stale_rank: int = -1, extra: tuple = (), logged: bool = False
 ) -> list[dict]:
-    """Train 3 batches on 2 ranks; every rank's record. ``logged``: the config's TensorBoard."""
+    """Train 3 batches on 2 ranks; every rank's record. ``logged``: the config's TensorBoard.
+
+    The run's standard error is kept in ``NAME/stderr.txt``.
+    """
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS * 2))
     out = tmp_path / name
     out.mkdir()
     recorder = "helpers.engine_recording.EngineRecorder"
-    train_py(
+    stderr = train_py(
         ROOT / "configs" / "grpo_vllm.yaml",
         out,
         "--trainer.strategy=ddp",
@@ -54,6 +57,7 @@ def run(
         f"--data.batches={BATCHES}",
         timeout=420,
     )
+    (out / "stderr.txt").write_text(stderr)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
