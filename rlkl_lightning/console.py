@@ -59,6 +59,14 @@ def quiet_lightning_notes() -> None:
         message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
         category=FutureWarning,
     )
+    # vLLM's tensor-parallel groups (`tensor_parallel_size` > 1) gather with
+    # `torch.distributed.all_gather_into_tensor`, which torch 2.13 deprecates: inside vLLM,
+    # nothing a user can change, and it works unchanged.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch.distributed.all_gather_into_tensor` is deprecated",
+        category=FutureWarning,
+    )
     drop_lightning_tips()
     warnings_on_rank_zero_only()
 

@@ -83,6 +83,13 @@ TOKENS_PER_S = "perf/tokens_per_s"
 ROLLOUT_S = "perf/rollout_s"
 SCORE_S = "perf/score_s"
 UPDATE_S = "perf/update_s"
+PUSH_S = "perf/push_s"  #: only where the engine has weights of its own (vLLM): the push
+
+
+def peak_memory_of(rank: int) -> str:
+    """The key of one rank's peak memory, in GB (``perf/peak_mem_gb/rank{rank}``)."""
+    return f"perf/peak_mem_gb/rank{rank}"
+
 
 # The sampler/trainer gap (only where the engine that samples is not the trainer: vLLM).
 MISMATCH_TOKEN_ABS_MEAN = "mismatch/token_abs_mean"  #: mean abs(log pi - log mu) per token

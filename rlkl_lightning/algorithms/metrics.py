@@ -88,6 +88,35 @@ def batch_metrics(
     return metrics
 
 
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak memory so far, in GB, of the memory a run on ``device`` runs out of.
+
+    On CUDA the peak of the memory torch reserved on ``device`` (the trainer's and an
+    in-process vLLM engine's tensors); elsewhere the process's peak resident set.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 1e9
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
+    return peak * (1 if sys.platform == "darwin" else 1024) / 1e9
+
+
+def peak_memory_metrics(
+    rank: int, world_size: int, device: torch.device, global_sum: Callable[[Tensor], Tensor]
+) -> dict[str, Tensor]:
+    """Every rank's :func:`peak_memory_gb`, one key per rank, the same on every rank.
+
+    One sum over the ranks of a vector holding each rank's value at its own index: a collective
+    under DDP (call it on every rank).
+    """
+    own = torch.zeros(world_size, dtype=torch.float64, device=device)
+    own[rank] = peak_memory_gb(device)
+    peaks = global_sum(own).to(torch.float32).cpu()
+    return {keys.peak_memory_of(r): peak for r, peak in enumerate(peaks.unbind())}
+
+
 def _global_sample_means(
     traj: Trajectory,
     diagnostics: dict[str, Tensor],

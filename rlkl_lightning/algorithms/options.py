@@ -392,6 +392,8 @@ class Logging:
             per-token log-ratio and KL, upper quantiles, the largest per-sequence KL, and the
             number of tokens with ``|log pi - log pi_ref|`` above this threshold) and name each
             logged response's tokens of largest KL in the samples table; None: off.
+        peak_memory: log every rank's peak memory (``perf/peak_mem_gb/rank{r}``) each batch;
+            logged with ``engine.kind: vllm`` whatever this says.
     """
 
     group: ClassVar[str] = "logging"
@@ -399,11 +401,13 @@ class Logging:
         ("log_samples_every", _int_at_least(0), "an integer >= 0 (0 = never)"),
         ("num_logged_samples", _int_at_least(1), "an integer >= 1"),
         ("kl_token_threshold", _none_or_positive, "None or a number > 0"),
+        ("peak_memory", _boolean, "True or False"),
     )
 
     log_samples_every: int = 50
     num_logged_samples: int = 4
     kl_token_threshold: float | None = None
+    peak_memory: bool = False
 
     def __post_init__(self) -> None:
         check_rules(self)

@@ -51,6 +51,7 @@ from rlkl_lightning.algorithms.metrics import (
     batch_metrics,
     gold_scores,
     log_samples_table,
+    peak_memory_metrics,
     reward_metrics,
     token_kl_stats,
     top_kl_tokens,
@@ -215,6 +216,8 @@ class RLPipeline(LightningModule):
         self.heldout_test = HeldoutPerplexity()  # a data module's second loader: test text
         #: What samples the responses, picked once (:mod:`.engines`); started at fit start.
         self.rollout_engine = self.engine.build()
+        #: Seconds of the last rollout's weight push (``perf/push_s``).
+        self.push_s = 0.0
         #: Counts changes of the policy's weights; an engine that holds an older one gets a push.
         self.weights_version = 0
         self.threads: OneThread | ValueThread = OneThread()
@@ -392,7 +395,9 @@ class RLPipeline(LightningModule):
         prompt_ids, prompt_mask = self._encode_prompts(prompts)
         rows, tokens = len(prompts), self.sampling.max_new_tokens
         keep = keep_rollout_logits(self.policy, self.device, rows, tokens)
+        start = time.perf_counter()
         self.rollout_engine.push(self)
+        self.push_s = time.perf_counter() - start
         return self.rollout_engine.sample(self, prompt_ids, prompt_mask, keep)
 
     def score(
@@ -575,6 +580,9 @@ class RLPipeline(LightningModule):
         prefixes = ("kl_tokens/", "mismatch/")
         metrics.update({k: v for k, v in diagnostics.items() if k.startswith(prefixes)})
         metrics.update(stats)
+        own_weights = not self.rollout_engine.shares_weights  # vLLM: pushes, its own memory
+        if own_weights:
+            metrics[keys.PUSH_S] = torch.tensor(self.push_s, dtype=torch.float32)
         self.log_dict(
             {k: torch.as_tensor(v, dtype=torch.float32) for k, v in metrics.items()},
             on_step=True,
@@ -582,6 +590,11 @@ class RLPipeline(LightningModule):
             batch_size=n,
             sync_dist=distributed,
         )
+        if own_weights or self.logging.peak_memory:  # every rank holds every rank's value
+            peaks = peak_memory_metrics(
+                self.global_rank, self.trainer.world_size, self.device, self.global_sum
+            )
+            self.log_dict(peaks, on_step=True, on_epoch=False, batch_size=n, sync_dist=False)
         if self.global_rank == 0:
             top_kl = None
             if self.logging.kl_token_threshold is not None:

@@ -47,7 +47,8 @@ class NativeAsEngine:
         self.pushed.append({name: w.clone() for name, w in weights})
         self.weights_of = owner
 
-    def sample(self, prompt_ids, prompt_mask, seeds, sampling, eos_token_id, pad_token_id):
+    def sample(self, prompt_ids, prompt_mask, seeds, sampling, eos_token_id, pad_token_id, rows):
+        assert rows == slice(None)  # one rank's engine: every row is its own
         self.seeds.append(seeds)
         torch.manual_seed(self.seed)
         traj, _ = sample_and_score(

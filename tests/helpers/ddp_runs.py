@@ -47,8 +47,10 @@ def free_port() -> int:
             return port
 
 
-def train_py(config: Path, cwd: Path, *args: str, timeout: float = 300) -> None:
+def train_py(config: Path, cwd: Path, *args: str, timeout: float = 300) -> str:
     """``python train.py fit --config CONFIG ARGS`` as a process, with ``tests/`` importable.
+
+    Returns its standard error (the warnings shown).
 
     The run gets a session of its own: past ``timeout`` seconds (a hung DDP collective) the
     whole session is killed, the ranks Lightning started included, and the test fails.
@@ -72,6 +74,7 @@ def train_py(config: Path, cwd: Path, *args: str, timeout: float = 300) -> None:
         _, stderr = proc.communicate()
         raise AssertionError(f"train.py ran past {timeout} s (hung?):\n{stderr[-4000:]}") from None
     assert proc.returncode == 0, stderr[-4000:]
+    return stderr
 
 
 def config(

@@ -26,20 +26,27 @@ GAP = 1e-5  # nats per token, the issue's bound
 pytestmark = pytest.mark.dist  # two training processes
 
 
-def run(tmp_path: Path, name: str, stale_rank: int = -1) -> list[dict]:
+def run(
+    tmp_path: Path, name: str, stale_rank: int = -1, extra: tuple = (), logged: bool = False
+) -> list[dict]:
+    """Train 3 batches on 2 ranks; every rank's record. ``logged``: the config's TensorBoard.
+
+    The run's standard error is kept in ``NAME/stderr.txt``.
+    """
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS * 2))
     out = tmp_path / name
     out.mkdir()
     recorder = "helpers.engine_recording.EngineRecorder"
-    train_py(
+    stderr = train_py(
         ROOT / "configs" / "grpo_vllm.yaml",
         out,
         "--trainer.strategy=ddp",
         "--trainer.devices=2",
         "--trainer.accelerator=cpu",
         f"--trainer.max_steps={BATCHES * 16}",
-        "--trainer.logger=false",
+        *([] if logged else ["--trainer.logger=false"]),
+        *extra,
         "--trainer.use_distributed_sampler=false",
         f"--trainer.callbacks+={recorder}",
         f"--trainer.callbacks.out_dir={out}",
@@ -50,6 +57,7 @@ def run(tmp_path: Path, name: str, stale_rank: int = -1) -> list[dict]:
         f"--data.batches={BATCHES}",
         timeout=420,
     )
+    (out / "stderr.txt").write_text(stderr)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
@@ -58,6 +66,7 @@ def test_grpo_under_ddp_samples_with_each_ranks_engine_and_the_trainers_weights(
     k = 4  # GRPO's responses per prompt (configs/base/rloo.yaml)
     assert [r["rows"] for r in ranks] == [[PER_RANK[0] * k] * BATCHES, [PER_RANK[1] * k] * BATCHES]
     assert ranks[0]["betas"] == ranks[1]["betas"] and len(set(ranks[0]["betas"])) == BATCHES
+    assert [r["tensor_parallel"] for r in ranks] == [1, 1]  # one whole engine per rank
     weights = [r["weights"] for r in ranks]
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
     for rank, record in enumerate(ranks):

@@ -16,7 +16,10 @@ weights, which are the reference of such a policy, are never written.
 
 Each response is its own request with its own seed, derived from (run seed, batch, rank, row):
 vLLM gives the ``n`` children of one seeded request the same random stream, and a resumed run
-must sample what the uninterrupted one did. The trajectory has the native loop's layout
+must sample what the uninterrupted one did. With ``tensor_parallel_size`` > 1 a group of
+contiguous ranks runs one sharded model: its ranks gather their prompts, send the same requests
+with seeds from the group's index and the row in the gathered batch, and keep their own rows.
+The trajectory has the native loop's layout
 (:func:`~rlkl_lightning.algorithms.rollout.sample_and_score`); the engine's log-probs of its
 samples are kept as ``sampler_logprobs``, and the pipeline computes the trainer's.
 """
@@ -89,6 +92,33 @@ def request_seed(seed: int, batch: int, rank: int, row: int) -> int:
     """The seed of one response's request: the same (seed, batch, rank, row), the same seed."""
     digest = hashlib.blake2b(f"{seed}:{batch}:{rank}:{row}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2  # a non-negative int64
+
+
+def group_seeds(seed: int, batch: int, group: int, rows: int) -> list[int]:
+    """The seeds of a tensor-parallel group's gathered batch: one per row, from the group's index.
+
+    Every rank of the group sends the same requests with these seeds; with
+    ``tensor_parallel_size=1`` the group is the rank, and the seeds are the ones of one rank's
+    rows (:func:`request_seed` with the rank).
+    """
+    return [request_seed(seed, batch, group, row) for row in range(rows)]
+
+
+def check_tensor_parallel(size: int, world_size: int) -> None:
+    """Refuse a tensor-parallel size that does not split the training ranks into whole groups.
+
+    vLLM's groups are ``size`` contiguous training ranks (``external_launcher``), so ``size``
+    must divide the number of processes; one process has no group of two (refused too).
+
+    Raises:
+        ValueError: Naming ``tensor_parallel_size`` and the world size.
+    """
+    if world_size % size:
+        raise ValueError(
+            f"`engine.kind.init_args.tensor_parallel_size`={size} must divide the training "
+            f"world size, {world_size}: vLLM's groups are {size} contiguous training ranks; "
+            f"use a divisor of {world_size} (1: one whole engine per rank)"
+        )
 
 
 def run_seed() -> int:
@@ -173,6 +203,7 @@ class VLLMEngine:
         device_type: Where the trainer runs (``cuda``: CUDA graphs; else eager).
         world_size: The training processes; above 1, one engine per rank through vLLM's
             ``external_launcher`` (:func:`set_rank_variables` first).
+        tensor_parallel_size: The ranks of one vLLM group (:func:`launcher_arguments`).
     """
 
     def __init__(
@@ -185,6 +216,7 @@ class VLLMEngine:
         sleep_mode: bool,
         device_type: str,
         world_size: int = 1,
+        tensor_parallel_size: int = 1,
     ) -> None:
         vllm = import_vllm()
         self.sleep_mode = sleep_mode
@@ -209,7 +241,7 @@ class VLLMEngine:
             enforce_eager=device_type != "cuda",
             enable_sleep_mode=sleep_mode,
             logprobs_mode="processed_logprobs",
-            **launcher_arguments(world_size),
+            **launcher_arguments(world_size, tensor_parallel_size),
         )
         self._asleep = False
 
@@ -239,10 +271,13 @@ class VLLMEngine:
         sampling: dict[str, Any],
         eos_token_id: int | None,
         pad_token_id: int,
+        rows: slice = slice(None),
     ) -> tuple[Tensor, Tensor]:
         """Sample one response per row: ``[B, R]`` tokens and the engine's ``[B, R]`` log-probs.
 
-        ``prompt_ids``/``prompt_mask``: ``[B, P]``, left padded. ``sampling``: temperature,
+        ``prompt_ids``/``prompt_mask``: ``[N, P]``, left padded, one seed per row; ``rows``: the
+        ``B`` rows whose responses are returned (a tensor-parallel rank's own, of its group's
+        gathered prompts; all of them by default). ``sampling``: temperature,
         top_k, top_p and max_new_tokens. A row stops at ``eos_token_id`` only (None: never),
         not at an EOS from the model's files. ``R`` is the longest response; shorter rows are
         padded with ``pad_token_id`` (log-prob 0).
@@ -266,7 +301,7 @@ class VLLMEngine:
         params = [vllm.SamplingParams(seed=seed, **shared) for seed in seeds]
         with random_streams_kept():
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        samples = [out.outputs[0] for out in outputs]
+        samples = [out.outputs[0] for out in outputs][rows]
         length = max(len(s.token_ids) for s in samples)
         ids = torch.full((len(samples), length), pad_token_id, dtype=torch.long)
         logprobs = torch.zeros(len(samples), length, dtype=torch.float32)
@@ -280,6 +315,28 @@ class VLLMEngine:
             self.llm.sleep(level=1)
             self._asleep = True
         return ids, logprobs
+
+
+def group_prompts(
+    prompt_ids: Tensor, prompt_mask: Tensor, rank: int, size: int
+) -> tuple[Tensor, Tensor, slice]:
+    """A tensor-parallel group's left-padded prompts, in rank order, and this rank's rows.
+
+    Gathered over every training rank (``all_gather_object`` sizes each rank's rows first, so
+    ranks of unequal row or prompt lengths do not hang), on the CPU; the group is the ranks
+    ``[g * size, (g + 1) * size)``, vLLM's groups under ``external_launcher``.
+    """
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (prompt_ids.cpu(), prompt_mask.cpu()))
+    first = rank - rank % size
+    group = everyone[first : first + size]
+    width = max(ids.shape[1] for ids, _ in group)
+    ids = torch.cat([nn.functional.pad(i, (width - i.shape[1], 0)) for i, _ in group])
+    mask = torch.cat([nn.functional.pad(m, (width - m.shape[1], 0)) for _, m in group])
+    before = sum(len(i) for i, _ in everyone[first:rank])
+    return ids, mask, slice(before, before + len(prompt_ids))
 
 
 def _cpu_kv_cache_bytes(share: float, device_type: str) -> int | None:
@@ -308,16 +365,20 @@ def _repack_kept_cpu_weights(worker: Any) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
-def launcher_arguments(world_size: int) -> dict[str, Any]:
+def launcher_arguments(world_size: int, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """The arguments of one vLLM engine in each of ``world_size`` training processes.
 
     One process: none (vLLM's default, the engine in this process). Several: vLLM's
-    ``external_launcher``, which joins the process group the trainer made, one engine per rank
-    with no tensor parallelism (each rank samples its own prompts with the full model).
+    ``external_launcher``, which joins the process group the trainer made: each group of
+    ``tensor_parallel_size`` contiguous ranks runs one model sharded over its ranks (1: every
+    rank samples its own prompts with the full model).
     """
     if world_size == 1:
         return {}
-    return {"distributed_executor_backend": "external_launcher", "tensor_parallel_size": 1}
+    return {
+        "distributed_executor_backend": "external_launcher",
+        "tensor_parallel_size": tensor_parallel_size,
+    }
 
 
 def rank_variables(trainer: Any) -> dict[str, str]:
@@ -366,6 +427,7 @@ def shared_engine(
     sleep_mode: bool,
     device_type: str,
     world_size: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> VLLMEngine:
     """This process's engine for ``policy``'s architecture and these settings.
 
@@ -381,7 +443,8 @@ def shared_engine(
             "`engine.kind='vllm'` needs a Hugging Face causal LM as the policy (its config "
             f"builds vLLM's model); got {type(policy).__name__}"
         )
-    settings = (max_model_len, dtype, gpu_memory_utilization, sleep_mode, device_type, world_size)
+    settings = (max_model_len, dtype, gpu_memory_utilization, sleep_mode, device_type)
+    settings += (world_size, tensor_parallel_size)
     key = repr((config.to_json_string(use_diff=False), settings))
     if _ENGINE["key"] != key:
         close_shared_engine()
@@ -396,6 +459,7 @@ def shared_engine(
                 sleep_mode=sleep_mode,
                 device_type=device_type,
                 world_size=world_size,
+                tensor_parallel_size=tensor_parallel_size,
             )
         _ENGINE.update(key=key, engine=engine, dir=folder)
     return _ENGINE["engine"]
@@ -517,11 +581,26 @@ class VLLMRolloutEngine(RolloutEngine):
     The trajectory has the native loop's layout; ``sampler_logprobs`` are the engine's
     log-probs, ``logprobs`` the trainer's (those enter ratios and the KL), and the scores
     (logits, hidden states) are the policy's, as the native loop keeps them.
+
+    Args:
+        tensor_parallel_size: Training ranks per vLLM model (contiguous ranks, sharded over
+            them, the group's prompts gathered and sampled together); it must divide the
+            world size (:func:`check_tensor_parallel`). 1: one whole engine per rank.
+
+    Raises:
+        ValueError: For a ``tensor_parallel_size`` that is not an integer >= 1.
     """
 
     shares_weights: ClassVar[bool] = False
 
-    def __init__(self) -> None:
+    def __init__(self, tensor_parallel_size: int = 1) -> None:
+        size = tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                "`engine.kind.init_args.tensor_parallel_size` must be an integer >= 1, "
+                f"got {size!r}"
+            )
+        self.tensor_parallel_size = size
         self.number = next(_engines)
         #: This process's ``LLM`` (:func:`shared_engine`), once started.
         self.llm_engine: VLLMEngine | None = None
@@ -537,6 +616,7 @@ class VLLMRolloutEngine(RolloutEngine):
         world_size = trainer.world_size if trainer is not None else 1
         strategy = strategy_name(trainer)
         check_vllm_settings(module.engine, module.device, world_size, strategy)
+        check_tensor_parallel(self.tensor_parallel_size, world_size)
         dtype = engine_dtype(module)  # a precision vLLM cannot run with stops here
         if self.llm_engine is not None:  # started, and not closed since
             return
@@ -552,6 +632,7 @@ class VLLMRolloutEngine(RolloutEngine):
             sleep_mode=module.engine.sleep_mode,
             device_type=module.device.type,
             world_size=world_size,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def push(self, module: Any) -> None:
@@ -566,18 +647,25 @@ class VLLMRolloutEngine(RolloutEngine):
     def sample(
         self, module: Any, prompt_ids: Tensor, prompt_mask: Tensor, keep_logits: bool
     ) -> tuple[Trajectory, TokenScores]:
-        """The engine's samples, one seeded request per row; then the policy's scores of them."""
+        """The engine's samples, one seeded request per row; then the policy's scores of them.
+
+        With ``tensor_parallel_size`` > 1 the group's ranks sample their gathered prompts
+        together (the same requests, the same seeds) and each keeps its own rows.
+        """
         if self.llm_engine is None:
             self.start(module)
         hp, tokenizer = module.sampling, module.tokenizer
         batch = module.batches_seen + module.skipped_batches  # both restored on a resume
-        seed, rank = run_seed(), module.global_rank
-        seeds = [request_seed(seed, batch, rank, row) for row in range(len(prompt_ids))]
+        size, rank = self.tensor_parallel_size, module.global_rank
+        ids, mask, rows = prompt_ids, prompt_mask, slice(None)
+        if size > 1:
+            ids, mask, rows = group_prompts(prompt_ids, prompt_mask, rank, size)
+        seeds = group_seeds(run_seed(), batch, rank // size, len(ids))
         eos = tokenizer.eos_token_id if hp.stop_at_eos else None
         pad = tokenizer.pad_token_id
         sampling = {name: getattr(hp, name) for name in ENGINE_SAMPLING}
         response_ids, sampler_logprobs = self.llm_engine.sample(
-            prompt_ids, prompt_mask, seeds, sampling, eos, pad
+            ids, mask, seeds, sampling, eos, pad, rows
         )
         traj = engine_trajectory(prompt_ids, prompt_mask, response_ids, sampler_logprobs, eos, pad)
         policy = module.policy
