@@ -54,7 +54,8 @@ def cuda_devices() -> int:
 
 CPU_FSDP = {"class_path": "helpers.cpu_fsdp.CPUFSDPStrategy"}
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "fan_in_fan_out": True}
-ON_CUDA = pytest.mark.skipif(not cuda_devices(), reason="needs a CUDA device")
+# Left out of `make test-dist` (marker `gpu`); benchmarks/gpu_table.sh runs them on a GPU.
+ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not cuda_devices(), reason="needs a CUDA device")]
 
 
 @pytest.mark.parametrize(
