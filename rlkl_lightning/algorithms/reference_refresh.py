@@ -16,17 +16,19 @@ adapter's update into the base weights and scales the adapters by ``1 - alpha``
 (:func:`~rlkl_lightning.models.lora.mix_adapters_into_base`): the policy is unchanged and the
 reference is the mix. The weights a refresh changed are saved in checkpoints
 (``RLPipeline.on_save_checkpoint``), so a resumed run continues with the refreshed reference.
+Under ``FSDPStrategy`` every rank gathers the full weights for the refresh and keeps its shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
@@ -50,24 +52,34 @@ def mix_into_reference(policy: nn.Module, reference: Any, alpha: float) -> list[
         The ``state_dict`` keys of the module holding both (``reference.*`` or ``policy.*``)
         whose values changed: what a checkpoint must carry besides the trained weights.
 
+    Under ``FSDPStrategy`` (FSDP units, :mod:`~rlkl_lightning.models.sharding`) every rank
+    gathers the full weights of the policy and of a frozen-copy reference, mixes them as one
+    process would and writes its shards back: every rank must call it at the same point.
+
     Raises:
         ValueError: If the reference's weights do not match the policy's (another model).
     """
-    if isinstance(reference, AdaptersOff):
-        return [f"policy.{name}" for name in mix_adapters_into_base(reference.peft_model, alpha)]
-    ours = dict(policy.named_parameters(remove_duplicate=False))
-    theirs = dict(reference.named_parameters(remove_duplicate=False))
-    if ours.keys() != theirs.keys() or any(ours[k].shape != theirs[k].shape for k in ours):
-        raise ValueError(
-            "ReferenceRefresh: the reference's weights do not match the policy's (an explicit "
-            "`reference` of another architecture, or one next to `peft` adapters); a refresh "
-            "needs the default reference (a copy of the policy, or its adapters off)"
-        )
-    with torch.no_grad():
-        for name, param in reference.named_parameters():  # tied weights once
-            source = ours[name].detach().to(param.dtype)
-            param.copy_(source) if alpha == 1 else param.lerp_(source, alpha)
-    return [f"reference.{name}" for name in theirs]
+    sharded = [m for m in (policy, reference) if isinstance(m, FullyShardedDataParallel)]
+    with contextlib.ExitStack() as gathered:
+        for model in sharded:  # full weights under the unsharded names, written back on exit
+            gathered.enter_context(FullyShardedDataParallel.summon_full_params(model))
+        if isinstance(reference, AdaptersOff):
+            changed = mix_adapters_into_base(reference.peft_model, alpha)
+            # Names as in the state dict: without the wrappers of the sharded decoder layers.
+            return [f"policy.{name.replace('_fsdp_wrapped_module.', '')}" for name in changed]
+        ours = dict(policy.named_parameters(remove_duplicate=False))
+        theirs = dict(reference.named_parameters(remove_duplicate=False))
+        if ours.keys() != theirs.keys() or any(ours[k].shape != theirs[k].shape for k in ours):
+            raise ValueError(
+                "ReferenceRefresh: the reference's weights do not match the policy's (an "
+                "explicit `reference` of another architecture, or one next to `peft` adapters); "
+                "a refresh needs the default reference (a copy of the policy, or its adapters off)"
+            )
+        with torch.no_grad():
+            for name, param in reference.named_parameters():  # tied weights once
+                source = ours[name].detach().to(param.dtype)
+                param.copy_(source) if alpha == 1 else param.lerp_(source, alpha)
+        return [f"reference.{name}" for name in theirs]
 
 
 class ReferenceRefresh(Callback):
@@ -94,8 +106,7 @@ class ReferenceRefresh(Callback):
             ProRL does with its hard resets.
 
     Raises:
-        ValueError: At set-up, for a module that is not an ``RLPipeline`` or under
-            ``FSDPStrategy`` (a sharded reference is not refreshed: single device or DDP).
+        ValueError: At set-up, for a module that is not an ``RLPipeline``.
 
     Example::
 
@@ -140,11 +151,6 @@ class ReferenceRefresh(Callback):
             raise ValueError(
                 f"{type(self).__name__}: the module must be an RLPipeline (PPOModule, "
                 f"RLOOModule), got {type(pl_module).__name__}"
-            )
-        if isinstance(trainer.strategy, FSDPStrategy):
-            raise ValueError(
-                f"{type(self).__name__}: refreshing a sharded reference is not supported; "
-                "allowed strategies: single device and DDP"
             )
         pl_module.log_reference_refreshes = True
         # The KL callbacks that read the count this module logs learn the period now, and say

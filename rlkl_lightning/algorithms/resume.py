@@ -143,9 +143,10 @@ def refreshed_weights(state: dict[str, Any], keys: list[str]) -> dict[str, Tenso
     """The weights a reference refresh changed (``keys``), from a full ``state``: saved apart.
 
     Only these differ from the reference the config rebuilds (a frozen copy: its every weight;
-    adapters off: the base weights of the adapted layers), so only these are saved.
+    adapters off: the base weights of the adapted layers), so only these are saved. An empty
+    ``state`` gives none: under FSDP only rank 0 is given the gathered state (and saves it).
     """
-    return {key: state[key] for key in keys}
+    return {key: state[key] for key in keys} if state else {}
 
 
 def with_refreshed_weights(

@@ -39,12 +39,22 @@ def shard_models(module: nn.Module, names: tuple[str, ...]) -> None:
     """Wrap each ``nn.Module`` attribute of ``module`` named in ``names`` as an FSDP unit.
 
     Does nothing unless the module is trained under ``FSDPStrategy``, or once it is sharded.
+
+    Raises:
+        ValueError: Under ``ModelParallelStrategy``, which leaves the sharding to the module:
+            unsharded, each rank would train its own replica (no gradient is averaged).
     """
-    from lightning.pytorch.strategies import FSDPStrategy
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
     trainer = getattr(module, "_trainer", None)
     strategy = trainer.strategy if trainer is not None else None
+    if isinstance(strategy, ModelParallelStrategy):
+        raise ValueError(
+            "`trainer.strategy`: ModelParallelStrategy (FSDP2, `fully_shard`) is not built yet: "
+            "the models would not be sharded and each rank would train its own replica; use "
+            "`trainer.strategy=ddp` or `trainer.strategy=fsdp`"
+        )
     if not isinstance(strategy, FSDPStrategy):
         return
     options = {k: v for k, v in strategy.kwargs.items() if k != "auto_wrap_policy"}

@@ -210,9 +210,9 @@ def test_without_vllm_the_engine_is_refused_in_one_line_naming_make_vllm_env(tin
             {},
             "cpu",
             2,
-            "FSDPStrategy",
-            r"`engine.kind='vllm'` runs in one process or under DDP .* 2 processes under "
-            r"FSDPStrategy.*`trainer.strategy=ddp`",
+            "ModelParallelStrategy",
+            r"`engine.kind='vllm'` runs in one process, under DDP or under FSDPStrategy .* 2 "
+            r"processes under ModelParallelStrategy.*`trainer.strategy=ddp`",
         ),
     ],
 )
@@ -227,6 +227,7 @@ def test_settings_the_vllm_engine_does_not_run_with_are_refused_by_name(
         check_vllm_settings(engine, torch.device(device), world_size, strategy)
     check_vllm_settings(Engine(kind="vllm"), torch.device("cpu"), 1)  # the default runs
     check_vllm_settings(Engine(kind="vllm"), torch.device("cpu"), 2, "ddp")  # DDP runs
+    check_vllm_settings(Engine(kind="vllm"), torch.device("cpu"), 2, "fsdp")  # so does FSDP
 
 
 def test_under_ddp_the_engine_gets_the_trainers_rank_variables_and_the_external_launcher(

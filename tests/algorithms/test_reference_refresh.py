@@ -193,13 +193,9 @@ def test_bad_settings_name_the_option(tiny_lm_dir):
             ReferenceRefresh(**kwargs)
     from types import SimpleNamespace
 
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    fsdp = SimpleNamespace(strategy=FSDPStrategy.__new__(FSDPStrategy))
-    with pytest.raises(ValueError, match="refreshing a sharded reference is not supported"):
-        ReferenceRefresh(every=5).setup(fsdp, module(tiny_lm_dir), "fit")
+    trainer = SimpleNamespace(callbacks=[])
     with pytest.raises(ValueError, match="the module must be an RLPipeline"):
-        ReferenceRefresh(every=5).setup(fsdp, torch.nn.Linear(1, 1), "fit")
+        ReferenceRefresh(every=5).setup(trainer, torch.nn.Linear(1, 1), "fit")
     with pytest.raises(ValueError, match="hold_after_refresh must be an int >= 0"):
         KLControllerCallback(AdaptiveKLController(0.1, 6.0, 100), hold_after_refresh=-1)
 

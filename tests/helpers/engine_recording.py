@@ -1,22 +1,28 @@
 """A callback that records, on its own rank, what a rollout engine did in each batch.
 
-Used by ``tests/vllm/test_ddp.py`` and ``test_tensor_parallel.py`` through ``train.py``
-(``trainer.callbacks``): per batch the beta the batch used, the rows this rank sampled and this
-rank's sampler/trainer gap (the mean absolute per-token difference of the engine's and the
-trainer's log-probs, in nats), its own responses (the valid tokens of each row), and what its vLLM
-engine was asked and answered (``requests``: the prompts' token ids, the seeds and the tokens of
-every request, a tensor-parallel group's gathered rows included) and vLLM's tensor-parallel size;
-at the end of the fit the policy's weights. ``stale_rank`` switches that rank's weight pushes off
-after the first one (the engine keeps the initial weights: the negative control).
+Used by ``tests/vllm/test_ddp.py``, ``test_tensor_parallel.py`` and ``test_fsdp.py`` through
+``train.py`` (``trainer.callbacks``): per batch the beta the batch used, the rows this rank
+sampled and this rank's sampler/trainer gap (the mean absolute per-token difference of the
+engine's and the trainer's log-probs, in nats), its own responses (the valid tokens of each
+row), and what its vLLM engine was asked and answered (``requests``: the prompts' token ids, the
+seeds and the tokens of every request, a tensor-parallel group's gathered rows included) and
+vLLM's tensor-parallel size; at the end of the fit the policy's weights. ``stale_rank`` switches
+that rank's weight pushes off after the first one (the engine keeps the initial weights: the
+negative control); under FSDP that rank still gathers the weights with the others (a
+collective), and drops them.
 """
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+from rlkl_lightning.algorithms.engines.vllm import engine_weights
+from rlkl_lightning.models.sharding import is_fsdp
 
 
 class EngineRecorder(pl.Callback):
@@ -72,8 +78,10 @@ class EngineRecorder(pl.Callback):
 
         def stale_push(module):
             if not pushes:  # the first push: the engine's dummy weights become the policy's
-                pushes.append(1)
                 push(module)
+            elif is_fsdp(module.policy) and pushes[-1] != module.weights_version:
+                collections.deque(engine_weights(module.policy), maxlen=0)  # gathered, dropped
+            pushes.append(module.weights_version)
 
         engine.sample = recorded_sample
         if trainer.global_rank == self.stale_rank:

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from rlkl_lightning.algorithms.engines.base import ENGINES, RolloutEngine
 from rlkl_lightning.algorithms.rollout import response_mask_after_eos
 from rlkl_lightning.models.logprobs import TokenScores, score_tokens
+from rlkl_lightning.models.sharding import is_fsdp
 from rlkl_lightning.random_streams import random_streams_kept
 from rlkl_lightning.trajectory import Trajectory
 
@@ -129,7 +130,10 @@ def run_seed() -> int:
 def engine_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """``(name, tensor)`` of the weights the policy runs with, under Hugging Face names.
 
-    Tied weights come once. A PEFT tuner layer (LoRA and the other methods with
+    Tied weights come once. Under ``FSDPStrategy`` each FSDP unit's full weights are gathered
+    while the unit is walked (its own weights only, then its children's units one by one) and
+    freed after: every rank must read the whole iterator, in the same order (a collective);
+    the names are those of the unsharded model. A PEFT tuner layer (LoRA and the other methods with
     ``get_delta_weight``) gives its base weight plus every active adapter's delta, computed
     out of place; a ``modules_to_save`` copy gives the active copy's weights under the
     original module's name. Nothing of ``model`` is written.
@@ -142,6 +146,14 @@ def engine_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     seen: set[int] = set()
 
     def visit(module: nn.Module, prefix: str) -> Iterator[tuple[str, Tensor]]:
+        if is_fsdp(module):  # a sharded unit: gathered while its weights are read
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            with FullyShardedDataParallel.summon_full_params(
+                module, recurse=False, writeback=False
+            ):
+                yield from visit(module._fsdp_wrapped_module, prefix)
+            return
         if from_peft and isinstance(module, from_peft[0]):  # a tuner layer: merge
             yield from _merged(module, prefix)
             return
@@ -517,23 +529,24 @@ def check_vllm_settings(
         engine: The ``engine`` options group.
         device: The trainer's device.
         world_size: The training processes.
-        strategy: The trainer's strategy's class name, ``ddp`` for DDP (several processes run
-            under DDP only).
+        strategy: :func:`strategy_name` of the trainer's strategy (several processes run
+            under DDP and FSDP only).
 
     Raises:
         ValueError: ``engine.sleep_mode`` off CUDA; several processes under another strategy
-            than DDP (FSDP: every rank would first gather the full weights, not built yet).
+            than DDP or ``FSDPStrategy`` (whose weights the engine is given gathered).
     """
     if engine.sleep_mode and device.type != "cuda":
         raise ValueError(
             f"`engine.sleep_mode`=True frees vLLM's accelerator memory and needs CUDA; this run "
             f"is on {device.type!r}: set `engine.sleep_mode`=False"
         )
-    if world_size > 1 and strategy != "ddp":
+    if world_size > 1 and strategy not in ("ddp", "fsdp"):
         raise ValueError(
-            f"`engine.kind='vllm'` runs in one process or under DDP (one engine per rank); this "
-            f"run has {world_size} processes under {strategy}, whose sharded weights the engine "
-            "cannot be given yet: use `trainer.strategy=ddp`, or `engine.kind='native'`"
+            f"`engine.kind='vllm'` runs in one process, under DDP or under FSDPStrategy (one "
+            f"engine per rank); this run has {world_size} processes under {strategy}, whose "
+            "weights the engine cannot be given yet: use `trainer.strategy=ddp` or "
+            "`trainer.strategy=fsdp`, or `engine.kind='native'`"
         )
 
 
@@ -563,14 +576,16 @@ def engine_dtype(module: Any) -> str:
 
 
 def strategy_name(trainer: Any) -> str:
-    """``ddp`` for a DDP trainer (or none), else its strategy's class name (``FSDPStrategy``)."""
+    """``ddp`` for DDP (or no trainer), ``fsdp`` for ``FSDPStrategy``, else the class name."""
     if trainer is None:
         return "ddp"
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 
     strategy = trainer.strategy
     if isinstance(strategy, DDPStrategy | SingleDeviceStrategy):
         return "ddp"
+    if isinstance(strategy, FSDPStrategy):
+        return "fsdp"
     return type(strategy).__name__
 
 
@@ -608,9 +623,9 @@ class VLLMRolloutEngine(RolloutEngine):
     def start(self, module: Any) -> None:
         """Check the settings and build (or reuse) this process's ``LLM`` for the policy.
 
-        Under DDP every rank builds its own engine here, at the same hook (vLLM's start-up is
-        a collective: it agrees on the KV-cache memory over the ranks), after the rank
-        variables vLLM reads are set from the trainer.
+        Under DDP and FSDP every rank builds its own engine here, at the same hook (vLLM's
+        start-up is a collective: it agrees on the KV-cache memory over the ranks), after the
+        rank variables vLLM reads are set from the trainer.
         """
         trainer = module._trainer
         world_size = trainer.world_size if trainer is not None else 1
@@ -636,7 +651,11 @@ class VLLMRolloutEngine(RolloutEngine):
         )
 
     def push(self, module: Any) -> None:
-        """Push the policy's weights if the ``LLM`` holds others (another version or module)."""
+        """Push the policy's weights if the ``LLM`` holds others (another version or module).
+
+        Under FSDP every rank gathers the weights here, unit by unit (:func:`engine_weights`):
+        the ranks decide alike, since their weights versions are equal.
+        """
         if self.llm_engine is None:
             self.start(module)
         engine = self.llm_engine
