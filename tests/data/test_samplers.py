@@ -39,18 +39,24 @@ def global_batches(ranks: list[ResumableDataLoader], count: int | None = None) -
 
 @pytest.mark.parametrize(
     ("before", "after", "trained", "shift"),
-    [(2, 1, 2, 2), (1, 2, 2, -1), (2, 2, 1, 0), (1, 3, 3, -2)],
-    ids=["2-to-1", "1-to-2", "2-to-2", "1-to-3"],
+    [
+        ((2, 2), (1, 2), 2, 2),
+        ((1, 2), (2, 2), 2, -1),
+        ((2, 2), (2, 2), 1, 0),
+        ((1, 2), (3, 2), 3, -2),
+    ]
+    + [((2, 2), (1, 4), 2, 0), ((4, 1), (1, 2), 1, 1)],
+    ids=["2-to-1", "1-to-2", "2-to-2", "1-to-3", "2x2-to-1x4", "4x1-to-1x2"],
 )
 def test_a_resume_with_another_number_of_processes_takes_the_rest_of_the_epoch_once(
     before, after, trained, shift
 ):
-    batch = 2
-    first = loaders(before, batch)
+    """``before``, ``after``: (processes, batch_size) of the checkpointed and the resumed run."""
+    first = loaders(*before)
     seen = global_batches(first, trained)
     state = first[0].state_dict()
-    assert state == {"epoch": 0, "batches": trained, "prompts": trained * batch * before}
-    resumed = loaders(after, batch)
+    assert state == {"epoch": 0, "batches": trained, "prompts": trained * before[0] * before[1]}
+    resumed = loaders(*after)
     for loader in resumed:
         loader.load_state_dict(state)
         assert loader.progress_shift == shift  # Lightning's count of the epoch moves by this
@@ -58,7 +64,7 @@ def test_a_resume_with_another_number_of_processes_takes_the_rest_of_the_epoch_o
     # Every prompt of the epoch exactly once, in the order's sequence, in global batches of
     # batch_size x processes from the place the checkpoint stopped at.
     assert sum(seen + rest, []) == ORDER
-    size = batch * after
+    size = after[0] * after[1]
     assert rest == [ORDER[i : i + size] for i in range(len(sum(seen, [])), N, size)]
     assert resumed[0].state_dict()["prompts"] == N
 
