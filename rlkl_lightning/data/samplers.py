@@ -204,7 +204,9 @@ class ResumableDataLoader(DataLoader):
         prompts = int(state_dict.get("prompts", batches * size))
         self.progress_shift = 0
         n = len(self.dataset) if isinstance(self.dataset, Sized) else math.inf
-        if prompts != batches * size and prompts < n:
+        if prompts >= n:  # the epoch was used up: nothing of it is left, whatever the batch
+            batches = len(self)
+        elif prompts != batches * size:
             if prompts % size:
                 raise ValueError(
                     "resume with another number of processes: the checkpoint stopped "
@@ -213,8 +215,8 @@ class ResumableDataLoader(DataLoader):
                     f"{self.batch_size} x {self._processes()} processes, --trainer.devices x "
                     f"--trainer.num_nodes) does not divide it, so the rest of the epoch would "
                     "repeat or skip prompts; resume with processes whose global batch divides "
-                    f"{prompts} (the same number as before does), or from a checkpoint written "
-                    "at the end of an epoch"
+                    f"{prompts} (the checkpoint's own number of processes does), or from a "
+                    "checkpoint written at the end of an epoch"
                 )
             self.progress_shift = prompts // size - batches
             batches = prompts // size

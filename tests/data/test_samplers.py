@@ -84,3 +84,15 @@ def test_a_checkpoint_without_the_prompts_counts_its_batches_in_this_runs_global
     resumed.load_state_dict({"epoch": 0, "batches": 3})
     assert resumed.progress_shift == 0
     assert [b.tolist() for b in resumed] == [ORDER[6:8], ORDER[8:10], ORDER[10:12]]
+
+
+@pytest.mark.parametrize(
+    ("before", "after"), [(2, 1), (1, 2), (2, 2)], ids=["2-to-1", "1-to-2", "2-to-2"]
+)
+def test_a_checkpoint_at_the_end_of_an_epoch_leaves_nothing_of_it_to_train(before, after):
+    first = loaders(before, 2)
+    global_batches(first)
+    resumed = loaders(after, 2)
+    for loader in resumed:
+        loader.load_state_dict(first[0].state_dict())
+        assert list(loader) == [] and loader.progress_shift == 0
