@@ -209,14 +209,14 @@ class ResumableDataLoader(DataLoader):
         elif prompts != batches * size:
             if prompts % size:
                 raise ValueError(
-                    "resume with another number of processes: the checkpoint stopped "
-                    f"{prompts} prompts into epoch {epoch} of the data "
-                    f"order, and this run's global batch of {size} prompts (data.batch_size "
-                    f"{self.batch_size} x {self._processes()} processes, --trainer.devices x "
-                    f"--trainer.num_nodes) does not divide it, so the rest of the epoch would "
-                    "repeat or skip prompts; resume with processes whose global batch divides "
-                    f"{prompts} (the checkpoint's own number of processes does), or from a "
-                    "checkpoint written at the end of an epoch"
+                    f"resume with another global batch: the checkpoint stopped {prompts} prompts "
+                    f"into epoch {epoch} of the data order, inside a batch of this run's {size} "
+                    f"prompts (data.batch_size {self.batch_size} x {self._processes()} "
+                    "processes, --trainer.devices x --trainer.num_nodes), so the rest of the "
+                    "epoch would repeat or skip prompts; resume with --trainer.devices and "
+                    f"--trainer.num_nodes (and data.batch_size) whose global batch divides "
+                    f"{prompts}, as the checkpoint's own does, or from a checkpoint written at "
+                    "the end of an epoch"
                 )
             self.progress_shift = prompts // size - batches
             batches = prompts // size
