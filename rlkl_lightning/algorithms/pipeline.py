@@ -83,6 +83,7 @@ from rlkl_lightning.algorithms.resume import (
 from rlkl_lightning.algorithms.update import OneThread, run_update
 from rlkl_lightning.algorithms.validation import HeldoutPerplexity, encode_texts
 from rlkl_lightning.checkpoints import plain, plain_hyperparameters
+from rlkl_lightning.data.samplers import align_epoch_progress
 from rlkl_lightning.kl import estimators as klmod
 from rlkl_lightning.kl.loss import within_trust_region
 from rlkl_lightning.masked import masked_sum
@@ -856,9 +857,10 @@ class RLPipeline(LightningModule):
 
     @override
     def on_train_start(self) -> None:
-        """Put back a loaded checkpoint's RNG state, right before the first resumed batch."""
+        """Put back a checkpoint's RNG state and data place, before the first resumed batch."""
         states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
         restore_rng_states(states, self.trainer, self.device, self.owner)
+        align_epoch_progress(self.trainer)
 
 
 def _raise(error: Exception) -> None:

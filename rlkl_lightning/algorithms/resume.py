@@ -82,8 +82,9 @@ def restore_rng_states(
     if states:
         rank_zero_warn(
             f"{owner}: the checkpoint holds the RNG states of {len(states['cpu'])} processes "
-            f"but this run has {world}; rollouts continue with fresh random numbers (training "
-            "itself resumes correctly)",
+            f"but this run has {world}; rollouts continue with fresh random numbers and a "
+            f"global batch of data.batch_size x {world} (training itself resumes: "
+            'docs/scaling-out.md, "Resume with another number of devices")',
             category=RuntimeWarning,
         )
     if world > 1:

@@ -10,9 +10,13 @@ These pieces make the order of prompts a pure function of (seed, epoch, position
   global batch ``k`` of a run with ``W`` processes of batch ``b`` holds exactly the prompts of
   batch ``k`` of a one-process run with batch ``W * b`` (no second shuffle on top);
 * :class:`ResumableDataLoader` counts the batches it has handed out in the current epoch and
-  saves that count through ``state_dict``; Lightning stores it in the checkpoint and, on
-  resume, calls ``load_state_dict``, after which the first iteration of the same epoch skips
-  the batches already trained on.
+  saves that count, and the prompts of the epoch's order they took (batches x batch size x
+  processes), through ``state_dict``; Lightning stores it in the checkpoint and, on resume,
+  calls ``load_state_dict``, after which the first iteration of the same epoch skips the
+  prompts already trained on. A run resumed with another global batch (another number of
+  processes) goes on at the same prompt of the order where that prompt starts one of its
+  batches, and refuses otherwise (:func:`align_epoch_progress` moves Lightning's count of the
+  epoch's batches to match).
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Iterator, Sized
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, SequentialSampler
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -135,10 +142,19 @@ class ResumableDataLoader(DataLoader):
         self._epoch: int | None = None
         self._yielded = 0
         self._resume: dict[str, int] | None = None
+        self.progress_shift = 0  # batches to add to Lightning's count of the resumed epoch
 
     def _sampler_epoch(self) -> int:
         sampler = self.batch_sampler.sampler if self.batch_sampler is not None else self.sampler
         return int(getattr(sampler, "epoch", getattr(self.sampler, "epoch", 0)))
+
+    def _processes(self) -> int:
+        """Processes the epoch's order is dealt to: the sampler's world size, else 1."""
+        return int(self.sampler.num_replicas) if isinstance(self.sampler, DistributedSampler) else 1
+
+    def _global_batch(self) -> int:
+        """Prompts of the epoch's order that one batch of every process takes together."""
+        return int(self.batch_size or 1) * self._processes()
 
     def __iter__(self) -> Iterator[Any]:
         """Iterate the current epoch, skipping the batches a loaded checkpoint had consumed.
@@ -161,13 +177,69 @@ class ResumableDataLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        """The epoch being iterated and the number of its batches handed out so far."""
+        """The epoch, its batches handed out so far and the prompts of its order they took."""
         epoch = self._epoch if self._epoch is not None else self._sampler_epoch()
-        return {"epoch": epoch, "batches": self._yielded}
+        return {
+            "epoch": epoch,
+            "batches": self._yielded,
+            "prompts": self._yielded * self._global_batch(),
+        }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Make the next iteration of the saved epoch start after the batches already seen."""
-        self._resume = {
-            "epoch": int(state_dict.get("epoch", 0)),
-            "batches": int(state_dict.get("batches", 0)),
-        }
+        """Make the next iteration of the saved epoch start after the prompts already seen.
+
+        The place is the saved number of prompts of the epoch's order (a checkpoint without it:
+        the saved batches of this run's global batch). A run whose global batch (``batch_size``
+        x processes) differs from the saved run's starts at that prompt if it starts one of its
+        own batches there, and records in ``progress_shift`` how many batches Lightning's count
+        of the epoch must move (:func:`align_epoch_progress`).
+
+        Raises:
+            ValueError: If the saved place falls inside one of this run's batches: the rest of
+                the epoch could not be dealt without repeating or skipping prompts.
+        """
+        epoch = int(state_dict.get("epoch", 0))
+        batches = int(state_dict.get("batches", 0))
+        size = self._global_batch()
+        prompts = int(state_dict.get("prompts", batches * size))
+        self.progress_shift = 0
+        n = len(self.dataset) if isinstance(self.dataset, Sized) else math.inf
+        if prompts >= n:  # the epoch was used up: nothing of it is left, whatever the batch
+            batches = len(self)
+        elif prompts != batches * size:
+            if prompts % size:
+                raise ValueError(
+                    f"resume with another global batch: the checkpoint stopped {prompts} prompts "
+                    f"into epoch {epoch} of the data order, inside a batch of this run's {size} "
+                    f"prompts (data.batch_size {self.batch_size} x {self._processes()} "
+                    "processes, --trainer.devices x --trainer.num_nodes), so the rest of the "
+                    "epoch would repeat or skip prompts; resume with --trainer.devices and "
+                    f"--trainer.num_nodes (and data.batch_size) whose global batch divides "
+                    f"{prompts}, as the checkpoint's own does, or from a checkpoint written at "
+                    "the end of an epoch"
+                )
+            self.progress_shift = prompts // size - batches
+            batches = prompts // size
+        self._resume = {"epoch": epoch, "batches": batches}
+
+
+def align_epoch_progress(trainer: Trainer) -> None:
+    """Make Lightning count the resumed epoch's batches in this run's global batch.
+
+    Lightning restores its count of the epoch's batches from the checkpoint, in the batches of
+    the run that wrote it, and ends the epoch when that count reaches the loader's length. A
+    run resumed with another global batch (another number of processes) skips another number
+    of batches (:meth:`ResumableDataLoader.load_state_dict`); without this, a run with more
+    processes would end the epoch before its last prompts. Call it before the first resumed
+    batch (``on_train_start``).
+    """
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    for loader in combined.flattened if combined is not None else []:
+        shift = getattr(loader, "progress_shift", 0)
+        if isinstance(loader, ResumableDataLoader) and shift:
+            current = trainer.fit_loop.epoch_loop.batch_progress.current
+            current.ready += shift
+            current.started += shift
+            current.processed += shift
+            current.completed += shift
+            loader.progress_shift = 0

@@ -208,6 +208,7 @@ class RecordingPPO(PPOModule):
             "kl_coef": self.kl_coef,
             "controller": callback.state_dict(),
             "samples_seen": self.samples_seen,
+            "batches_seen": self.batches_seen,
             "skipped_batches": self.skipped_batches,
         }
         (out / f"rank{rank}.json").write_text(json.dumps(record))
