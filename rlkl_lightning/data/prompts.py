@@ -127,6 +127,11 @@ class PromptDataModule(LightningDataModule):
         for name, column in (("prompt_column", prompt_column), ("heldout_column", heldout_column)):
             if not column:
                 raise ValueError(f"PromptDataModule: `{name}` must be a non-empty column name")
+        if test_heldout is not None and heldout is None:  # it is read at validation, with heldout
+            raise ValueError(
+                "PromptDataModule: `test_heldout` needs `heldout` (the test text is scored at "
+                "validation, beside the held-out text); set `heldout` or leave out `test_heldout`"
+            )
         if (system_prompt is not None or chat_tokenizer is not None) and not chat_template:
             raise ValueError(
                 "PromptDataModule: `system_prompt` and `chat_tokenizer` need `chat_template: true`"

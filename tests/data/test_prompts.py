@@ -106,6 +106,13 @@ def test_shuffle_is_seeded_and_covers_every_prompt(tmp_path):
     assert sorted(again) == sorted(TEXTS)
 
 
+def test_a_test_text_without_heldout_is_refused_naming_both_options():
+    # It is scored at validation beside the held-out text: without one it was dropped silently.
+    with pytest.raises(ValueError, match=r"`test_heldout` needs `heldout`") as info:
+        PromptDataModule(prompts="default", heldout=None, test_heldout="default:test")
+    assert "\n" not in str(info.value)
+
+
 def test_no_heldout_means_no_validation_batches(tmp_path):
     dm = _setup(prompts=str(_write(tmp_path, "txt")), heldout=None)
     assert dm.val_dataloader() == []
