@@ -13,6 +13,9 @@ for the zero variant, with 0. Three ways to take a failure:
 - ``zero``: the failed sample scored 0 (verl's);
 - ``kl_masked``: masked, and left out of the KL the controller reads too (its per-sequence KL
   replaced by the scored samples' mean, so ``objective/kl`` is theirs).
+- ``bootstrap``: not masked: the failed sample's score is the value model's estimate at its
+  last token, as for a truncated episode, and it is trained on like the others (so the KL
+  penalty in its rewards still acts on the policy); not the library's, a candidate.
 
 Beside them the fault-free run (the same server, nothing failed). For every seed it prints the
 final beta, the mean true KL (every sample's, nats per sequence) and the mean true VADER score
@@ -48,7 +51,7 @@ from rlkl_lightning.data import PromptDataModule
 from rlkl_lightning.rewards import RemoteReward, RewardModel, VaderSentimentReward
 
 RATE = 0.1
-VARIANTS = ("mask", "zero", "kl_masked")
+VARIANTS = ("mask", "zero", "kl_masked", "bootstrap")
 LAST = 10  # batches the final numbers average over
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,6 +143,7 @@ class StudyPPO(PPOModule):
     """
 
     mask_kl = False
+    bootstrap = False
 
     def score(self, prompts, traj, policy_scores):  # noqa: D102
         traj, responses, diagnostics = super().score(prompts, traj, policy_scores)
@@ -148,6 +152,11 @@ class StudyPPO(PPOModule):
         self.true_scores = getattr(self, "true_scores", [])
         self.vader = getattr(self, "vader", None) or VaderSentimentReward()
         self.true_scores.append(float(self.vader(prompts, responses).mean()))
+        if self.bootstrap and "failed" in diagnostics and diagnostics["failed"].any():
+            failed = diagnostics["failed"]
+            last = traj.response_mask.sum(1).long().clamp(min=1) - 1
+            value = traj.values.gather(1, last[:, None]).squeeze(1).to(traj.scores.dtype)
+            traj = traj._replace(scores=torch.where(failed, value, traj.scores), sample_mask=None)
         if self.mask_kl and "failed" in diagnostics and diagnostics["failed"].any():
             scored = ~diagnostics["failed"]
             for key in [k for k in diagnostics if k.startswith("kl_") and "/" not in k]:
@@ -168,6 +177,7 @@ def run(seed: int, mode: str, variant: str, batches: int) -> tuple[float, float,
             logging={"log_samples_every": 0},
         )
         module.mask_kl = variant == "kl_masked"
+        module.bootstrap = variant == "bootstrap"
         law = AdaptiveKLController(init_kl_coef=module.kl_coef, target=6.0, horizon=1000)
         steps = module.optimization.ppo_epochs * module.optimization.num_minibatches
         trainer = Trainer(
