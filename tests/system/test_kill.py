@@ -113,7 +113,7 @@ def last_checkpoint(config: Path) -> dict:
 
 
 def assert_same_run(resumed: Path, full: Path, batches: int = BATCHES) -> None:
-    """Every scalar but ``perf/*`` (timings), the weights, the optimizer and KL states equal."""
+    """Every scalar but ``perf/*`` (timings, memory peaks), the weights, optimizer, KL state."""
     got, want = scalars(resumed), scalars(full)
     assert got.keys() == want.keys()
     for key in ("objective/kl_coef", "objective/kl", "objective/score", "loss/policy"):

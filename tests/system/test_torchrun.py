@@ -4,7 +4,8 @@ As docs/scaling-out.md's commands run on two machines (``helpers.torchrun``): bo
 end with status 0, the checkpoint holds the steps of the run and then of the resumed one, and
 no rank prints a Python warning (torch's FutureWarnings for the collectives among them). A
 third pair of launches trains the 3 batches uninterrupted: the resumed run logged the same
-values, bit for bit (every scalar but the ``perf/*`` timings), and ended with the same weights.
+values, bit for bit (every scalar but ``perf/*``: timings, memory peaks), and ended with the
+same weights.
 The vLLM engine's run: ``tests/vllm/test_torchrun.py``.
 """
 
@@ -23,7 +24,7 @@ TIMEOUT_S = 300
 
 
 def logged(run_dir):
-    """Every scalar of the run's one TensorBoard directory but the ``perf/*`` timings."""
+    """Every scalar of the run's one TensorBoard directory but ``perf/*`` (timings, memory)."""
     scalars = read_scalars(run_dir / "version_0")
     return {tag: values for tag, values in scalars.items() if not tag.startswith("perf/")}
 

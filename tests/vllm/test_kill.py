@@ -12,9 +12,10 @@ run drew.
 Under DDP (2 gloo processes, one engine per rank) the run of 4 batches is killed whole (both
 ranks, its process group) when batch 4 starts: its last checkpoint is after batch 2 and batch 3
 was trained and logged after it. Resumed with ``--ckpt_path last`` (new engines, each rank's
-random streams restored), every logged scalar but the ``perf/*`` timings, the final weights,
-the optimizer state and the KL callbacks' state equal the uninterrupted 2-process run's, bit
-for bit. Each run is bounded in time (``finish``, ``kill_at_marker``): a hang fails.
+random streams restored), every logged scalar but ``perf/*`` (timings, memory peaks), the
+final weights, the optimizer state and the KL callbacks' state equal the uninterrupted
+2-process run's, bit for bit. Each run is bounded in time (``finish``, ``kill_at_marker``): a
+hang fails.
 """
 
 from __future__ import annotations
