@@ -2,7 +2,8 @@
 
 docs/scaling-out.md's commands with ``--master_addr=127.0.0.1`` and both "nodes" here, one
 process each (gloo): :func:`train_and_resume` trains a config for 2 batches, then resumes it
-with ``--ckpt_path last`` to a third, each launch bounded in time.
+with ``--ckpt_path last`` to a third, each launch bounded in time; :func:`train_whole` trains
+the 3 batches in one launch, for the resumed run to be compared with.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def torchrun_pair(cwd: Path, *args: str, timeout: float) -> list[str]:
     Each launch gets a session of its own: past ``timeout`` seconds both are killed with
     their ranks, and the test fails. A launch that ends with a status other than 0 fails it.
     """
+    cwd.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("MASTER_PORT", None)
@@ -58,18 +60,23 @@ def torchrun_pair(cwd: Path, *args: str, timeout: float) -> list[str]:
     return texts
 
 
+def launch_args(config: str, save_dir: Path) -> list[str]:
+    """``train.py fit``'s arguments for both nodes: DDP over 2 nodes of 1 process, batch 2."""
+    return [
+        *("--config", str(ROOT / "configs" / config)),
+        *("--trainer.strategy=ddp", "--trainer.num_nodes=2", "--trainer.devices=1"),
+        "--data.init_args.batch_size=2",
+        f"--trainer.logger.init_args.save_dir={save_dir}",
+    ]
+
+
 def train_and_resume(tmp_path: Path, config: str, name: str, timeout: float) -> list[list[str]]:
     """Train ``config`` 2 batches on two loopback nodes, resume to 3; each launch's stderr.
 
     Each run's ``last.ckpt`` must hold the steps of its batches, and node 1 must be global
-    rank 1 of 2.
+    rank 1 of 2. The run logs in ``tmp_path/runs/NAME/version_0``.
     """
-    run = [
-        *("--config", str(ROOT / "configs" / config)),
-        *("--trainer.strategy=ddp", "--trainer.num_nodes=2", "--trainer.devices=1"),
-        "--data.init_args.batch_size=2",
-        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
-    ]
+    run = launch_args(config, tmp_path / "runs")
     last = tmp_path / "runs" / name / "version_0" / "checkpoints" / "last.ckpt"
     launches = []
     for batches, resume in ((2, []), (3, ["--ckpt_path", "last"])):
@@ -82,3 +89,10 @@ def train_and_resume(tmp_path: Path, config: str, name: str, timeout: float) -> 
         launches.append(texts)
     assert "Restored all states from the checkpoint" in launches[1][0], launches[1][0][-4000:]
     return launches
+
+
+def train_whole(tmp_path: Path, config: str, timeout: float) -> None:
+    """Train ``config`` 3 batches on two loopback nodes in one launch, logging in ``tmp_path``."""
+    steps = 3 * STEPS_PER_BATCH
+    run = launch_args(config, tmp_path / "runs")
+    torchrun_pair(tmp_path, *run, f"--trainer.max_steps={steps}", timeout=timeout)
