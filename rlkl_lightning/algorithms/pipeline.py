@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
@@ -73,6 +74,7 @@ from rlkl_lightning.algorithms.options import (
 from rlkl_lightning.algorithms.reference_refresh import mix_into_reference
 from rlkl_lightning.algorithms.resume import (
     COUNTERS,
+    check_process_count,
     refreshed_weights,
     restore_rng_states,
     rng_states,
@@ -859,6 +861,13 @@ class RLPipeline(LightningModule):
     def on_train_start(self) -> None:
         """Put back a checkpoint's RNG state and data place, before the first resumed batch."""
         states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
+        untested = []  # where another number of processes than the checkpoint's is not built
+        if isinstance(self.trainer.strategy, FSDPStrategy):
+            untested.append("FSDP")
+        if not self.rollout_engine.shares_weights:
+            untested.append("an engine with weights of its own (vLLM)")
+        where = " and ".join(untested) or None
+        check_process_count(states, self.trainer.world_size, where, self.owner)
         restore_rng_states(states, self.trainer, self.device, self.owner)
         align_epoch_progress(self.trainer)
 

@@ -91,6 +91,29 @@ def restore_rng_states(
         torch.manual_seed((torch.initial_seed() + 104_729 * rank) % 2**63)
 
 
+def check_process_count(
+    states: dict[str, list[Tensor]] | None, world: int, where: str | None, owner: str
+) -> None:
+    """Refuse a resume with another number of processes where it is not built (``where``).
+
+    Args:
+        states: What :func:`rng_states` saved (one state per process), or None for a fresh run.
+        world: This run's number of processes.
+        where: What this run has that such a resume is not tested with (FSDP, an engine with
+            weights of its own), or None under DDP with the native or compiled engine.
+        owner: Name of the module, for the message.
+    """
+    if not states or len(states["cpu"]) == world or where is None:
+        return
+    saved = len(states["cpu"])
+    raise ValueError(
+        f"{owner}: the checkpoint was written by {saved} processes and this run has {world}, "
+        f"under {where}; another number of processes is supported under DDP with the native or "
+        'compiled engine only (docs/scaling-out.md, "Resume with another number of devices"): '
+        f"resume with `--trainer.devices` x `--trainer.num_nodes` = {saved}"
+    )
+
+
 #: The counters an RL module carries through checkpoints, each an int starting at 0
 #: (``trainer.global_step`` counts optimizer steps, several per batch).
 COUNTERS = (

@@ -30,6 +30,7 @@ from rlkl_lightning import (
     PIKLController,
     PPOModule,
 )
+from rlkl_lightning.algorithms.resume import check_process_count
 from rlkl_lightning.checkpoints import check_checkpoint
 from rlkl_lightning.data import PromptDataModule
 from rlkl_lightning.kl.settings import KLSettings
@@ -680,3 +681,39 @@ def test_resume_with_another_number_of_processes_warns_about_rollout_rng(
     with pytest.warns(RuntimeWarning, match="RNG states of 2 processes but this run has 1"):
         fit(module, 1, callbacks=[controller], ckpt_path=tmp_path / "two.ckpt", max_epochs=2)
     assert module.batches_seen == 2 and controller.n_batches == 2  # resumed and trained on
+
+
+def test_resume_with_another_number_of_processes_under_an_untested_set_up_is_refused_by_name(
+    tiny_lm_dir, trained_checkpoint, tmp_path, monkeypatch
+):
+    ckpt = torch.load(trained_checkpoint, weights_only=True)
+    ckpt["rlkl_rng"]["cpu"] = ckpt["rlkl_rng"]["cpu"] * 2  # as written by 2 processes
+    torch.save(ckpt, tmp_path / "two.ckpt")
+    module = PPOModule(**ppo_args(tiny_lm_dir))
+    monkeypatch.setattr(module.rollout_engine, "shares_weights", False)  # as vLLM's
+    pattern = (
+        r"written by 2 processes and this run has 1, under an engine with weights of its own "
+        r"\(vLLM\); .* `--trainer.devices` x `--trainer.num_nodes` = 2$"
+    )
+    with pytest.raises(ValueError, match=pattern) as info:
+        fit(
+            module,
+            1,
+            callbacks=[KLControllerCallback(adaptive())],
+            ckpt_path=tmp_path / "two.ckpt",
+            max_epochs=2,
+        )
+    assert "\n" not in str(info.value)
+    assert module.batches_seen == 1  # restored, nothing trained
+
+
+@pytest.mark.parametrize("where", [None, "FSDP"])
+def test_the_process_count_check_passes_an_equal_count_and_ddp(where):
+    states = {"cpu": [torch.zeros(1)] * 2}
+    check_process_count(states, 2, where, "PPOModule")  # the same number: any set-up
+    check_process_count(None, 3, where, "PPOModule")  # a fresh run
+    if where is None:
+        check_process_count(states, 3, where, "PPOModule")  # DDP, native engine: supported
+    else:
+        with pytest.raises(ValueError, match="under FSDP"):
+            check_process_count(states, 3, where, "PPOModule")
