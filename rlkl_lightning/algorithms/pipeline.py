@@ -830,7 +830,10 @@ class RLPipeline(LightningModule):
             checkpoint["rlkl_reference"] = refreshed_weights(
                 checkpoint["state_dict"], self.refreshed_keys
             )
-        checkpoint["state_dict"] = trained_weights(self, checkpoint["state_dict"])
+        if not isinstance(getattr(self._trainer, "strategy", None), FSDPStrategy):
+            # FSDPStrategy loads the weights strictly before on_load_checkpoint could put the
+            # frozen ones back: under it they stay in the file.
+            checkpoint["state_dict"] = trained_weights(self, checkpoint["state_dict"])
         checkpoint["rlkl_counters"] = {
             **{name: getattr(self, name) for name in COUNTERS},
             "reference_perplexity": self.heldout.reference_perplexity,
@@ -845,9 +848,10 @@ class RLPipeline(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Check the weights fit, restore the counters, put the (refreshed) frozen weights back."""
         refreshed = checkpoint.get("rlkl_reference") or {}
-        with_refreshed_weights(self, checkpoint["state_dict"], refreshed, self.owner)
+        if "state_dict" in checkpoint:  # FSDPStrategy loaded it already, whole (on_save_checkpoint)
+            with_refreshed_weights(self, checkpoint["state_dict"], refreshed, self.owner)
+            with_frozen_weights(self, checkpoint["state_dict"], self.owner)
         self.refreshed_keys = sorted(refreshed)
-        with_frozen_weights(self, checkpoint["state_dict"], self.owner)
         counters = checkpoint.get("rlkl_counters", {})
         for name in COUNTERS:
             setattr(self, name, int(counters.get(name, 0)))

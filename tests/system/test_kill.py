@@ -19,7 +19,8 @@ uninterrupted run's, bit for bit, and so must the final weights and optimizer st
 * one process with a hard reset of the reference after batch 3, killed when batch 6 starts
   (its last checkpoint, after batch 4, holds the reset reference), resumed: the same numbers;
 * under DDP with 2 processes (gloo): the whole process group killed when batch 4 starts,
-  resumed, and compared with an uninterrupted 2-process run;
+  resumed, and compared with an uninterrupted 2-process run; the same under FSDPStrategy (2 CPU
+  processes, gloo), whose checkpoint holds the gathered weights;
 * one process and two, killed right after a checkpoint file is renamed in place (a helper
   inside the write, which flushes nothing): after batch 2, and after batch 3, the end of an
   epoch with a validation due (under DDP an epoch is 2 batches: batch 2 ends one). The
@@ -55,15 +56,23 @@ TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 
 
-def command(config: Path, ddp: bool, *extra: str) -> list[str]:
-    """``python train.py fit --config RUN.yaml [...]``, as the README gives it."""
+#: FSDP on 2 CPU processes (gloo): Lightning's FSDPStrategy through the tests' helper.
+CPU_FSDP = '{"class_path": "helpers.cpu_fsdp.CPUFSDPStrategy"}'
+
+
+def command(config: Path, ddp: bool | str, *extra: str) -> list[str]:
+    """``python train.py fit --config RUN.yaml [...]``, as the README gives it.
+
+    ``ddp``: True for 2-process DDP, ``"fsdp"`` for 2-process FSDP on the CPU.
+    """
     args = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(config), *extra]
     if ddp:
-        args += ["--trainer.strategy", "ddp", "--trainer.devices", "2"]
+        strategy = CPU_FSDP if ddp == "fsdp" else "ddp"
+        args += ["--trainer.strategy", strategy, "--trainer.devices", "2"]
     return args
 
 
-def start(config: Path, ddp: bool = False, *extra: str) -> subprocess.Popen:
+def start(config: Path, ddp: bool | str = False, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
     if ddp:
         env["MASTER_PORT"] = str(free_port())
@@ -182,6 +191,21 @@ def test_a_ddp_run_killed_after_a_checkpoint_resumes_with_the_readme_command(tin
     assert last_checkpoint(cut)["rlkl_counters"]["batches_seen"] == 2
     assert 2 in scalars(cut)["objective/kl"]  # batch 3 was logged after the last checkpoint
     finish(start(cut, True, "--ckpt_path", "last"), cut)
+    finish(full_proc, full)
+    assert_same_run(cut, full)
+    assert len(last_checkpoint(cut)["rlkl_rng"]["cpu"]) == 2  # both ranks' random streams
+    assert (cut.parent / "log.txt").read_text().count("Restored all states") == 1
+
+
+def test_an_fsdp_run_killed_after_a_checkpoint_resumes_bit_for_bit(tiny_lm_dir, tmp_path):
+    # FSDPStrategy's checkpoint holds the gathered weights under one process's names; the
+    # resume shards them again, and goes on as the run that was never killed.
+    full = write_config(tmp_path, tiny_lm_dir, "full")
+    cut = write_config(tmp_path, tiny_lm_dir, "cut", stall_at=4)
+    full_proc, cut_proc = start(full, "fsdp"), start(cut, "fsdp")
+    kill_at_marker(cut_proc, cut, "killed_before_batch")
+    assert last_checkpoint(cut)["rlkl_counters"]["batches_seen"] == 2
+    finish(start(cut, "fsdp", "--ckpt_path", "last"), cut)
     finish(full_proc, full)
     assert_same_run(cut, full)
     assert len(last_checkpoint(cut)["rlkl_rng"]["cpu"]) == 2  # both ranks' random streams
