@@ -1,8 +1,8 @@
 """The benchmarks at a tiny size on the CPU, so the GPU benchmarks cannot rot.
 
 benchmarks/lora_reference.py, benchmarks/rollout_memory.py, benchmarks/head_memory.py, and
-benchmarks/ppo_throughput.py with a GPU preset's architecture, the precision flag and its skip, in seconds (TRL is not
-needed).
+benchmarks/ppo_throughput.py with a GPU preset's architecture, the precision flag and its skip,
+in seconds (TRL is not needed).
 """
 
 from __future__ import annotations
