@@ -14,8 +14,9 @@ Each run trains ``--batches`` PPO batches (``--batch`` prompts of 16 tokens, exa
 Lightning's ``trainer.precision``, after one warm-up batch, and prints: seconds per batch
 (median), parameters held by the module (policy, reference, value head) and their bytes,
 trainable parameters, and the peak memory: ``torch.cuda.max_memory_allocated`` on CUDA; on the
-CPU the peak resident set size of the process (``ru_maxrss``) and that peak minus the resident
-size before the model was loaded.
+CPU the peak resident set size of the process and that peak minus the resident size before the
+model was loaded (both through ``process_peak_bytes``, which the module's per-phase resets of
+the peaks do not lower).
 
     python benchmarks/lora_reference.py                      # CPU, fp32, GPT-2 124M shape
     python benchmarks/lora_reference.py --device cuda --precision bf16-true
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -79,6 +79,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     from lightning.pytorch import Callback, Trainer, seed_everything
 
     from rlkl_lightning import PPOModule
+    from rlkl_lightning.algorithms.memory import process_peak_bytes
     from rlkl_lightning.rewards import FunctionReward
 
     torch.set_num_threads(args.threads)
@@ -155,10 +156,11 @@ def run_variant(args: argparse.Namespace) -> dict:
         **held,
         "skipped_batches": module.skipped_batches,
     }
+    # The process's peaks, which the module's per-phase resets do not lower.
     if args.device == "cuda":
-        out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+        out["peak_gpu_bytes"] = process_peak_bytes("cuda", "allocated")
     else:
-        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out["peak_rss_bytes"] = process_peak_bytes("cpu")
         out["peak_rss_added_bytes"] = out["peak_rss_bytes"] - base_rss
     return out
 

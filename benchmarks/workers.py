@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 from functools import partial
@@ -74,13 +73,14 @@ class Pacer:
         """Report the iteration that just ended."""
         self.sync()
         seconds = time.perf_counter() - self.start
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+        # The process's peaks, which the module's per-phase resets do not lower.
+        from rlkl_lightning.algorithms.memory import process_peak_bytes
+
+        rss = process_peak_bytes("cpu") / 2**20
         steps = self.counter.take()
         gpu = {}
         if self.cuda:
-            import torch
-
-            gpu["max_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
+            gpu["max_gpu_mib"] = process_peak_bytes("cuda", "allocated") / 2**20
         self.send(
             seconds=seconds, max_rss_mib=rss, optimizer_steps=steps, **gpu, **self.info, **phases
         )

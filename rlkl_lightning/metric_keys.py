@@ -86,9 +86,21 @@ UPDATE_S = "perf/update_s"
 PUSH_S = "perf/push_s"  #: only where the engine has weights of its own (vLLM): the push
 
 
-def peak_memory_of(rank: int) -> str:
-    """The key of one rank's peak memory, in GB (``perf/peak_mem_gb/rank{rank}``)."""
-    return f"perf/peak_mem_gb/rank{rank}"
+#: Prompt and response tokens (padding left out) per second of the step, per device
+THROUGHPUT = "perf/throughput"
+#: The phases of a batch whose peak memory is logged (``push`` only where ``PUSH_S`` is)
+MEMORY_PHASES = ("push", "rollout", "score", "update")
+
+
+def peak_memory_of(rank: int, phase: str | None = None) -> str:
+    """The key of one rank's peak memory in GB: of the process so far, or of one phase.
+
+    ``perf/peak_mem_gb/rank{rank}`` (the process), ``perf/peak_mem_gb/{phase}/rank{rank}``
+    (``phase`` one of :data:`MEMORY_PHASES`, during this batch).
+    """
+    if phase is None:
+        return f"perf/peak_mem_gb/rank{rank}"
+    return f"perf/peak_mem_gb/{phase}/rank{rank}"
 
 
 # The sampler/trainer gap (only where the engine that samples is not the trainer: vLLM).

@@ -33,6 +33,14 @@ def test_every_metric_key_is_defined_in_the_metrics_page():
     assert sorted(k for k in names - NOT_A_RUNS_METRIC if f"`{k}`" not in page) == []
 
 
+def test_every_phase_of_the_peak_memory_keys_is_named_in_the_metrics_page():
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    generic = metric_keys.peak_memory_of("{r}", "{phase}")
+    assert generic == "perf/peak_mem_gb/{phase}/rank{r}"
+    (row,) = [line for line in page.splitlines() if line.startswith(f"| `{generic}` |")]
+    assert all(f"`{phase}`" in row for phase in metric_keys.MEMORY_PHASES)
+
+
 def test_a_flat_group_has_kl_advantages_with_the_kl_in_the_reward_and_the_docs_say_so():
     k, kl = 4, torch.tensor([0.5, 1.5, 3.0, 7.0], dtype=torch.float64)  # one group, equal scores
     for beta in (0.01, 0.1, 1.0):

@@ -16,6 +16,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from rlkl_lightning import metric_keys as keys
+from rlkl_lightning.algorithms.memory import process_peak_bytes
 from rlkl_lightning.kl.estimators import estimator_names
 from rlkl_lightning.rewards import InvalidRewardError, RewardShapeError, validate_scores
 from rlkl_lightning.trajectory import Trajectory
@@ -39,7 +40,8 @@ def batch_metrics(
     """The ``objective/*`` and ``perf/*`` metrics of a trained batch.
 
     Args:
-        traj: The batch's trajectory (``scores``, ``kl`` and ``response_mask`` are read).
+        traj: The batch's trajectory (``scores``, ``kl``, ``response_mask`` and
+            ``attention_mask`` are read).
         diagnostics: Per-sequence KL ``[B]`` of every estimator (``kl_k1`` ... ``kl_exact``),
             the summed token entropy ``entropy_sum``, with a gold reward its ``[B]`` scores
             ``gold``, and with ``penalty.trust_region`` the ``[B]`` KL of the tokens inside it
@@ -71,6 +73,7 @@ def batch_metrics(
         keys.ENTROPY: entropy_sum / all_tokens,
         keys.RESPONSE_TOKENS: n_tokens / n,
         keys.TOKENS_PER_S: n_tokens / (t_end - t_start),
+        keys.THROUGHPUT: traj.attention_mask.sum() / (t_end - t_start),
         keys.ROLLOUT_S: torch.tensor(t_rollout - t_start, dtype=torch.float32),
         keys.SCORE_S: torch.tensor(t_scored - t_rollout, dtype=torch.float32),
         keys.UPDATE_S: torch.tensor(t_end - t_scored, dtype=torch.float32),
@@ -92,29 +95,47 @@ def peak_memory_gb(device: torch.device) -> float:
     """This process's peak memory so far, in GB, of the memory a run on ``device`` runs out of.
 
     On CUDA the peak of the memory torch reserved on ``device`` (the trainer's and an
-    in-process vLLM engine's tensors); elsewhere the process's peak resident set.
+    in-process vLLM engine's tensors); elsewhere the process's peak resident set
+    (:func:`~rlkl_lightning.algorithms.memory.process_peak_bytes`: the phases' resets included).
     """
-    if device.type == "cuda":
-        return torch.cuda.max_memory_reserved(device) / 1e9
-    import resource
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
-    return peak * (1 if sys.platform == "darwin" else 1024) / 1e9
+    return process_peak_bytes(device) / 1e9
 
 
 def peak_memory_metrics(
-    rank: int, world_size: int, device: torch.device, global_sum: Callable[[Tensor], Tensor]
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    global_sum: Callable[[Tensor], Tensor],
+    phases: dict[str, int] | None = None,
+    process: bool = True,
 ) -> dict[str, Tensor]:
-    """Every rank's :func:`peak_memory_gb`, one key per rank, the same on every rank.
+    """Every rank's peak memory in GB, one key per rank and value, the same on every rank.
 
-    One sum over the ranks of a vector holding each rank's value at its own index: a collective
-    under DDP (call it on every rank).
+    Args:
+        rank: This process's global rank.
+        world_size: The number of ranks.
+        device: The device whose memory is measured.
+        global_sum: Sums a tensor over all ranks (identity on one process).
+        phases: This rank's peak bytes of each phase of the batch
+            (:class:`~rlkl_lightning.algorithms.memory.PhasePeaks`), the same phases on every
+            rank: ``perf/peak_mem_gb/{phase}/rank{r}``.
+        process: Also the process's peak so far, :func:`peak_memory_gb`
+            (``perf/peak_mem_gb/rank{r}``).
+
+    One sum over the ranks of a matrix holding each rank's values in its own column: a
+    collective under DDP (call it on every rank).
     """
-    own = torch.zeros(world_size, dtype=torch.float64, device=device)
-    own[rank] = peak_memory_gb(device)
+    values = {phase: peak / 1e9 for phase, peak in (phases or {}).items()}
+    if process:
+        values[None] = peak_memory_gb(device)
+    own = torch.zeros(len(values), world_size, dtype=torch.float64, device=device)
+    own[:, rank] = torch.tensor(list(values.values()), dtype=torch.float64)
     peaks = global_sum(own).to(torch.float32).cpu()
-    return {keys.peak_memory_of(r): peak for r, peak in enumerate(peaks.unbind())}
+    return {
+        keys.peak_memory_of(r, phase): peak
+        for phase, row in zip(values, peaks.unbind(), strict=True)
+        for r, peak in enumerate(row.unbind())
+    }
 
 
 def _global_sample_means(

@@ -392,8 +392,9 @@ class Logging:
             per-token log-ratio and KL, upper quantiles, the largest per-sequence KL, and the
             number of tokens with ``|log pi - log pi_ref|`` above this threshold) and name each
             logged response's tokens of largest KL in the samples table; None: off.
-        peak_memory: log every rank's peak memory (``perf/peak_mem_gb/rank{r}``) each batch;
-            logged with ``engine.kind: vllm`` whatever this says.
+        peak_memory: log every rank's process peak memory so far (``perf/peak_mem_gb/rank{r}``)
+            each batch; logged with ``engine.kind: vllm`` whatever this says. Each phase's peak
+            (``perf/peak_mem_gb/{phase}/rank{r}``) is logged in every run.
     """
 
     group: ClassVar[str] = "logging"

@@ -48,6 +48,7 @@ from rlkl_lightning.algorithms.gates import (
     trajectory_is_finite,
 )
 from rlkl_lightning.algorithms.losses import entropy_from_logits
+from rlkl_lightning.algorithms.memory import PhasePeaks
 from rlkl_lightning.algorithms.metrics import (
     batch_metrics,
     gold_scores,
@@ -221,6 +222,8 @@ class RLPipeline(LightningModule):
         self.rollout_engine = self.engine.build()
         #: Seconds of the last rollout's weight push (``perf/push_s``).
         self.push_s = 0.0
+        #: The phases' peak memory during a training step (None outside one: no reset).
+        self.phase_peaks: PhasePeaks | None = None
         #: Counts changes of the policy's weights; an engine that holds an older one gets a push.
         self.weights_version = 0
         self.threads: OneThread | ValueThread = OneThread()
@@ -371,9 +374,12 @@ class RLPipeline(LightningModule):
         """One batch of prompts through the five phases (module docstring)."""
         prompts = list(batch["prompt"])
         clock = [time.perf_counter()]
+        self.phase_peaks = memory = PhasePeaks(self.device)
         try:
+            memory.enter("rollout")
             traj, policy_scores = self.rollout(prompts)  # 1. rollout
             clock.append(time.perf_counter())
+            memory.enter("score")
             traj, responses, diagnostics = self.score(prompts, traj, policy_scores)  # 2. score
             traj = self.shape(traj)  # 3. shape
             self.gate(
@@ -381,12 +387,16 @@ class RLPipeline(LightningModule):
                 "log-probs, values, advantages or returns are not finite",
             )
             clock.append(time.perf_counter())
+            memory.enter("update")
             stats = self.update(traj)  # 4. update
             clock.append(time.perf_counter())
         except SkipBatch as skip:
             self._skip(str(skip))
             return
-        self.log_batch(prompts, responses, traj, diagnostics, stats, clock)  # 5. log
+        finally:
+            memory.stop()
+            self.phase_peaks = None  # no reset of the peaks outside a training step
+        self.log_batch(prompts, responses, traj, diagnostics, stats, clock, memory.peaks)  # 5.
 
     def rollout(self, prompts: list[str]) -> tuple[Trajectory, TokenScores]:
         """Phase 1: sample a response per prompt; the policy's scores of them come along.
@@ -398,9 +408,14 @@ class RLPipeline(LightningModule):
         prompt_ids, prompt_mask = self._encode_prompts(prompts)
         rows, tokens = len(prompts), self.sampling.max_new_tokens
         keep = keep_rollout_logits(self.policy, self.device, rows, tokens)
+        measured = self.phase_peaks is not None and not self.rollout_engine.shares_weights
+        if measured:  # the push's memory apart from the sampling's
+            self.phase_peaks.enter("push")
         start = time.perf_counter()
         self.rollout_engine.push(self)
         self.push_s = time.perf_counter() - start
+        if measured:
+            self.phase_peaks.enter("rollout")
         return self.rollout_engine.sample(self, prompt_ids, prompt_mask, keep)
 
     def score(
@@ -552,8 +567,13 @@ class RLPipeline(LightningModule):
         diagnostics: dict[str, Tensor],
         stats: dict[str, Tensor],
         clock: list[float],
+        phase_peaks: dict[str, int] | None = None,
     ) -> None:
-        """Phase 5: count the batch and log every metric (docs/metrics.md)."""
+        """Phase 5: count the batch and log every metric (docs/metrics.md).
+
+        ``phase_peaks``: the peak bytes of each phase on this rank
+        (:class:`~rlkl_lightning.algorithms.memory.PhasePeaks`), logged per rank.
+        """
         n = len(prompts)
         distributed = self.trainer.world_size > 1
         self.batches_seen += 1
@@ -593,11 +613,16 @@ class RLPipeline(LightningModule):
             batch_size=n,
             sync_dist=distributed,
         )
-        if own_weights or self.logging.peak_memory:  # every rank holds every rank's value
-            peaks = peak_memory_metrics(
-                self.global_rank, self.trainer.world_size, self.device, self.global_sum
-            )
-            self.log_dict(peaks, on_step=True, on_epoch=False, batch_size=n, sync_dist=False)
+        # Every rank holds every rank's values (one collective).
+        peaks = peak_memory_metrics(
+            self.global_rank,
+            self.trainer.world_size,
+            self.device,
+            self.global_sum,
+            phase_peaks,
+            process=own_weights or self.logging.peak_memory,
+        )
+        self.log_dict(peaks, on_step=True, on_epoch=False, batch_size=n, sync_dist=False)
         if self.global_rank == 0:
             top_kl = None
             if self.logging.kl_token_threshold is not None:

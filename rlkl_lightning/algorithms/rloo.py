@@ -222,7 +222,9 @@ class RLOOModule(RLPipeline):
         return {**super().update(traj.select(rows)), **stats}
 
     @override
-    def log_batch(self, prompts, responses, traj, diagnostics, stats, clock) -> None:
+    def log_batch(
+        self, prompts, responses, traj, diagnostics, stats, clock, phase_peaks=None
+    ) -> None:
         """The shared metrics; with ``grpo`` or the filter, the fraction of flat groups too.
 
         (Only then: RLOO's default runs log exactly what they logged before the option.)
@@ -231,4 +233,4 @@ class RLOOModule(RLPipeline):
         if hp.advantage == "grpo" or hp.drop_zero_std_groups:
             flat = zero_std_groups(traj.scores, hp.responses_per_prompt)
             stats = {**stats, keys.FRAC_REWARD_ZERO_STD: flat.float().mean()}
-        super().log_batch(prompts, responses, traj, diagnostics, stats, clock)
+        super().log_batch(prompts, responses, traj, diagnostics, stats, clock, phase_peaks)

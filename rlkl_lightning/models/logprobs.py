@@ -15,6 +15,11 @@ With ``p = softmax(z)`` and ``z = h W^T / T`` the gradient is simply::
 so :class:`TokenLogProbs` keeps one ``[N, V]`` buffer, turns it into ``-g p / T`` in place,
 adds ``g / T`` at the chosen tokens, and multiplies by ``W`` and ``h`` for the two input
 gradients. ``tests/perf/test_fast_path.py`` compares values and gradients with autograd's.
+
+With a large vocabulary (Qwen's 151,936 words) that buffer is the update's largest tensor.
+Above :data:`HEAD_CHUNK_ABOVE` elements the head keeps only ``logz`` (``[N]``) and computes
+the logits a chunk of rows at a time, in the forward pass and again in the backward pass: one
+more head product for a peak of one chunk's logits instead of all of them.
 """
 
 from __future__ import annotations
@@ -106,6 +111,26 @@ def step_logits(model: nn.Module, hidden: Tensor, step: int, temperature: float)
     return head(hidden[:, step : step + 1]).float()[:, 0] / temperature
 
 
+#: Above this many elements (1 GiB of float32) the fused head's ``[N, V]`` logits are not kept
+#: for the backward pass: they are computed a chunk of rows at a time, twice
+#: (docs/bigger-models.md).
+HEAD_CHUNK_ABOVE = 1 << 28
+#: Elements of one chunk of those logits (256 MiB of float32), at least one row.
+HEAD_CHUNK_ELEMENTS = 1 << 26
+
+
+def head_chunk_rows(rows: int, vocab: int) -> int | None:
+    """Rows per chunk of the fused head's logits: None (all at once) up to the threshold.
+
+    Below :data:`HEAD_CHUNK_ABOVE` elements the logits are kept for the backward pass (one
+    head product fewer); above it, chunks of at most :data:`HEAD_CHUNK_ELEMENTS` bound the
+    head's memory at the cost of a second head product in the backward pass.
+    """
+    if rows * vocab <= HEAD_CHUNK_ABOVE:
+        return None
+    return max(1, HEAD_CHUNK_ELEMENTS // vocab)
+
+
 class TokenLogProbs(torch.autograd.Function):
     """``log_softmax(hidden @ weight.T / temperature)`` gathered at ``tokens``: ``[N]``."""
 
@@ -118,24 +143,39 @@ class TokenLogProbs(torch.autograd.Function):
         temperature: float,
         products: type[HeadProducts],
         defer: Defer | None = None,
+        chunk: int | None = None,
     ) -> Tensor:
         """``hidden [N, H]``, ``weight [V, H]``, ``tokens [N]`` -> log-probabilities ``[N]``.
 
         ``products``: the head's matrix products (:func:`head_products`). ``defer``: where the
-        weight gradient may be handed off (:data:`Defer`; None: computed here).
+        weight gradient may be handed off (:data:`Defer`; None: computed here). ``chunk``: rows
+        of logits at a time, none of them kept (None: all at once, kept for the backward).
         """
+        ctx.temperature, ctx.products, ctx.defer = temperature, products, defer
+        if chunk is not None and chunk < hidden.shape[0]:
+            ctx.chunk, ctx.autocast = chunk, _autocast_state(hidden.device.type)
+            out, logz = [], []
+            for h, y in zip(hidden.split(chunk), tokens.split(chunk), strict=True):
+                logits = _chunk_logits(h, weight, temperature, products)
+                logz.append(torch.logsumexp(logits, dim=-1))
+                out.append(logits.gather(-1, y.unsqueeze(-1)).squeeze(-1) - logz[-1])
+                del logits  # one chunk's logits at a time
+            ctx.save_for_backward(hidden, weight, tokens, torch.cat(logz))
+            return torch.cat(out)
+        ctx.chunk = None
         logits = products.times_t(hidden, weight).float()  # log-probs always in float32
         logits.mul_(1.0 / temperature)
         logz = torch.logsumexp(logits, dim=-1)
         out = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
         ctx.save_for_backward(hidden, weight, tokens, logits, logz)
-        ctx.temperature, ctx.products, ctx.defer = temperature, products, defer
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor):
         """Gradients for ``hidden`` and ``weight`` (the saved logits buffer is reused)."""
+        if ctx.chunk is not None:
+            return _chunked_backward(ctx, grad_out)
         hidden, weight, tokens, logits, logz = ctx.saved_tensors
         scale = grad_out.unsqueeze(-1) / ctx.temperature  # [N, 1]
         grad_logits = logits.sub_(logz.unsqueeze(-1)).exp_().mul_(-scale)  # -g p / T
@@ -153,7 +193,74 @@ class TokenLogProbs(torch.autograd.Function):
                 grad_weight = _weight_gradient(*args)
             else:
                 grad_weight = ctx.defer(weight, _weight_gradient, *args)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    """The autocast state of ``device_type`` now: the backward's recomputation enters it again."""
+    enabled = torch.is_autocast_enabled(device_type)
+    return device_type, enabled, torch.get_autocast_dtype(device_type)
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, temperature: float, products) -> Tensor:
+    """One chunk's float32 ``h @ weight.T / T``, as the unchunked forward computes them."""
+    logits = products.times_t(h, weight).float()
+    return logits.mul_(1.0 / temperature)
+
+
+def _chunk_gradients(
+    ctx_values: tuple, grad_out: Tensor, hidden_grad: bool, weight_grad: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """The hidden and/or weight gradients, the logits recomputed a chunk of rows at a time.
+
+    Each chunk's ``grad_logits`` is the unchunked backward's (``-g p / T``, ``+ g / T`` at the
+    chosen token); the weight gradient is the sum of the chunks' products.
+    """
+    hidden, weight, tokens, logz, temperature, products, chunk, autocast = ctx_values
+    device_type, enabled, dtype = autocast
+    grad_hidden = torch.empty_like(hidden) if hidden_grad else None
+    grad_weight = None
+    if not (hidden_grad or weight_grad):
+        return grad_hidden, grad_weight
+    scale = grad_out.unsqueeze(-1) / temperature  # [N, 1]
+    start = 0
+    for h, y, z, s in zip(*(t.split(chunk) for t in (hidden, tokens, logz, scale)), strict=True):
+        with torch.autocast(device_type, dtype=dtype, enabled=enabled):  # the forward's logits
+            logits = _chunk_logits(h, weight, temperature, products)
+        grad_logits = logits.sub_(z.unsqueeze(-1)).exp_().mul_(-s)
+        grad_logits.scatter_add_(-1, y.unsqueeze(-1), s)
+        grad_logits = grad_logits.to(weight.dtype)
+        if hidden_grad:
+            part = products.times_t(grad_logits, weight.t())
+            grad_hidden[start : start + h.shape[0]] = part.to(hidden.dtype)
+        if weight_grad:
+            part = _weight_gradient(grad_logits, h.to(weight.dtype), products)
+            grad_weight = part if grad_weight is None else grad_weight.add_(part)
+        start += h.shape[0]
+    return grad_hidden, grad_weight
+
+
+def _chunked_backward(ctx, grad_out: Tensor):
+    """:meth:`TokenLogProbs.backward` without kept logits.
+
+    A deferred weight gradient recomputes its chunks' logits where it is computed.
+    """
+    hidden, weight, tokens, logz = ctx.saved_tensors
+    values = (hidden, weight, tokens, logz, ctx.temperature, ctx.products, ctx.chunk, ctx.autocast)
+    want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_weight = None
+    if want_weight and ctx.defer is not None:
+        grad_weight = ctx.defer(weight, _deferred_chunk_gradient, values, grad_out)
+        want_weight = False
+    grad_hidden, own_weight = _chunk_gradients(values, grad_out, want_hidden, want_weight)
+    if own_weight is not None:
+        grad_weight = own_weight
+    return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _deferred_chunk_gradient(values: tuple, grad_out: Tensor) -> Tensor:
+    """The weight gradient alone (:func:`_chunk_gradients`), for :data:`Defer`."""
+    return _chunk_gradients(values, grad_out, False, True)[1]
 
 
 def _weight_gradient(grad_logits: Tensor, hidden: Tensor, products: type[HeadProducts]) -> Tensor:
@@ -168,19 +275,19 @@ def token_logprobs(
     temperature: float,
     products: type[HeadProducts] = HeadProducts,
     defer: Defer | None = None,
+    chunk_rows: int | None = None,
 ) -> Tensor:
     """Log-probabilities of ``tokens [B, R]`` under ``softmax(hidden [B, R, H] @ weight.T / T)``.
 
     Equal to ``gather_logprobs((hidden @ weight.T).float() / T, tokens)``, float32.
     ``products``: the head's matrix products (:func:`head_products`). ``defer``: where the
-    weight gradient may be handed off (:data:`Defer`).
+    weight gradient may be handed off (:data:`Defer`). ``chunk_rows``: rows of logits computed
+    at a time, and again in the backward pass (None: :func:`head_chunk_rows`'s choice).
     """
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if chunk_rows is None:
+        chunk_rows = head_chunk_rows(flat_hidden.shape[0], weight.shape[0])
     flat = TokenLogProbs.apply(
-        hidden.reshape(-1, hidden.shape[-1]),
-        weight,
-        tokens.reshape(-1),
-        float(temperature),
-        products,
-        defer,
+        flat_hidden, weight, tokens.reshape(-1), float(temperature), products, defer, chunk_rows
     )
     return flat.view(tokens.shape)

@@ -167,8 +167,12 @@ DESIGN_KEYS = [
     "val/perplexity",
     "val/perplexity_ref",
     "perf/tokens_per_s",
+    "perf/throughput",
     "perf/rollout_s",
     "perf/update_s",
+    "perf/peak_mem_gb/rollout/rank0",
+    "perf/peak_mem_gb/score/rank0",
+    "perf/peak_mem_gb/update/rank0",
 ]
 
 

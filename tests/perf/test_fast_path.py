@@ -1,8 +1,9 @@
 """The fast path against the plain computation, on fixed batches of tiny local models.
 
 Each optimization must give the plain computation's results to float rounding: the sampling
-loop that keeps the policy's scores (algorithms/rollout.py), the fused tanh-GELU (perf/gelu.py) and
-the fused AdamW (PPOModule.configure_optimizers).
+loop that keeps the policy's scores (algorithms/rollout.py), the fused log-prob head and its
+chunked form for large vocabularies (models/logprobs.py), the fused tanh-GELU (perf/gelu.py)
+and the fused AdamW (PPOModule.configure_optimizers).
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from rlkl_lightning.models.forward import (
     trunk_forward,
 )
 from rlkl_lightning.models.loading import disable_dropout, load_causal_lm, load_tokenizer
-from rlkl_lightning.models.logprobs import gather_logprobs, score_tokens, token_logprobs
+from rlkl_lightning.models.logprobs import (
+    HEAD_CHUNK_ABOVE,
+    HEAD_CHUNK_ELEMENTS,
+    gather_logprobs,
+    head_chunk_rows,
+    score_tokens,
+    token_logprobs,
+)
 from rlkl_lightning.perf.gelu import TanhGELU, fuse_tanh_gelu
 from rlkl_lightning.rewards import FunctionReward
 
@@ -133,6 +141,74 @@ def test_token_logprobs_values_and_gradients_equal_autograd(temperature):
     torch.testing.assert_close(fused, plain, **TIGHT)
     for gf, gp in zip(grads_fused, grads_plain, strict=True):
         torch.testing.assert_close(gf, gp, **TIGHT)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [1, 4, 14])  # 15 rows: 4 leaves a last chunk of 3
+def test_chunked_head_equals_the_unchunked_head_and_autograd(temperature, chunk):
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 5, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    tokens = torch.randint(0, 40, (3, 5))
+    upstream = torch.randn(3, 5)
+    results = {}
+    for name, rows in (("chunked", chunk), ("whole", None)):
+        out = token_logprobs(hidden, weight, tokens, temperature, chunk_rows=rows)
+        results[name] = (out, *torch.autograd.grad((out * upstream).sum(), (hidden, weight)))
+    plain = gather_logprobs(hidden @ weight.t() / temperature, tokens)
+    grads = torch.autograd.grad((plain * upstream).sum(), (hidden, weight))
+    for chunked, whole, auto in zip(results["chunked"], results["whole"], (plain, *grads)):
+        torch.testing.assert_close(chunked, whole, **TIGHT)
+        torch.testing.assert_close(chunked, auto, **TIGHT)
+
+
+def test_chunked_head_under_bf16_autocast_equals_the_unchunked_head():
+    """The backward pass recomputes each chunk's logits in the forward's autocast state."""
+    torch.manual_seed(1)
+    hidden = torch.randn(4, 6, 32, requires_grad=True)
+    weight = torch.randn(50, 32, requires_grad=True)
+    tokens = torch.randint(0, 50, (4, 6))
+    upstream = torch.randn(4, 6)
+    results = {}
+    for rows in (5, None):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = token_logprobs(hidden, weight, tokens, 0.7, chunk_rows=rows)
+        # The backward outside autocast, as the whole head's: the recomputation must enter it.
+        grads = torch.autograd.grad((out * upstream).sum(), (hidden, weight))
+        results[rows] = (out, *grads)
+    for chunked, whole in zip(results[5], results[None], strict=True):
+        assert chunked.dtype == whole.dtype == torch.float32
+        torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_chunked_head_keeps_no_logits_for_the_backward():
+    torch.manual_seed(2)
+    hidden = torch.randn(2, 8, 16, requires_grad=True)
+    weight = torch.randn(300, 16, requires_grad=True)
+    tokens = torch.randint(0, 300, (2, 8))
+    saved = {}
+    for rows in (3, None):
+        shapes = []
+
+        def pack(tensor, shapes=shapes):
+            shapes.append(tuple(tensor.shape))
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            token_logprobs(hidden, weight, tokens, 1.0, chunk_rows=rows)
+        saved[rows] = shapes
+    assert (16, 300) in saved[None]  # the whole head keeps its [N, V] logits
+    assert all(300 not in shape or shape == (300, 16) for shape in saved[3])  # only the weight
+    assert (16,) in saved[3]  # and logz
+
+
+def test_only_large_heads_are_chunked():
+    assert head_chunk_rows(64 * 24, 4096) is None  # the shipped configs' size: as before
+    assert head_chunk_rows(4096, 50257) is None  # the GPU table's 124M update: 0.8 GiB
+    rows = head_chunk_rows(2048, 151_936)  # Qwen's vocabulary: 1.2 GiB of float32 logits
+    assert rows == HEAD_CHUNK_ELEMENTS // 151_936 == 441
+    assert head_chunk_rows(HEAD_CHUNK_ABOVE + 1, 1) == HEAD_CHUNK_ELEMENTS
+    assert head_chunk_rows(2, HEAD_CHUNK_ABOVE) == 1  # at least a row
 
 
 def test_trunk_and_plain_head_reproduce_the_model_logits(policy_and_prompts):

@@ -59,13 +59,14 @@ def test_linear_values_and_gradients_are_float32_exact():
         assert _error(onednn, truth) < 2e-6
 
 
-def test_log_prob_head_values_and_gradients():
+@pytest.mark.parametrize("chunk", [None, 4])  # 4: the chunked head (large vocabularies)
+def test_log_prob_head_values_and_gradients(chunk):
     torch.manual_seed(1)
     hidden = torch.randn(3, 5, 16, requires_grad=True)
     weight = torch.randn(40, 16, requires_grad=True)
     tokens = torch.randint(0, 40, (3, 5))
     upstream = torch.randn(3, 5)
-    onednn = token_logprobs(hidden, weight, tokens, 0.7, OneDNNHeadProducts)
+    onednn = token_logprobs(hidden, weight, tokens, 0.7, OneDNNHeadProducts, chunk_rows=chunk)
     grads = torch.autograd.grad((onednn * upstream).sum(), (hidden, weight))
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     exact = gather_logprobs(h64 @ w64.t() / 0.7, tokens)

@@ -192,15 +192,19 @@ def test_handoff_gives_the_gradients_of_one_backward_pass():
         assert torch.equal(g, e)
 
 
+@pytest.mark.parametrize("chunk", [None, 4])  # 4: the chunked head, a last chunk of 2 rows
 @pytest.mark.parametrize("tied", [True, False])
-def test_deferred_head_gradient_equals_autograd(tied):
-    """The head's weight gradient from the helper sums into ``.grad`` as autograd sums it."""
+def test_deferred_head_gradient_equals_autograd(tied, chunk):
+    """The head's weight gradient from the helper sums into ``.grad`` as autograd sums it.
+
+    Chunked, the helper recomputes the chunks' logits for the weight gradient itself.
+    """
     torch.manual_seed(0)
     weight = torch.randn(11, 4, requires_grad=True)
     hidden, tokens = torch.randn(2, 3, 4, requires_grad=True), torch.randint(11, (2, 3))
 
     def loss(defer):
-        head = logprobs.token_logprobs(hidden, weight, tokens, 0.7, HeadProducts, defer)
+        head = logprobs.token_logprobs(hidden, weight, tokens, 0.7, HeadProducts, defer, chunk)
         return head.square().sum() + (weight.sin().sum() if tied else 0.0)
 
     grads = {}
@@ -219,6 +223,10 @@ def test_deferred_head_gradient_equals_autograd(tied):
         assert torch.equal(a, b)
     for a, b in zip(grads["twice"], grads["plain twice"], strict=True):
         assert torch.equal(a, b)
+    whole = logprobs.token_logprobs(hidden, weight, tokens, 0.7, chunk_rows=6)  # one chunk
+    whole = whole.square().sum() + (weight.sin().sum() if tied else 0.0)
+    for a, b in zip(grads["helper"], torch.autograd.grad(whole, (weight, hidden)), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_helper_errors_reach_the_caller_and_threads_are_restored():

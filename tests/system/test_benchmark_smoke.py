@@ -1,8 +1,8 @@
 """The benchmarks at a tiny size on the CPU, so the GPU benchmarks cannot rot.
 
-benchmarks/lora_reference.py, benchmarks/rollout_memory.py, and benchmarks/ppo_throughput.py
-with a GPU preset's architecture, the precision flag and its skip, in seconds (TRL is not
-needed).
+benchmarks/lora_reference.py, benchmarks/rollout_memory.py, benchmarks/head_memory.py, and
+benchmarks/ppo_throughput.py with a GPU preset's architecture, the precision flag and its skip,
+in seconds (TRL is not needed).
 """
 
 from __future__ import annotations
@@ -46,6 +46,25 @@ def test_rollout_memory_benchmark_runs_tiny_on_cpu(capsys, monkeypatch):
     assert [(r["way"], r["logits_kept"]) for r in rows] == [("kept", True), ("recomputed", False)]
     assert rows[0]["kl_exact"] == rows[1]["kl_exact"] and rows[0]["peak_mib"] > 0
     assert "exact KL and entropy equal in every run" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # a benchmark smoke run: make test-slow
+def test_head_memory_benchmark_runs_tiny_on_cpu(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import head_memory
+
+    flags = ["--tokens", "40", "--vocab", "3000", "--width", "8", "--small-chunk", "16"]
+    rows = head_memory.main([*flags, "--repeats", "1", "--threads", "1"])
+    assert [(r["way"], r["chunk_rows"]) for r in rows] == [
+        ("whole", 40),
+        ("library chunks", 2**26 // 3000),
+        ("small chunks", 16),
+    ]
+    assert all(r["added_peak_mib"] >= 0 for r in rows)
+    for r in rows[1:]:
+        assert r["out"] == pytest.approx(rows[0]["out"], rel=1e-6)
+        assert r["grads"] == pytest.approx(rows[0]["grads"], rel=1e-5)
+    assert "of the whole head's" in capsys.readouterr().out
 
 
 @pytest.fixture

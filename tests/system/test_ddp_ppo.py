@@ -92,6 +92,8 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_p
     for b0, b1, expected in zip(rank0["batches"], rank1["batches"], batches, strict=True):
         assert b0["beta_used"] == b1["beta_used"]
         assert b0["metrics"] == b1["metrics"]  # logged metrics are global (sync_dist)
+        for r in (0, 1):  # each rank's phase peaks, gathered: in both ranks' records
+            assert b0["metrics"].get(f"perf/peak_mem_gb/update/rank{r}", 0) > 0.05
         # Each rank takes every second prompt of the one shared order (RankShardSampler).
         assert (b0["prompts"], b1["prompts"]) == (expected[0::2], expected[1::2])
     assert rank0["controller"] == rank1["controller"]
