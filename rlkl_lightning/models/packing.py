@@ -10,13 +10,14 @@ so no token attends across sequences. The last hidden states at the positions th
 each response token are gathered back into the ``[B, R, H]`` layout (zeros where the response
 mask is 0), so the losses, masks and aggregation see the padded pass's tensors.
 
-**The row budget.** ``L`` is the longest packed sequence rounded up to a bucket of
-:data:`BUCKETS` (so shapes repeat from batch to batch: a compiled pass sees few of them), but
-never more than ``P + R``, the padded row's length. Sequences are placed first-fit by
-decreasing length, so no row holds more than ``L`` tokens and there are never more rows than
-sequences: attention, ``n x L^2`` with the dense block-diagonal mask, cannot grow past the
-padded pass's ``B x (P + R)^2``, and the other products, ``n x L`` tokens, shrink with the
-padding share.
+**The row budget.** A row's length ``L`` is ``P + R``, the padded row's length, or one of
+:data:`BUCKETS` at least the longest packed sequence: shapes repeat from batch to batch (a
+compiled pass sees few of them). Sequences are placed first fit by decreasing length into ``n``
+rows of ``L``; of the lengths whose attention, ``n x L^2`` with the dense block-diagonal mask,
+stays within the padded pass's ``B x (P + R)^2``, the one with the fewest positions ``n x L``
+is taken (the shorter on a tie). ``L = P + R`` always qualifies (no more rows than
+sequences), so the packed pass never attends over more than the padded one, and its other
+products, over ``n x L`` positions, shrink with the padding.
 
 The positions a sequence keeps are those its ``attention_mask`` marks, in order, with the
 position ids the padded pass gives them (``cumsum(mask) - 1``), so each kept token attends to
@@ -36,8 +37,7 @@ from rlkl_lightning.models.sharding import is_fsdp
 #: ``optimization.packing``: ``none`` (the padded rows) or ``packed`` (this module).
 PACKINGS = ("none", "packed")
 
-#: Packed row lengths: 16 x 2^k and 24 x 2^k, two per octave (a row is at most 1.5x its longest
-#: sequence, or the padded row's length where that is shorter).
+#: Packed row lengths besides the padded row's: 16 x 2^k and 24 x 2^k, two per octave.
 BUCKETS = tuple(sorted({base << k for base in (16, 24) for k in range(16)}))
 
 #: The attention implementations whose masks transformers builds from packed position ids.
@@ -67,12 +67,46 @@ class PackedRows(NamedTuple):
         return self.input_ids.numel()
 
 
-def bucket(length: int, cap: int) -> int:
-    """The smallest of :data:`BUCKETS` at least ``length``, but at most ``cap``."""
-    for size in BUCKETS:
-        if size >= length:
-            return min(size, cap)
-    return cap
+def kept_tokens(attention_mask: Tensor, response_mask: Tensor) -> Tensor:
+    """``[B, P + R]`` bool: the tokens a packed pass forwards of padded rows.
+
+    Those the attention mask marks, up to the one that predicts the last response token whose
+    response mask is nonzero (the prompt alone where none is).
+    """
+    width, steps = attention_mask.shape[1], response_mask.shape[1]
+    device = attention_mask.device
+    last = ((response_mask > 0) * torch.arange(steps, device=device)).amax(1)  # 0 with none
+    end = width - steps - 1 + last
+    return attention_mask.bool() & (torch.arange(width, device=device) <= end.unsqueeze(1))
+
+
+def row_lengths(longest: int, width: int, batch: int) -> list[int]:
+    """The row lengths a pack may take: ``width`` and the buckets from ``longest`` up.
+
+    Only those whose rows could keep within the padded pass's attention at all
+    (``L^2 <= batch x width^2``).
+    """
+    sizes = {size for size in BUCKETS if longest <= size and size * size <= batch * width**2}
+    return sorted(sizes | {width})
+
+
+def first_fit(lengths: list[int], row_length: int) -> tuple[list[int], list[int], list[int]]:
+    """Sequences of ``lengths`` into rows of ``row_length``, first fit by decreasing length.
+
+    Returns each row's tokens, and each sequence's row and offset in it.
+    """
+    rows: list[int] = []
+    row_of, offset = [0] * len(lengths), [0] * len(lengths)
+    for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):
+        for r, used in enumerate(rows):
+            if used + lengths[b] <= row_length:
+                break
+        else:
+            r = len(rows)
+            rows.append(0)
+        row_of[b], offset[b] = r, rows[r]
+        rows[r] += lengths[b]
+    return rows, row_of, offset
 
 
 def pack(attention_mask: Tensor, response_mask: Tensor, input_ids: Tensor) -> PackedRows:
@@ -87,29 +121,19 @@ def pack(attention_mask: Tensor, response_mask: Tensor, input_ids: Tensor) -> Pa
     device = attention_mask.device
     prompt = width - steps
     valid = response_mask > 0
-    # The last input position a sequence needs: the one that predicts its last valid token.
-    last = (valid * torch.arange(steps, device=device)).amax(1)  # 0 with none
-    columns = torch.arange(width, device=device)
-    keep = attention_mask.bool() & (columns <= (prompt - 1 + last).unsqueeze(1))
-    predicting = keep[:, prompt - 1 : prompt - 1 + steps]
-    if bool((valid & ~predicting).any()):
+    keep = kept_tokens(attention_mask, response_mask)
+    if bool((valid & ~keep[:, prompt - 1 : prompt - 1 + steps]).any()):
         raise ValueError(
             "`optimization.packing`='packed': a position that predicts a response token is "
             "masked out (an empty prompt?); use 'none'"
         )
     lengths = keep.sum(1).tolist()
-    row_length = bucket(max(lengths), width)
-    rows: list[int] = []  # tokens used per row
-    row_of, offset = [0] * batch, [0] * batch
-    for b in sorted(range(batch), key=lambda b: -lengths[b]):  # first fit, decreasing
-        for r, used in enumerate(rows):
-            if used + lengths[b] <= row_length:
-                break
-        else:
-            r = len(rows)
-            rows.append(0)
-        row_of[b], offset[b] = r, rows[r]
-        rows[r] += lengths[b]
+    options = []
+    for size in row_lengths(max(lengths), width, batch):
+        placed = first_fit(lengths, size)
+        if len(placed[0]) * size * size <= batch * width * width:  # the padded attention's
+            options.append((len(placed[0]) * size, size, placed))
+    _, row_length, (rows, row_of, offset) = min(options, key=lambda option: option[:2])
     n = len(rows)
     within = keep.long().cumsum(1) - 1  # the padded pass's position ids on kept tokens
     start = torch.tensor(row_of, device=device) * row_length + torch.tensor(offset, device=device)
@@ -117,7 +141,8 @@ def pack(attention_mask: Tensor, response_mask: Tensor, input_ids: Tensor) -> Pa
     used = torch.tensor(rows, device=device)
     flat_columns = torch.arange(row_length, device=device).repeat(n)
     flat_rows = torch.arange(n, device=device).repeat_interleave(row_length)
-    positions = (flat_columns - used[flat_rows]).clamp(min=0)  # filler restarts at 0
+    # Filler restarts at 0 (and again every `width`: within the model's positions).
+    positions = (flat_columns - used[flat_rows]).clamp(min=0) % width
     tokens = torch.zeros(n * row_length, dtype=input_ids.dtype, device=device)
     tokens[target[keep]] = input_ids[keep]
     positions[target[keep]] = within[keep]

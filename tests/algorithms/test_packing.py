@@ -21,7 +21,7 @@ from rlkl_lightning import PPOModule, RLOOModule
 from rlkl_lightning.algorithms.options import Optimization
 from rlkl_lightning.models.forward import trunk_forward
 from rlkl_lightning.models.logprobs import score_tokens
-from rlkl_lightning.models.packing import BUCKETS, bucket, check_packable, pack
+from rlkl_lightning.models.packing import BUCKETS, check_packable, pack
 from rlkl_lightning.trajectory import Trajectory
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn", "c_fc"], "fan_in_fan_out": True}
@@ -149,14 +149,29 @@ def test_pack_restarts_positions_and_fits_the_budget():
     )
     ids = torch.arange(10, 31).view(3, 7) * attention
     rows = pack(attention, attention[:, 3:].float(), ids)
-    # lengths 4, 3, 4 in rows of min(bucket(4), 7) = 7: [0 | 1] first fit by length, then [2].
+    # lengths 4, 3, 4 in rows of 7 (16 x 16 > 3 x 7 x 7): [0 | 1] first fit by length, [2].
     assert rows.input_ids.tolist() == [[11, 12, 13, 14, 17, 18, 19], [26, 27, 28, 29, 0, 0, 0]]
     assert rows.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2]]
     fill = 14  # n x L: the zero row
     assert rows.source.tolist() == [[1, 2, 3, fill], [6, fill, fill, fill], [7, 8, 9, 10]]
     assert (rows.positions, rows.padded_positions) == (14, 21)
-    assert bucket(4, 7) == 7 and bucket(17, 100) == 24 and bucket(25, 30) == 30
     assert BUCKETS[:6] == (16, 24, 32, 48, 64, 96)
+
+
+def test_the_row_length_packs_best_within_the_padded_attention():
+    """Eight sequences of 3 tokens in rows of 10: one row of 24 (576 <= 8 x 10^2 attention)."""
+    attention = torch.zeros(8, 10, dtype=torch.long)
+    attention[:, 1:5] = 1  # P = 2: 1 prompt token, 3 response tokens (the last predicts none)
+    rows = pack(attention, attention[:, 2:].float(), attention * 7)
+    assert rows.input_ids.shape == (1, 24)  # 10: 3 rows (30); 16: 2 rows (32); 24: 1 row
+    assert rows.position_ids.tolist() == [[0, 1, 2] * 8]
+    attention[:, 1:10] = 1  # 8 tokens each: 8 rows of 10 (4 rows of 16 attend over 1024)
+    rows = pack(attention, attention[:, 2:].float(), attention * 7)
+    assert rows.input_ids.shape == (8, 10)
+    attention[1:, 6:] = 0  # 8 and 7 x 4 tokens: 3 rows of 16 (48) beat 5 rows of 10 (50)
+    rows = pack(attention, attention[:, 2:].float(), attention * 7)
+    assert rows.input_ids.shape == (3, 16)  # 2 rows of 24: 1152 > 800
+    assert rows.position_ids[2].tolist() == [0, 1, 2, 3, *range(10), 0, 1]  # filler < 10
 
 
 def tiny_qwen2() -> Qwen2ForCausalLM:
