@@ -10,8 +10,6 @@ at most 1e-5 (the two passes' products sum in other orders; measured ~1e-7 to 1e
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from helpers.tiny_ppo import module_args
@@ -227,6 +225,11 @@ def test_bad_packing_and_unpackable_models_are_refused(tiny_lm_dir):
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match=r"`optimization.packing`='packed' needs an attention"):
         check_packable(model)
+    model.config._attn_implementation = "sdpa"
+    model._fsdp_wrapped_module = model.transformer  # what models.sharding.is_fsdp looks for
+    with pytest.raises(
+        ValueError, match=r"`optimization.packing`='packed' is not supported under FSDP"
+    ):
+        check_packable(model)
     module = ppo(tiny_lm_dir, optimization={"packing": "packed"})
-    assert module.policy_objective.packing == "packed"
-    assert dataclasses.replace(module.optimization).packing == "packed"
+    assert module.policy_objective.packing == "packed"  # the option reaches the objective
