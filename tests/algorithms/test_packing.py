@@ -5,7 +5,7 @@ log-probs, values, losses, statistics and gradients equal the padded pass's, for
 head on the policy trunk, a separate value model, LoRA) and GRPO, the KL in the reward and in
 the loss. Tolerances, float32 on a CPU with SDPA: per-token values within 1e-5 absolute, losses
 and statistics within 1e-5 relative, and per parameter ``|g_packed - g_padded| / |g_padded|``
-at most 1e-5 (the two passes' products sum in other orders; measured ~1e-7 to 1e-6).
+at most 1e-5 (the two passes' products sum in other orders).
 """
 
 from __future__ import annotations
