@@ -28,6 +28,13 @@ Usage::
     python benchmarks/grpo_throughput.py --vs-trl --json grpo.json       # + TRL, and the ratio
     python benchmarks/grpo_throughput.py --vs-trl --device cuda --preset gpt2-124m \
         --precision bf16-mixed
+    python benchmarks/grpo_throughput.py --ragged    # EOS stops: packing off against on
+
+With ``--ragged`` every response ends after a number of tokens drawn uniformly from 1 to the
+preset's length with a fixed seed (``workers.cut_responses``: the benchmark's random policy
+almost never samples EOS), and our side runs twice, ``optimization.packing`` ``none``
+(``ours_grpo``) and ``packed`` (``ours_grpo_packed``); the JSON adds ``ragged``
+(``harness.ragged_summary``). The FLOP counts and MFU assume full-length responses.
 
 The JSON holds ``{"ours_grpo": {...}, "trl_grpo": {...}, "speedup": TRL median / ours median,
 "machine": {...}, "config": {...}}``.
@@ -55,6 +62,8 @@ from harness import (  # noqa: E402
     cpu_flags,
     measure,
     phase_line,
+    ragged_line,
+    ragged_summary,
 )
 
 DEFAULT_TRL_PYTHON = HERE.parent / ".venv-trl" / "bin" / "python"
@@ -111,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
         print("skipped: --precision bf16-mixed on a CPU without bfloat16 matrix units")
         return {}
     sides = {"ours_grpo": sys.executable}
+    if args.ragged:
+        sides["ours_grpo_packed"] = sys.executable
     if args.vs_trl:
         version = trl_version(args.trl_python)
         if version is None:
@@ -132,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         "threads": args.threads,
         "omp_wait_policy": args.omp_wait_policy,
         "cpu_matmul": args.cpu_matmul,
+        "ragged": args.ragged,
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlkl-grpo-bench-"))
     world = build(args.world or tmp / "world", chosen)
@@ -164,13 +176,14 @@ def main(argv: list[str] | None = None) -> dict:
         r = results[side]
         if r["optimizer_steps_per_iter"] != [chosen.epochs * chosen.minibatches]:
             raise RuntimeError(f"{side}: optimizer steps {r['optimizer_steps_per_iter']}")
-        if r.get("sampled_tokens_per_iter") != [tokens]:
+        if not args.ragged and r.get("sampled_tokens_per_iter") != [tokens]:
             raise RuntimeError(f"{side}: sampled tokens {r.get('sampled_tokens_per_iter')}")
     labels = {
         "ours_grpo": f"rlkl_lightning RLOOModule(advantage='grpo'), cpu_matmul="
         f"{args.cpu_matmul or 'library default'}",
         "trl_grpo": f"TRL {TRL_VERSION} GRPOTrainer (transformers generate)",
     }
+    labels["ours_grpo_packed"] = labels["ours_grpo"] + ", optimization.packing=packed"
     print(
         f"\nmachine: {results['machine']['device']}, {args.threads} threads, OMP_WAIT_POLICY "
         f"{args.omp_wait_policy}; preset {chosen.name}, {args.precision}; "
@@ -182,6 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for side in sides:
         print(f"{labels[side]}\n{phase_line(results[side])}")
+    if args.ragged:
+        results["ragged"] = ragged_summary(runs, "ours_grpo", "ours_grpo_packed")
+        print(ragged_line(results["ragged"]))
     if "trl_grpo" in sides:
         trl_median = results["trl_grpo"]["median_s_per_iter"]
         results["speedup"] = trl_median / results["ours_grpo"]["median_s_per_iter"]

@@ -102,6 +102,13 @@ def add_common_arguments(parser: argparse.ArgumentParser, presets: list[str]) ->
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every worker")
     parser.add_argument("--world", type=Path, help="where to build the models (default: temp)")
     parser.add_argument(
+        "--ragged",
+        action="store_true",
+        help="responses of ragged lengths (EOS stops, as the shipped configs): our side runs "
+        "twice, optimization.packing none and packed, alternating, and the padding share of "
+        "the update's token positions is reported (ours only: no --vs-trl)",
+    )
+    parser.add_argument(
         "--omp-wait-policy",
         choices=("passive", "active", "default"),
         default="default",
@@ -116,6 +123,8 @@ def check_common_arguments(parser: argparse.ArgumentParser, args: argparse.Names
     """Refuse common options out of range, and ``--device cuda`` without a GPU."""
     if args.iters < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--iters and --threads must be >= 1 and --warmup >= 0")
+    if args.ragged and args.vs_trl:
+        parser.error("--ragged compares our side with packing off and on: drop --vs-trl")
     if args.device == "cuda":
         import torch
 
@@ -301,3 +310,37 @@ def machine(device: str, threads: int, wait_policy: str, precision: str, peak: f
 def flops_shape(preset) -> flops.Shape:
     """The FLOP model's shape of a ``bench_world.Preset``."""
     return flops.Shape.of(preset)
+
+
+def ragged_summary(runs: dict[str, list[dict]], padded: str, packed: str) -> dict:
+    """``--ragged``: the update's token positions and the gain of packing, from medians.
+
+    ``padding_share``: the padded rows' positions that hold no token the update needs;
+    ``packed_padding_share``: the packed rows' (filler up to their bucket); the gains are the
+    padded side's median seconds over the packed side's, per iteration and per update.
+    """
+
+    def median(side: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[side])
+
+    real, positions = median(padded, "real_positions"), median(padded, "padded_positions")
+    packed_positions = median(packed, "packed_positions")
+    return {
+        "update_positions_per_iter": {"padded": positions, "packed": packed_positions},
+        "needed_positions_per_iter": real,
+        "padding_share": 1 - real / positions,
+        "packed_padding_share": 1 - median(packed, "real_positions") / packed_positions,
+        "iteration_gain": median(padded, "seconds") / median(packed, "seconds"),
+        "update_gain": median(padded, "update") / median(packed, "update"),
+    }
+
+
+def ragged_line(r: dict) -> str:
+    """The printed line of :func:`ragged_summary`."""
+    return (
+        f"ragged: padding {100 * r['padding_share']:.0f}% of the padded update's token "
+        f"positions, {100 * r['packed_padding_share']:.0f}% of the packed ones "
+        f"({r['update_positions_per_iter']['padded']:.0f} -> "
+        f"{r['update_positions_per_iter']['packed']:.0f} per iteration); packing off / on: "
+        f"{r['iteration_gain']:.2f}x per iteration, {r['update_gain']:.2f}x per update"
+    )

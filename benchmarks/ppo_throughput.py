@@ -57,6 +57,8 @@ from harness import (  # noqa: E402
     cpu_flags,
     measure,
     phase_line,
+    ragged_line,
+    ragged_summary,
 )
 
 LABELS = {
@@ -64,13 +66,15 @@ LABELS = {
     "ours_separate_value": "rlkl_lightning (separate value model)",
     "trl": "TRL 1.12.0 PPOTrainer (separate value model)",
 }
+for _side in ("ours", "ours_separate_value"):
+    LABELS[f"{_side}_packed"] = LABELS[_side] + ", optimization.packing=packed"
 
 
 def report(side: str, s: dict, cpu_matmul: str | None = None, thread: bool | None = None) -> None:
     """Print one side's summary (``None``: the option at the library's default)."""
     matmul = cpu_matmul or "library default (auto)"
     label = LABELS[side] + (f", cpu_matmul={matmul}" if side.startswith("ours") else "")
-    if side == "ours_separate_value":
+    if side.startswith("ours_separate_value"):
         label += f", value_model_thread={'library default' if thread is None else thread}"
     print(f"{label}\n{phase_line(s)}")
 
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
         return {}
     sides = ["ours"] + ([] if args.no_separate_value else ["ours_separate_value"])
+    if args.ragged:
+        sides += [f"{side}_packed" for side in sides]
     if args.vs_trl:
         if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
             print("TRL cannot be imported here (pip install trl==1.12.0): ours only")
@@ -152,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         "omp_wait_policy": args.omp_wait_policy,
         "cpu_matmul": args.cpu_matmul,
         "value_model_thread": args.value_model_thread,
+        "ragged": args.ragged,
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlkl-bench-"))
     world = build(args.world or tmp / "world", chosen)
@@ -159,7 +166,12 @@ def main(argv: list[str] | None = None) -> dict:
     runs, peak, load_before = measure(python, world, tmp, settings, args)
     tokens = shape.batch * shape.response
     results, precision = collect(
-        runs, lambda side: flops.phases(shape, side), tokens, peak, load_before, args
+        runs,
+        lambda side: flops.phases(shape, side.removesuffix("_packed")),
+        tokens,
+        peak,
+        load_before,
+        args,
     )
     results["config"] = {
         "preset": chosen.name,
@@ -192,6 +204,14 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for side in sides:
         report(side, results[side], args.cpu_matmul, args.value_model_thread)
+    if args.ragged:
+        results["ragged"] = {
+            side: ragged_summary(runs, side, f"{side}_packed")
+            for side in sides
+            if not side.endswith("_packed")
+        }
+        for side, summary in results["ragged"].items():
+            print(f"{side}: {ragged_line(summary)}")
     if "trl" in sides:
         print(f"speedup (TRL median / ours median): {results['speedup']:.2f}x")
         if "speedup_separate_value" in results:

@@ -10,7 +10,10 @@ each phase's time is the time of its own work.
 Run by ``ppo_throughput.py`` (sides ``ours``, ``ours_separate_value``, ``trl``: PPO) and
 ``grpo_throughput.py`` (sides ``ours_grpo``, ``trl_grpo``): ``python workers.py SIDE WORLD_DIR
 RESULT_FD ITERATIONS SETTINGS`` (``SETTINGS``: JSON with ``preset``, ``tiny``, ``device``,
-``precision``, ``threads``, ``cpu_matmul``; GRPO adds ``generations``).
+``precision``, ``threads``, ``cpu_matmul``; GRPO adds ``generations``). With ``ragged`` in the
+settings our sides' responses are ragged (:func:`cut_responses`) and each iteration's report
+counts the update's token positions; a side named ``..._packed`` sets
+``optimization.packing="packed"``.
 """
 
 from __future__ import annotations
@@ -171,8 +174,17 @@ def _our_options(world: Path, settings: dict, p) -> tuple[dict, object]:
         policy=str(world / "policy"),
         tokenizer=str(world / "tokenizer"),
         penalty={"init_coef": KL_COEF},
-        sampling={"max_new_tokens": p.response, "temperature": TEMPERATURE, "stop_at_eos": False},
-        optimization={"ppo_epochs": p.epochs, "num_minibatches": p.minibatches, "lr": LR},
+        sampling={
+            "max_new_tokens": p.response,
+            "temperature": TEMPERATURE,
+            "stop_at_eos": bool(settings.get("ragged")),
+        },
+        optimization={
+            "ppo_epochs": p.epochs,
+            "num_minibatches": p.minibatches,
+            "lr": LR,
+            "packing": settings.get("packing", "none"),
+        },
         logging={"log_samples_every": 0},
         models=matmul,
     )
@@ -204,6 +216,61 @@ def ours(world: Path, settings: dict, separate_value: bool, iterations: int, cal
     return lightning_trainer(settings, callbacks), module, data
 
 
+def cut_responses(traj, generator, pad_token_id: int):
+    """``traj`` with each response ended after a drawn number of tokens, uniform in 1..R.
+
+    The benchmark world's policy has random weights and almost never samples EOS: this gives
+    its responses the lengths an EOS stop gives (the response mask, the attention mask and the
+    pad tokens after the end as the rollout leaves them), drawn with a fixed seed so that every
+    side trains on responses of the same lengths. The kept tokens and their log-probs are those
+    sampled.
+    """
+    import torch
+
+    rows, steps = traj.response_ids.shape
+    lengths = torch.randint(1, steps + 1, (rows, 1), generator=generator)
+    kept = torch.arange(steps) < lengths
+    mask = traj.response_mask * kept.to(traj.response_mask.device, traj.response_mask.dtype)
+    valid = mask.bool()
+    response = torch.where(
+        valid, traj.response_ids, torch.full_like(traj.response_ids, pad_token_id)
+    )
+    prompt = traj.input_ids.shape[1] - steps
+    return traj._replace(
+        input_ids=torch.cat([traj.input_ids[:, :prompt], response], 1),
+        attention_mask=torch.cat([traj.attention_mask[:, :prompt], valid.long()], 1),
+        response_ids=response,
+        response_mask=mask,
+        logprobs=traj.logprobs * mask,
+    )
+
+
+def count_positions(module, marks: dict) -> None:
+    """Count the update's token positions per iteration in ``marks``: padded, real and packed.
+
+    ``padded``: the padded rows' ``b x (P + R)`` of every loss pass; ``real``: the tokens a
+    packed pass forwards of them; ``packed``: the packed rows' ``n x L`` (packing on).
+    """
+    from rlkl_lightning.models.packing import kept_tokens
+
+    loss, packed_rows = module.loss, module.policy_objective.packed_rows
+
+    def counted_loss(minibatch):
+        marks["padded_positions"] = marks.get("padded_positions", 0) + minibatch.input_ids.numel()
+        real = int(kept_tokens(minibatch.attention_mask, minibatch.response_mask).sum())
+        marks["real_positions"] = marks.get("real_positions", 0) + real
+        return loss(minibatch)
+
+    def counted_rows(model, minibatch):
+        rows = packed_rows(model, minibatch)
+        if rows is not None and model is module.policy:
+            marks["packed_positions"] = marks.get("packed_positions", 0) + rows.positions
+        return rows
+
+    module.loss = counted_loss
+    module.policy_objective.packed_rows = counted_rows
+
+
 def run_ours(pacer: Pacer, iterations: int, settings: dict, build) -> None:
     """Our module's real training_step under a Lightning Trainer, one batch per iteration.
 
@@ -220,11 +287,13 @@ def run_ours(pacer: Pacer, iterations: int, settings: dict, build) -> None:
             pacer.wait()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            positions = {k: v for k, v in marks.items() if k.endswith("_positions")}
             pacer.done(
                 rollout=marks["rollout_end"] - pacer.start,
                 score=marks["update_start"] - marks["rollout_end"],
                 update=marks["update_end"] - marks["update_start"],
                 sampled_tokens=marks["tokens"],
+                **positions,
             )
             marks.clear()
             if batch_idx + 1 < iterations:
@@ -233,12 +302,18 @@ def run_ours(pacer: Pacer, iterations: int, settings: dict, build) -> None:
     trainer, module, data = build([Pace()])
     rollout = pacer.timed(marks, None, "rollout_end", module.rollout)
 
+    generator = torch.Generator().manual_seed(SEED)
+
     def counted_rollout(prompts):
         traj, scores = rollout(prompts)
+        if settings.get("ragged"):
+            traj = cut_responses(traj, generator, module.tokenizer.pad_token_id)
         marks["tokens"] = int(traj.response_mask.sum())
         return traj, scores
 
     module.rollout = counted_rollout
+    if settings.get("ragged"):
+        count_positions(module, marks)
     module.update = pacer.timed(marks, "update_start", "update_end", module.update)
     torch.set_num_threads(settings["threads"])
     pacer.send(ready=True)
@@ -501,6 +576,8 @@ def run_trl_grpo(world: Path, pacer: Pacer, iterations: int, settings: dict) -> 
 def main() -> None:
     side, world, fd, iterations = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     settings = json.loads(sys.argv[5])
+    if side.endswith("_packed"):  # our side again, packing on
+        side, settings = side.removesuffix("_packed"), {**settings, "packing": "packed"}
     sys.path.insert(0, str(Path(__file__).parent))
     import torch
 

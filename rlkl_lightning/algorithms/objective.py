@@ -43,6 +43,7 @@ from rlkl_lightning.algorithms.update import Reduce
 from rlkl_lightning.kl.loss import kl_loss
 from rlkl_lightning.masked import masked_mean
 from rlkl_lightning.models.logprobs import Defer, TokenScores, score_tokens
+from rlkl_lightning.models.packing import PackedRows, check_packable, pack
 from rlkl_lightning.trajectory import Trajectory
 
 #: An algorithm's own loss term, computed from the policy's scores of the minibatch:
@@ -59,6 +60,8 @@ class PolicyObjective:
         temperature: The sampling temperature the log-probs are taken at.
         max_new_tokens: ``sampling.max_new_tokens``, the ``fixed_length`` aggregation's ``L``
             (needed with it alone).
+        packing: ``optimization.packing``: ``packed`` forwards each micro-batch's sequences
+            packed into rows without their padding (:meth:`packed_rows`).
     """
 
     def __init__(
@@ -67,8 +70,10 @@ class PolicyObjective:
         penalty: KLPenalty,
         temperature: float,
         max_new_tokens: int | None = None,
+        packing: str = "none",
     ) -> None:
         self.options = options
+        self.packing = packing
         self.penalty = penalty
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens
@@ -77,6 +82,18 @@ class PolicyObjective:
                 "PolicyObjective: `objective.aggregation`='fixed_length' divides by "
                 "`sampling.max_new_tokens`: pass `max_new_tokens`"
             )
+
+    def packed_rows(self, model: nn.Module, minibatch: Trajectory) -> PackedRows | None:
+        """``minibatch``'s sequences packed for ``model``'s forward pass, or None: padded rows.
+
+        Raises:
+            ValueError: Where ``model`` cannot run packed rows (FSDP, an attention
+                implementation that ignores packed position ids), naming the option.
+        """
+        if self.packing == "none":
+            return None
+        check_packable(model)
+        return pack(minibatch.attention_mask, minibatch.response_mask, minibatch.input_ids)
 
     # ------------------------------------------------------------------ the aggregation
     def tokens_per_rank(
@@ -147,7 +164,8 @@ class PolicyObjective:
         opts, mb = self.options, minibatch
         reduce = self.reduce(mb)
         # Without an entropy bonus no [B, R, V] logits are needed: the fused head (logprobs.py).
-        new = score_tokens(policy, mb, self.temperature, bool(opts.ent_coef), defer)
+        rows = self.packed_rows(policy, mb)
+        new = score_tokens(policy, mb, self.temperature, bool(opts.ent_coef), defer, rows)
         mask = mb.response_mask
         pg_loss, pg_stats = policy_loss(
             new.logprobs,

@@ -35,6 +35,7 @@ from rlkl_lightning.algorithms.losses import IMPORTANCE_RATIOS
 from rlkl_lightning.checkpoints import plain
 from rlkl_lightning.kl.estimators import estimator_spec, kl_estimator
 from rlkl_lightning.kl.loss import KL_PLACEMENTS
+from rlkl_lightning.models.packing import PACKINGS
 from rlkl_lightning.perf.onednn import check_cpu_matmul
 
 LR_SCHEDULES = ("constant", "linear")
@@ -138,6 +139,10 @@ class Optimization:
         lr_schedule: ``constant`` or ``linear`` (decay to 0 over the training batches).
         warmup_batches: linear warm-up length in batches.
         max_grad_norm: gradient-norm clip (None: no clip).
+        packing: the rows the update's forward passes run on: ``none`` (each micro-batch's
+            padded ``[b, P + R]`` rows) or ``packed`` (its sequences without their padding,
+            packed into rows of a token budget; the same losses and gradients up to rounding:
+            :mod:`rlkl_lightning.models.packing`).
     """
 
     group: ClassVar[str] = "optimization"
@@ -150,6 +155,7 @@ class Optimization:
         ("lr_schedule", _one_of(LR_SCHEDULES), f"one of {LR_SCHEDULES}"),
         ("warmup_batches", _int_at_least(0), "an integer >= 0"),
         ("max_grad_norm", _none_or_positive, "None or a number > 0"),
+        ("packing", _one_of(PACKINGS), f"one of {PACKINGS}"),
     )
 
     ppo_epochs: int = 4
@@ -160,6 +166,7 @@ class Optimization:
     lr_schedule: str = "constant"
     warmup_batches: int = 0
     max_grad_norm: float | None = 1.0
+    packing: str = "none"
 
     def __post_init__(self) -> None:
         check_rules(self)

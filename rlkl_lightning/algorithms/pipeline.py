@@ -236,7 +236,10 @@ class RLPipeline(LightningModule):
         self.automatic_optimization = False
         #: The policy objective (surrogate, entropy bonus, KL term, aggregation).
         self.policy_objective = PolicyObjective(
-            self.objective, self.penalty, self.sampling.temperature
+            self.objective,
+            self.penalty,
+            self.sampling.temperature,
+            packing=self.optimization.packing,
         )
 
         trust = {"trust_remote_code": self.models.trust_remote_code}

@@ -42,6 +42,7 @@ from rlkl_lightning.checkpoints import plain
 from rlkl_lightning.models.forward import trunk_forward
 from rlkl_lightning.models.loading import load_causal_lm
 from rlkl_lightning.models.logprobs import TokenScores
+from rlkl_lightning.models.packing import PackedRows, packed_trunk_forward
 from rlkl_lightning.models.value_head import ValueHead, hidden_size_of
 from rlkl_lightning.rewards import RewardModel
 from rlkl_lightning.trajectory import Trajectory
@@ -122,10 +123,17 @@ class PPOModule(RLPipeline):
             self.speed_up(self.value_trunk)
             self.value_head = ValueHead(hidden_size_of(self.value_trunk))
 
-    def values(self, traj: Trajectory, policy_hidden: Tensor) -> Tensor:
-        """Value estimates ``[B, R]`` (float32) at the positions that predict each token."""
+    def values(
+        self, traj: Trajectory, policy_hidden: Tensor, rows: PackedRows | None = None
+    ) -> Tensor:
+        """Value estimates ``[B, R]`` (float32) at the positions that predict each token.
+
+        ``rows``: ``traj``'s sequences packed: the separate value model forwards those.
+        """
         if self.value_trunk is None:
             return self.value_head(policy_hidden).float()
+        if rows is not None:
+            return self.value_head(packed_trunk_forward(self.value_trunk, rows)).float()
         keep = traj.response_ids.shape[1] + 1
         hidden = trunk_forward(self.value_trunk, traj.input_ids, traj.attention_mask, keep)
         return self.value_head(hidden[:, :-1]).float()
@@ -188,7 +196,10 @@ class PPOModule(RLPipeline):
     def _value_loss(
         self, mb: Trajectory, policy_hidden: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        values = self.values(mb, policy_hidden)
+        rows = None
+        if self.value_trunk is not None:  # the policy's hidden states come packed already
+            rows = self.policy_objective.packed_rows(self.value_trunk, mb)
+        values = self.values(mb, policy_hidden, rows)
         reduce = self.policy_objective.reduce(mb)
         return value_loss(
             values, mb.values, mb.returns, mb.response_mask, self.ppo.cliprange_value, reduce

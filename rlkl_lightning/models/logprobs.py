@@ -38,6 +38,7 @@ from rlkl_lightning.models.forward import (
     plain_lm_head_weight,
     trunk_forward,
 )
+from rlkl_lightning.models.packing import PackedRows, packed_lm_forward, packed_trunk_forward
 from rlkl_lightning.trajectory import Trajectory
 
 #: ``defer(weight, fn, *args)``: either returns ``fn(*args)``, the gradient for ``weight``, or
@@ -73,6 +74,7 @@ def score_tokens(
     temperature: float,
     logits: bool = True,
     defer: Defer | None = None,
+    rows: PackedRows | None = None,
 ) -> TokenScores:
     """Forward the whole sequences once and read the response positions off.
 
@@ -84,19 +86,29 @@ def score_tokens(
             ``hidden @ W.T`` gets its log-probs from :func:`token_logprobs` (no logits
             tensor, a cheaper backward).
         defer: Where the fused head may hand its weight gradient off (:data:`Defer`).
+        rows: ``traj``'s sequences packed (:func:`~rlkl_lightning.models.packing.pack`):
+            forward those instead of the padded rows; off the response mask the hidden states
+            (and logits) are then zeros.
     """
     keep = traj.response_ids.shape[1] + 1
     weight = None if logits else plain_lm_head_weight(model)
     if weight is not None:
-        hidden = trunk_forward(model, traj.input_ids, traj.attention_mask, keep)[:, :-1]
+        if rows is None:
+            hidden = trunk_forward(model, traj.input_ids, traj.attention_mask, keep)[:, :-1]
+        else:
+            hidden = packed_trunk_forward(model, rows)
         products = head_products(model)
         logprobs = token_logprobs(hidden, weight, traj.response_ids, temperature, products, defer)
         return TokenScores(None, logprobs, hidden)
-    out = lm_forward(model, traj.input_ids, traj.attention_mask, keep)
-    scaled = out.logits[:, :-1].float()
+    if rows is None:
+        out = lm_forward(model, traj.input_ids, traj.attention_mask, keep)
+        out = out._replace(logits=out.logits[:, :-1], hidden=out.hidden[:, :-1])
+    else:
+        out = packed_lm_forward(model, rows)
+    scaled = out.logits.float()
     # In place where no gradient flows: one [B, R, V] float32 tensor fewer at the peak.
     scaled = scaled / temperature if scaled.requires_grad else scaled.div_(temperature)
-    return TokenScores(scaled, gather_logprobs(scaled, traj.response_ids), out.hidden[:, :-1])
+    return TokenScores(scaled, gather_logprobs(scaled, traj.response_ids), out.hidden)
 
 
 def step_logits(model: nn.Module, hidden: Tensor, step: int, temperature: float) -> Tensor:

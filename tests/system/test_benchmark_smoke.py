@@ -193,3 +193,50 @@ def test_grpo_batch_must_split_into_groups_and_minibatches(monkeypatch, capsys):
         grpo_throughput.main(["--tiny", "--batch", "6"])
     assert exit_info.value.code == 2
     assert "must be a multiple of --generations (4)" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a benchmark smoke run: make test-slow
+def test_grpo_throughput_ragged_runs_packing_off_and_on(monkeypatch, capsys, tmp_path):
+    """``--ragged``: our side twice, packing off and on; the padding share is reported."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import grpo_throughput
+
+    args = ["--tiny", "--threads", "1", "--iters", "1", "--warmup", "0", "--batch", "8"]
+    results = grpo_throughput.main(args + ["--ragged", "--world", str(tmp_path / "world")])
+    r = results["ragged"]
+    assert set(results) == {"ours_grpo", "ours_grpo_packed", "ragged", "machine", "config"}
+    assert 0 < r["padding_share"] < 1 and r["needed_positions_per_iter"] > 0
+    assert r["update_positions_per_iter"]["packed"] <= r["update_positions_per_iter"]["padded"]
+    assert "ragged: padding" in capsys.readouterr().out
+
+
+def test_ragged_refuses_trl(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import grpo_throughput
+
+    with pytest.raises(SystemExit) as exit_info:
+        grpo_throughput.main(["--tiny", "--ragged", "--vs-trl"])
+    assert exit_info.value.code == 2
+    assert "--ragged compares our side with packing off and on" in capsys.readouterr().err
+
+
+def test_cut_responses_end_every_response_as_an_eos_stop(monkeypatch):
+    """Drawn lengths in 1..R; masks, pad tokens and log-probs as the rollout leaves them."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import workers
+
+    from rlkl_lightning.trajectory import Trajectory
+
+    ids = torch.arange(4 * 9).view(4, 9) + 5
+    attention = torch.ones(4, 9, dtype=torch.long)
+    attention[0, :2] = 0
+    traj = Trajectory(ids, attention, ids[:, 3:], torch.ones(4, 6), torch.full((4, 6), -1.0))
+    cut = workers.cut_responses(traj, torch.Generator().manual_seed(0), pad_token_id=0)
+    lengths = cut.response_mask.sum(1)
+    assert ((lengths >= 1) & (lengths <= 6)).all() and len(set(lengths.tolist())) > 1
+    kept = torch.arange(6) < lengths.unsqueeze(1)
+    assert torch.equal(cut.response_mask, kept.float())
+    assert torch.equal(cut.attention_mask, torch.cat([attention[:, :3], kept.long()], 1))
+    assert torch.equal(cut.response_ids, torch.where(kept, ids[:, 3:], 0))
+    assert torch.equal(cut.input_ids[:, 3:], cut.response_ids)
+    assert torch.equal(cut.logprobs, -kept.float())
