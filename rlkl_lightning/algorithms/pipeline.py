@@ -101,6 +101,7 @@ from rlkl_lightning.models.loading import (
 )
 from rlkl_lightning.models.logprobs import TokenScores, score_tokens, step_logits
 from rlkl_lightning.models.lora import AdaptersOff
+from rlkl_lightning.models.packing import check_packable
 from rlkl_lightning.models.sharding import shard_models
 from rlkl_lightning.perf.gelu import fuse_tanh_gelu
 from rlkl_lightning.perf.onednn import resolve, use_onednn
@@ -346,6 +347,10 @@ class RLPipeline(LightningModule):
         if isinstance(self.reference, torch.nn.Module):  # else: the policy, adapters off
             freeze(self.reference)
         disable_dropout(self.policy)
+        if self.optimization.packing == "packed":  # refused here, not at the first loss
+            for name in ("policy", "value_trunk"):
+                if getattr(self, name, None) is not None:
+                    check_packable(getattr(self, name))
         for reward in (self.reward, self.gold_reward):
             if hasattr(reward, "to"):
                 reward.to(self.device)

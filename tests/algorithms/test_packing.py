@@ -233,3 +233,10 @@ def test_bad_packing_and_unpackable_models_are_refused(tiny_lm_dir):
         check_packable(model)
     module = ppo(tiny_lm_dir, optimization={"packing": "packed"})
     assert module.policy_objective.packing == "packed"  # the option reaches the objective
+
+
+def test_an_unpackable_policy_is_refused_when_the_run_starts(tiny_lm_dir):
+    module = ppo(tiny_lm_dir, optimization={"packing": "packed"})
+    module.policy.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match=r"`optimization.packing`='packed' needs an attention"):
+        module.on_fit_start()  # before any rollout, not at the first loss
