@@ -74,6 +74,8 @@ EXACT_KL_TO_OPTIMUM = "exact/kl_to_optimum"  #: KL(pi‖pi*) to the optimum at t
 # The reward's failures and latency (logged only with a reward that marks failed samples:
 # RemoteReward, docs/rewards-at-scale.md).
 REWARD_FAILED_FRACTION = "reward/failed_fraction"  #: samples whose reward failed (masked)
+#: mean KL (objective/kl's estimator) of the samples whose reward failed: out of objective/kl
+REWARD_FAILED_KL = "reward/failed_kl"
 REWARD_RETRIES = "reward/retries"  #: retried requests of the batch, summed over ranks
 REWARD_LATENCY_P50 = "reward/latency_ms_p50"  #: median milliseconds of a request, retries in
 REWARD_LATENCY_P95 = "reward/latency_ms_p95"  #: 95th percentile of the same

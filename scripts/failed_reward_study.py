@@ -9,10 +9,11 @@ in one of two modes: ``uniform`` (each sample by chance, from the server's own g
 high-KL responses). The server answers a failed sample with ``null`` (the client masks it) or,
 for the zero variant, with 0. Three ways to take a failure:
 
-- ``mask``: the library's (the sample out of the advantages and losses, kept in the KL);
+- ``mask``: the library's (the sample out of the advantages, the losses and the KL the
+  controller reads: ``objective/kl`` is the trained samples');
 - ``zero``: the failed sample scored 0 (verl's);
-- ``kl_masked``: masked, and left out of the KL the controller reads too (its per-sequence KL
-  replaced by the scored samples' mean, so ``objective/kl`` is theirs).
+- ``kl_kept``: masked, but kept in the KL the controller reads (``objective/kl`` every
+  sample's): the library's rule up to 0.7.0.
 - ``bootstrap``: not masked: the failed sample's score is the value model's estimate at its
   last token, as for a truncated episode, and it is trained on like the others (so the KL
   penalty in its rewards still acts on the policy); not the library's, a candidate.
@@ -51,7 +52,7 @@ from rlkl_lightning.data import PromptDataModule
 from rlkl_lightning.rewards import RemoteReward, RewardModel, VaderSentimentReward
 
 RATE = 0.1
-VARIANTS = ("mask", "zero", "kl_masked", "bootstrap")
+VARIANTS = ("mask", "zero", "kl_kept", "bootstrap")
 LAST = 10  # batches the final numbers average over
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,11 +140,16 @@ def _healthy(url: str) -> bool:
 class StudyPPO(PPOModule):
     """PPOModule that records every sample's KL and VADER score.
 
-    With ``mask_kl`` it hides the failed samples' KL from the controller.
+    With ``kl_kept`` the failed samples' KL stays in what the controller reads (0.7.0's rule).
     """
 
-    mask_kl = False
+    kl_kept = False
     bootstrap = False
+
+    def log_batch(self, prompts, responses, traj, diagnostics, *args, **kwargs):  # noqa: D102
+        if self.kl_kept:  # objective/kl of every sample: the metrics read no mask
+            traj = traj._replace(sample_mask=None)
+        return super().log_batch(prompts, responses, traj, diagnostics, *args, **kwargs)
 
     def score(self, prompts, traj, policy_scores):  # noqa: D102
         traj, responses, diagnostics = super().score(prompts, traj, policy_scores)
@@ -157,11 +163,6 @@ class StudyPPO(PPOModule):
             last = traj.response_mask.sum(1).long().clamp(min=1) - 1
             value = traj.values.gather(1, last[:, None]).squeeze(1).to(traj.scores.dtype)
             traj = traj._replace(scores=torch.where(failed, value, traj.scores), sample_mask=None)
-        if self.mask_kl and "failed" in diagnostics and diagnostics["failed"].any():
-            scored = ~diagnostics["failed"]
-            for key in [k for k in diagnostics if k.startswith("kl_") and "/" not in k]:
-                value = diagnostics[key]
-                diagnostics[key] = torch.where(scored, value, value[scored].mean())
         return traj, responses, diagnostics
 
 
@@ -176,7 +177,7 @@ def run(seed: int, mode: str, variant: str, batches: int) -> tuple[float, float,
             optimization={"lr": 1.0e-4},
             logging={"log_samples_every": 0},
         )
-        module.mask_kl = variant == "kl_masked"
+        module.kl_kept = variant == "kl_kept"
         module.bootstrap = variant == "bootstrap"
         law = AdaptiveKLController(init_kl_coef=module.kl_coef, target=6.0, horizon=1000)
         steps = module.optimization.ppo_epochs * module.optimization.num_minibatches

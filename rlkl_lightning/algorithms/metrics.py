@@ -60,16 +60,26 @@ def batch_metrics(
     n = mask.shape[0]
     kl_seq = diagnostics[f"kl_{kl_estimator}"]
     n_tokens = mask.sum()
-    kl_sum, entropy_sum, all_tokens = global_sum(
-        torch.stack([kl_seq.sum(), diagnostics["entropy_sum"], n_tokens.to(traj.kl.dtype)])
+    trained = traj.sample_mask  # failed rewards: the KL of the samples the update trains on
+    kl_rows = kl_seq if trained is None else kl_seq[trained]
+    kl_tokens = n_tokens if trained is None else mask[trained].sum()
+    kl_sum, entropy_sum, all_tokens, trained_tokens = global_sum(
+        torch.stack(
+            [
+                kl_rows.sum(),
+                diagnostics["entropy_sum"],
+                n_tokens.to(traj.kl.dtype),
+                kl_tokens.to(traj.kl.dtype),
+            ]
+        )
     )
     t_start, t_rollout, t_scored, t_end = clock
     scored = ~diagnostics["failed"] if "failed" in diagnostics else None
     metrics = {
-        keys.KL: kl_seq.mean(),
-        keys.KL_PER_TOKEN: kl_sum / all_tokens,
+        keys.KL: kl_rows.mean(),
+        keys.KL_PER_TOKEN: kl_sum / trained_tokens,
         keys.SCORE: traj.scores.mean() if scored is None else traj.scores[scored].mean(),
-        keys.NON_SCORE_REWARD: -kl_coef * kl_seq.mean(),
+        keys.NON_SCORE_REWARD: -kl_coef * kl_rows.mean(),
         keys.ENTROPY: entropy_sum / all_tokens,
         keys.RESPONSE_TOKENS: n_tokens / n,
         keys.TOKENS_PER_S: n_tokens / (t_end - t_start),
@@ -78,12 +88,13 @@ def batch_metrics(
         keys.SCORE_S: torch.tensor(t_scored - t_rollout, dtype=torch.float32),
         keys.UPDATE_S: torch.tensor(t_end - t_scored, dtype=torch.float32),
     }
+    rows = slice(None) if trained is None else trained
     for name in logged_estimators(kl_estimator):
-        metrics[keys.kl_of(name)] = diagnostics[f"kl_{name}"].mean()
+        metrics[keys.kl_of(name)] = diagnostics[f"kl_{name}"][rows].mean()
     if "gold" in diagnostics:
         metrics[keys.GOLD_SCORE] = diagnostics["gold"].mean()
     if "penalized_kl" in diagnostics:  # penalty.trust_region: the penalty applied, what it left out
-        metrics[keys.NON_SCORE_REWARD] = -kl_coef * diagnostics["penalized_kl"].mean()
+        metrics[keys.NON_SCORE_REWARD] = -kl_coef * diagnostics["penalized_kl"][rows].mean()
         outside = global_sum(diagnostics["outside_tokens"].to(all_tokens.dtype))
         metrics[keys.TRUST_REGION_MASKED] = outside / all_tokens
     if distributed:
@@ -146,32 +157,39 @@ def _global_sample_means(
     global_sum: Callable[[Tensor], Tensor],
 ) -> dict[str, Tensor]:
     """The per-sample means of :func:`batch_metrics` over the samples of all ranks (one sum)."""
-    per_sample = {
-        keys.kl_of(name): diagnostics[f"kl_{name}"] for name in logged_estimators(kl_estimator)
+    trained = traj.sample_mask  # failed rewards: the KL of the samples the update trains on
+    rows = slice(None) if trained is None else trained
+    per_kl = {
+        keys.kl_of(name): diagnostics[f"kl_{name}"][rows]
+        for name in logged_estimators(kl_estimator)
     }
-    per_sample[keys.SCORE] = traj.scores
-    per_sample[keys.RESPONSE_TOKENS] = traj.response_mask.sum(1)
+    if "penalized_kl" in diagnostics:
+        per_kl[keys.NON_SCORE_REWARD] = diagnostics["penalized_kl"][rows]
+    per_sample = {keys.RESPONSE_TOKENS: traj.response_mask.sum(1)}
     if "gold" in diagnostics:
         per_sample[keys.GOLD_SCORE] = diagnostics["gold"]
-    if "penalized_kl" in diagnostics:
-        per_sample[keys.NON_SCORE_REWARD] = diagnostics["penalized_kl"]
     device = traj.response_mask.device
     scored = ~diagnostics["failed"] if "failed" in diagnostics else None
-    if scored is not None:  # the score is the mean of the scored samples alone
-        per_sample[keys.SCORE] = traj.scores[scored]
-    local = [v.to(device=device, dtype=torch.float64).sum() for v in per_sample.values()]
+    # the score is the mean of the scored samples alone
+    per_scored = {keys.SCORE: traj.scores if scored is None else traj.scores[scored]}
+    parts = (per_kl, per_sample, per_scored)
+    local = [v.to(device=device, dtype=torch.float64).sum() for p in parts for v in p.values()]
     n = torch.tensor(float(traj.response_mask.shape[0]), dtype=torch.float64, device=device)
+    n_trained = n if trained is None else trained.sum().to(torch.float64)
     n_scored = n if scored is None else scored.sum().to(torch.float64)
-    *sums, total, total_scored = global_sum(torch.stack([*local, n, n_scored])).unbind()
-    means = {key: value / total for key, value in zip(per_sample, sums, strict=True)}
-    means[keys.SCORE] = sums[list(per_sample).index(keys.SCORE)] / total_scored
+    sums = global_sum(torch.stack([*local, n_trained, n, n_scored])).tolist()
+    *sums, total_trained, total, total_scored = sums
+    means = {}
+    for part, count in zip(parts, (total_trained, total, total_scored), strict=True):
+        for key in part:
+            means[key] = torch.tensor(sums.pop(0) / count, dtype=torch.float64)
     means[keys.KL] = means[keys.kl_of(kl_estimator)]
     means[keys.NON_SCORE_REWARD] = -kl_coef * means.get(keys.NON_SCORE_REWARD, means[keys.KL])
     return means
 
 
 def reward_metrics(
-    failed: Tensor, stats: dict, global_sum: Callable[[Tensor], Tensor]
+    failed: Tensor, stats: dict, global_sum: Callable[[Tensor], Tensor], kl: Tensor | None = None
 ) -> dict[str, Tensor]:
     """The ``reward/*`` metrics of a reward that marks failed samples (RemoteReward).
 
@@ -180,22 +198,30 @@ def reward_metrics(
         stats: The reward's ``last_stats``: ``retries`` (int) and ``latency_ms`` (a list, one
             per request); missing ones count as none.
         global_sum: Sums a tensor over all ranks (identity on one process).
+        kl: ``[B]`` the per-sequence KL of ``objective/kl``'s estimator, for the failed samples'
+            mean (``reward/failed_kl``, logged where any sample failed).
 
     Returns:
         The failed share and the retries of all ranks, and this rank's request latency
         quantiles (under DDP the logged value is their mean over ranks).
     """
     device = failed.device
-    local = [float(failed.sum()), float(failed.numel()), float(stats.get("retries", 0))]
-    n_failed, n, retries = global_sum(torch.tensor(local, dtype=torch.float64, device=device))
+    failed_kl = 0.0 if kl is None else float(kl[failed].double().sum())
+    local = [float(failed.sum()), float(failed.numel()), float(stats.get("retries", 0)), failed_kl]
+    n_failed, n, retries, kl_sum = global_sum(
+        torch.tensor(local, dtype=torch.float64, device=device)
+    )
     latency = torch.tensor(stats.get("latency_ms") or [float("nan")], dtype=torch.float64)
     p50, p95 = latency.quantile(torch.tensor([0.5, 0.95], dtype=torch.float64))
-    return {
+    metrics = {
         keys.REWARD_FAILED_FRACTION: n_failed / n,
         keys.REWARD_RETRIES: retries,
         keys.REWARD_LATENCY_P50: p50,
         keys.REWARD_LATENCY_P95: p95,
     }
+    if kl is not None and n_failed > 0:  # the same on every rank: the counts are global
+        metrics[keys.REWARD_FAILED_KL] = kl_sum / n_failed
+    return metrics
 
 
 def token_kl_stats(

@@ -602,7 +602,8 @@ class RLPipeline(LightningModule):
         )
         if "failed" in diagnostics:  # a reward that marks failures: how it went
             client = getattr(self.reward, "last_stats", {}) or {}
-            metrics.update(reward_metrics(diagnostics["failed"], client, self.global_sum))
+            kl = diagnostics[f"kl_{klmod.kl_estimator(self.penalty.estimator).name}"]
+            metrics.update(reward_metrics(diagnostics["failed"], client, self.global_sum, kl))
         metrics[keys.SAMPLES] = torch.tensor(float(self.samples_seen), dtype=torch.float32)
         skipped = torch.tensor(float(self.skipped_batches), dtype=torch.float32)
         metrics[keys.SKIPPED_BATCHES] = skipped
@@ -765,9 +766,9 @@ class RLPipeline(LightningModule):
             self._warned_failed = True
             rank_zero_warn(
                 f"{self.owner}: the rewards of {n_failed} of {n} samples failed at batch "
-                f"{self.batches_seen + 1} ({why}); they are left out of the advantages and the "
-                "losses, and kept in the KL (warned once; `reward/failed_fraction` counts "
-                "every batch's)",
+                f"{self.batches_seen + 1} ({why}); they are left out of the advantages, the "
+                "losses and the KL the controller reads (warned once; `reward/failed_fraction` "
+                "counts every batch's, `reward/failed_kl` their KL)",
                 category=RuntimeWarning,
             )
         return ~failed

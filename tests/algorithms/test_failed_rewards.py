@@ -1,6 +1,6 @@
 """Failed rewards are masked, never scored zero: out of the advantages, baselines, losses and
-logged score; kept in the KL the controller reads; too many skip the batch; a silent server
-stops the run in one line.
+logged score and of the KL the controller reads (logged apart); too many skip the batch; a
+silent server stops the run in one line.
 """
 
 import math
@@ -114,7 +114,7 @@ def test_a_token_estimator_runs_on_the_scored_rows_and_leaves_the_others_at_zero
 # ---- in the pipeline ---------------------------------------------------------------------------
 
 
-def test_ppo_masks_failed_samples_and_keeps_them_in_the_logged_kl(tiny_lm_dir, spied):
+def test_ppo_masks_failed_samples_out_of_the_kl_the_controller_reads(tiny_lm_dir, spied):
     seen = Seen()
     module = PPOModule(**module_args(tiny_lm_dir, reward=FlakyReward(lambda i: i % 4 == 0)))
     with pytest.warns(RuntimeWarning, match="samples failed") as warned:
@@ -129,8 +129,9 @@ def test_ppo_masks_failed_samples_and_keeps_them_in_the_logged_kl(tiny_lm_dir, s
         assert trained.response_ids.shape[0] == 6  # the update: the scored samples alone
         assert torch.equal(trained.scores, traj.scores[~failed])
         kl = diagnostics["kl_k1"]
-        assert logged["objective/kl"] == pytest.approx(float(kl.mean()), rel=1e-6)
-        assert logged["objective/kl"] != pytest.approx(float(kl[~failed].mean()), rel=1e-6)
+        assert logged["objective/kl"] == pytest.approx(float(kl[~failed].mean()), rel=1e-6)
+        assert logged["objective/kl"] != pytest.approx(float(kl.mean()), rel=1e-6)
+        assert logged["reward/failed_kl"] == pytest.approx(float(kl[failed].mean()), rel=1e-6)
         assert logged["objective/score"] == pytest.approx(float(traj.scores[~failed].mean()))
         assert logged["reward/failed_fraction"] == 0.25
         assert logged["reward/retries"] == 3

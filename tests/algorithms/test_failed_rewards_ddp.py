@@ -61,11 +61,14 @@ def statistics(traj, diagnostics, global_sum, distributed):
     logged = batch_metrics(
         traj, diagnostics, "k1", 0.1, [0.0, 1.0, 2.0, 3.0], global_sum, distributed
     )
-    rewards = reward_metrics(diagnostics["failed"], {"retries": 1}, global_sum)
+    kl = diagnostics["kl_k1"]
+    rewards = reward_metrics(diagnostics["failed"], {"retries": 1}, global_sum, kl)
     return {
         "kl_scale": ppo.kl_scale[ppo.sample_mask][0],
         "grpo": grpo.advantages[:, 0],
         "kl": logged["objective/kl"],
+        "kl_per_token": logged["objective/kl_per_token"],
+        "failed_kl": rewards["reward/failed_kl"],
         "score": logged["objective/score"],
         "failed_fraction": rewards["reward/failed_fraction"],
         "retries": rewards["reward/retries"],
@@ -106,9 +109,17 @@ def test_masks_enter_the_global_statistics_of_two_ranks():
     for rank in (0, 1):
         got = out[rank]
         assert got["kl_scale"] == pytest.approx(float(one["kl_scale"]), rel=1e-6)
-        assert got["kl"] == pytest.approx(float(one["kl"]), rel=1e-6)  # all 8 samples
+        # the KL the controller reads: the 5 trained samples'; the failed ones' apart
+        assert got["kl"] == pytest.approx(float(one["kl"]), rel=1e-6)
+        assert got["kl_per_token"] == pytest.approx(float(one["kl_per_token"]), rel=1e-6)
+        assert got["failed_kl"] == pytest.approx(float(one["failed_kl"]), rel=1e-6)
         assert got["score"] == pytest.approx(float(one["score"]), rel=1e-6)  # the 5 scored
         assert got["failed_fraction"] == 3 / 8 and got["retries"] == 2
+    seq, trained = together["kl_k1"], both.sample_mask
+    assert float(one["kl"]) == pytest.approx(float(seq[trained].mean()), rel=1e-6)
+    tokens = both.response_mask[trained].sum()
+    assert float(one["kl_per_token"]) == pytest.approx(float(seq[trained].sum() / tokens), rel=1e-6)
+    assert float(one["failed_kl"]) == pytest.approx(float(seq[~trained].mean()), rel=1e-6)
     grpo = torch.tensor(out[0]["grpo"] + out[1]["grpo"])
     torch.testing.assert_close(grpo, one["grpo"].float(), rtol=1e-5, atol=1e-6)
     assert grpo[4:].tolist() == [0.0, 0.0, 0.0, 0.0]  # rank 1's groups have < 2 scored
