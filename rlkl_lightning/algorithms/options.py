@@ -138,6 +138,11 @@ class Optimization:
         lr_schedule: ``constant`` or ``linear`` (decay to 0 over the training batches).
         warmup_batches: linear warm-up length in batches.
         max_grad_norm: gradient-norm clip (None: no clip).
+        compile: run each micro-batch's forward and backward passes, the loss included, as one
+            ``torch.compile``d graph, its shapes padded to a few buckets
+            (:mod:`~rlkl_lightning.algorithms.compiled_update`; docs/benchmarks.md). The
+            gradients are the eager pass's to float rounding. Refused under FSDP and with
+            ``ppo.value_model_thread``; compiled code is kept in the library's cache.
     """
 
     group: ClassVar[str] = "optimization"
@@ -150,6 +155,7 @@ class Optimization:
         ("lr_schedule", _one_of(LR_SCHEDULES), f"one of {LR_SCHEDULES}"),
         ("warmup_batches", _int_at_least(0), "an integer >= 0"),
         ("max_grad_norm", _none_or_positive, "None or a number > 0"),
+        ("compile", _boolean, "True or False"),
     )
 
     ppo_epochs: int = 4
@@ -160,6 +166,7 @@ class Optimization:
     lr_schedule: str = "constant"
     warmup_batches: int = 0
     max_grad_norm: float | None = 1.0
+    compile: bool = False
 
     def __post_init__(self) -> None:
         check_rules(self)
