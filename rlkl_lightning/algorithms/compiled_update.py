@@ -128,13 +128,16 @@ def check(module: Any) -> None:
 def use_inductor_cache() -> Path:
     """Keep inductor's compiled code under the library's cache; returns the directory in use.
 
-    ``$RLKL_CACHE/inductor`` (``~/.cache/rlkl_lightning/inductor``) unless
-    ``TORCHINDUCTOR_CACHE_DIR`` is set: then that (a user's own, or inductor's default once
-    something compiled earlier in this process).
+    ``$RLKL_CACHE/inductor`` (``~/.cache/rlkl_lightning/inductor``), unless
+    ``TORCHINDUCTOR_CACHE_DIR`` names another directory than inductor's default (which
+    importing dynamo writes there): then that one, the user's.
     """
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
+
     from rlkl_lightning.world.cache import default_cache_dir
 
-    if not os.environ.get(INDUCTOR_CACHE_ENV):
+    current = os.environ.get(INDUCTOR_CACHE_ENV)
+    if not current or os.path.abspath(current) == os.path.abspath(inductor_default()):
         os.environ[INDUCTOR_CACHE_ENV] = str(default_cache_dir() / "inductor")
     return Path(os.environ[INDUCTOR_CACHE_ENV])
 
@@ -185,5 +188,16 @@ class CompiledUpdate:
         module.kl_coef = self._beta  # read by the graph as an input, not a constant
         try:
             return self._compiled(module, padded)
+        except torch._dynamo.exc.Unsupported as err:  # a loss of one's own that breaks the graph
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise ValueError(
+                f"`{OPTION}`: {type(module).__name__}.loss does not compile as one graph "
+                f"({first}); set compile=False"
+            ) from err
+        except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+            raise ValueError(
+                f"`{OPTION}`: more than {RECOMPILE_LIMIT} shapes of micro-batches compiled in "
+                "this process; set compile=False"
+            ) from err
         finally:
             module.kl_coef = beta

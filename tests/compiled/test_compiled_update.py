@@ -211,3 +211,20 @@ def test_a_second_process_finds_the_compiled_code_in_the_librarys_cache(tiny_lm_
     assert first["fxgraph_cache_miss"] == 2 and first.get("fxgraph_cache_hit", 0) == 0  # fwd+bwd
     assert second["fxgraph_cache_hit"] == 2 and second.get("fxgraph_cache_miss", 0) == 0
     assert any((tmp_path / "cache" / "inductor").iterdir())
+
+
+class _ReadsALoss(PPOModule):
+    """A loss of one's own that reads a number off a tensor: a graph break."""
+
+    def loss(self, minibatch):
+        loss, stats = super().loss(minibatch)
+        return loss * (2.0 if float(loss) > 0 else 1.0), stats
+
+
+def test_a_loss_that_breaks_the_graph_is_refused_by_name(tiny_lm_dir):
+    module = _ReadsALoss(
+        policy=str(tiny_lm_dir), sampling={"max_prompt_tokens": 8, "max_new_tokens": 8}
+    )
+    part = _ragged(torch.Generator().manual_seed(0), module.policy.config.vocab_size, 2, 4, 6)
+    with pytest.raises(ValueError, match=r"^`optimization.compile`: _ReadsALoss.loss does not co"):
+        CompiledUpdate(8, 8)(module, part, rows=2)
