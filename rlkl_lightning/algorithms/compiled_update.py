@@ -48,7 +48,7 @@ OPTION = "optimization.compile"
 MIN_BUCKET = 8
 #: Graphs kept for one run (row counts x widths); one more raises instead of running eagerly.
 RECOMPILE_LIMIT = 64
-#: Inductor's variable for its cache directory; unset, this module sets it (``use_inductor_cache``).
+#: Inductor's variable for its cache directory, which :func:`use_inductor_cache` sets.
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
