@@ -188,7 +188,7 @@ class CompiledUpdate:
         module.kl_coef = self._beta  # read by the graph as an input, not a constant
         try:
             return self._compiled(module, padded)
-        except torch._dynamo.exc.Unsupported as err:  # a loss of one's own that breaks the graph
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:  # a graph break
             first = (str(err).strip().splitlines() or [""])[0]
             raise ValueError(
                 f"`{OPTION}`: {type(module).__name__}.loss does not compile as one graph "
