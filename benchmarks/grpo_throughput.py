@@ -26,6 +26,7 @@ Usage::
 
     python benchmarks/grpo_throughput.py                                 # ours only
     python benchmarks/grpo_throughput.py --vs-trl --json grpo.json       # + TRL, and the ratio
+    python benchmarks/grpo_throughput.py --compiled-update               # + optimization.compile
     python benchmarks/grpo_throughput.py --vs-trl --device cuda --preset gpt2-124m \
         --precision bf16-mixed
     python benchmarks/grpo_throughput.py --ragged    # EOS stops: packing off against on
@@ -95,6 +96,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--generations", type=int, default=4, help="completions per prompt")
     parser.add_argument(
+        "--compiled-update",
+        action="store_true",
+        help="also run our side with optimization.compile (side ours_grpo_compiled); its first "
+        "warm-up iteration includes the compilation",
+    )
+    parser.add_argument(
         "--cpu-matmul",
         choices=("auto", "default", "onednn"),
         help="our side's models.cpu_matmul option (default: the library's own default)",
@@ -122,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     sides = {"ours_grpo": sys.executable}
     if args.ragged:
         sides["ours_grpo_packed"] = sys.executable
+    if args.compiled_update:
+        sides["ours_grpo_compiled"] = sys.executable
     if args.vs_trl:
         version = trl_version(args.trl_python)
         if version is None:
@@ -184,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
         "trl_grpo": f"TRL {TRL_VERSION} GRPOTrainer (transformers generate)",
     }
     labels["ours_grpo_packed"] = labels["ours_grpo"] + ", optimization.packing=packed"
+    labels["ours_grpo_compiled"] = labels["ours_grpo"] + ", optimization.compile"
     print(
         f"\nmachine: {results['machine']['device']}, {args.threads} threads, OMP_WAIT_POLICY "
         f"{args.omp_wait_policy}; preset {chosen.name}, {args.precision}; "
@@ -202,6 +212,12 @@ def main(argv: list[str] | None = None) -> dict:
         trl_median = results["trl_grpo"]["median_s_per_iter"]
         results["speedup"] = trl_median / results["ours_grpo"]["median_s_per_iter"]
         print(f"speedup (TRL median / ours median): {results['speedup']:.2f}x")
+    if "ours_grpo_compiled" in sides:
+        eager = results["ours_grpo"]["median_s_per_iter"]
+        results["compiled_speedup"] = eager / results["ours_grpo_compiled"]["median_s_per_iter"]
+        print(
+            f"compiled update (eager median / compiled median): {results['compiled_speedup']:.2f}x"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results

@@ -448,6 +448,7 @@ def ours_grpo(world: Path, settings: dict, iterations: int, callbacks=()):
     options, reward = _our_options(world, settings, p)
     options["penalty"].update(placement="loss", loss_estimator="k3")
     options["sampling"]["max_prompt_tokens"] = p.prompt + 1
+    options["optimization"]["compile"] = settings.get("compile", False)
     module = RLOOModule(
         reward=reward,
         group={"responses_per_prompt": k, "advantage": "grpo", "scale_rewards": "group"},
@@ -587,7 +588,8 @@ def main() -> None:
         run_trl(world, pacer, iterations, settings)
     elif side == "trl_grpo":
         run_trl_grpo(world, pacer, iterations, settings)
-    elif side == "ours_grpo":
+    elif side in ("ours_grpo", "ours_grpo_compiled"):  # the second: optimization.compile
+        settings = {**settings, "compile": side == "ours_grpo_compiled"}
         run_ours(pacer, iterations, settings, partial(ours_grpo, world, settings, iterations))
     else:
         separate = side == "ours_separate_value"

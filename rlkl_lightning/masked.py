@@ -137,7 +137,9 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """
     valid = valid_mask(x, mask, "masked_mean")
     count = valid.sum() if dim is None else valid.sum(dim=dim)
-    if bool((count == 0).any()):
+    # Compiled (perf/compiled_update.py) the check would split the graph; the compiled update
+    # pads only micro-batches that hold a valid token.
+    if not torch.compiler.is_compiling() and bool((count == 0).any()):
         where = "" if dim is None else f" along dim={dim} (at least one slice is empty)"
         raise ValueError(f"masked_mean: mask has no valid entries{where}")
     return masked_sum(x, valid, dim=dim) / count.to(x.dtype)

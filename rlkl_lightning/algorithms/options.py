@@ -143,6 +143,11 @@ class Optimization:
             padded ``[b, P + R]`` rows) or ``packed`` (its sequences without their padding,
             packed into rows of a token budget; the same losses and gradients up to rounding:
             :mod:`rlkl_lightning.models.packing`).
+        compile: run each micro-batch's forward and backward passes, the loss included, as one
+            ``torch.compile``d graph, its shapes padded to a few buckets
+            (:mod:`~rlkl_lightning.algorithms.compiled_update`; docs/benchmarks.md). The
+            gradients are the eager pass's to float rounding. Refused under FSDP and with
+            ``ppo.value_model_thread``; compiled code is kept in the library's cache.
     """
 
     group: ClassVar[str] = "optimization"
@@ -156,6 +161,7 @@ class Optimization:
         ("warmup_batches", _int_at_least(0), "an integer >= 0"),
         ("max_grad_norm", _none_or_positive, "None or a number > 0"),
         ("packing", _one_of(PACKINGS), f"one of {PACKINGS}"),
+        ("compile", _boolean, "True or False"),
     )
 
     ppo_epochs: int = 4
@@ -167,6 +173,7 @@ class Optimization:
     warmup_batches: int = 0
     max_grad_norm: float | None = 1.0
     packing: str = "none"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         check_rules(self)

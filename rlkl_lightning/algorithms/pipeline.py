@@ -40,6 +40,8 @@ from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.algorithms.checks import check_context, check_vocabulary, context_of
+from rlkl_lightning.algorithms.compiled_update import CompiledUpdate, use_inductor_cache
+from rlkl_lightning.algorithms.compiled_update import check as check_compiled_update
 from rlkl_lightning.algorithms.gates import (
     SkipBatch,
     any_rank,
@@ -228,6 +230,8 @@ class RLPipeline(LightningModule):
         #: Counts changes of the policy's weights; an engine that holds an older one gets a push.
         self.weights_version = 0
         self.threads: OneThread | ValueThread = OneThread()
+        #: The compiled update's pass (``optimization.compile``), built at fit start; else None.
+        self.compiled_update: CompiledUpdate | None = None
         self.save_hyperparameters(ignore=["reward", "gold_reward"])  # objects, not settings
         # LightningCLI saves a subclass's own arguments as the hyperparameters; the record must
         # be the options this module was built with, as plain values: checkpoints load with
@@ -304,6 +308,14 @@ class RLPipeline(LightningModule):
         decides (:func:`~rlkl_lightning.perf.value_thread.value_thread_on`) from this run's
         strategy and device.
         """
+        if self.optimization.compile:  # the helper thread's passes cannot join the graph
+            if setting:
+                raise ValueError(
+                    f"{self.owner}: `ppo.value_model_thread`=True does not run with "
+                    "`optimization.compile`=True (the value model's passes would run in another "
+                    "thread, outside the compiled graph); set one of them False"
+                )
+            return False
         strategy = self.trainer.strategy
         return value_thread_on(setting, separate_model, strategy, self.device.type, self.owner)
 
@@ -342,6 +354,9 @@ class RLPipeline(LightningModule):
     def on_fit_start(self) -> None:
         """Keep the frozen models frozen and the rewards on our device; start the engine.
 
+        With ``optimization.compile``, the compiled update's checks and its pass; with it or
+        ``engine.compiled_decode``, inductor's cache under the library's.
+
         Every rank starts its engine here, at the same point (vLLM's start is a collective).
         """
         if isinstance(self.reference, torch.nn.Module):  # else: the policy, adapters off
@@ -354,6 +369,14 @@ class RLPipeline(LightningModule):
         for reward in (self.reward, self.gold_reward):
             if hasattr(reward, "to"):
                 reward.to(self.device)
+        if self.optimization.compile or self.engine.compiled_decode:
+            use_inductor_cache()  # before anything compiles
+        if self.optimization.compile:
+            check_compiled_update(self)
+            sampling = self.sampling
+            self.compiled_update = CompiledUpdate(
+                sampling.max_prompt_tokens, sampling.max_new_tokens
+            )
         self.rollout_engine.start(self)
 
     @override

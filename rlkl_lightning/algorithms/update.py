@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from rlkl_lightning import metric_keys as keys
+from rlkl_lightning.algorithms.compiled_update import largest_micro_batch
 from rlkl_lightning.algorithms.gates import global_sum
 from rlkl_lightning.models.sharding import is_fsdp
 from rlkl_lightning.trajectory import Trajectory
@@ -69,6 +70,8 @@ class Updatable(Protocol):
     #: the policy objective, which owns the loss aggregation (``tokens_per_rank``, ``weigh``)
     policy_objective: Any
     threads: OneThread  #: or a speed-up with the same methods
+    #: None, or the compiled pass each micro-batch's loss runs through (``optimization.compile``)
+    compiled_update: Any
     sharded_models: tuple[str, ...]
     device: torch.device
     trainer: Any
@@ -148,6 +151,7 @@ def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
     everywhere = partial(global_sum, module._trainer)
     tokens_per_rank = objective.tokens_per_rank(traj.response_mask, everywhere, world)
     _warn_empty_steps(module, traj.response_ids.shape[0], world)
+    loss_of = _micro_batch_loss(module, traj.response_ids.shape[0])
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
     for _ in range(hp.ppo_epochs):
@@ -165,7 +169,7 @@ def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
                 part = traj.select(micro)
                 weight = part.response_mask.sum() / mb_tokens
                 part, loss_weight = objective.weigh(part, len(minibatch), weight, tokens_per_rank)
-                loss, stats = module.loss(part)
+                loss, stats = loss_of(part)
                 module.gate(not bool(torch.isfinite(loss)), "the loss is not finite")
                 module.manual_backward(loss * loss_weight)
                 for key, value in stats.items():
@@ -188,6 +192,18 @@ def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
     result = {key: torch.tensor(value / counts[key], dtype=f32) for key, value in totals.items()}
     result[keys.LR] = torch.tensor(scheduler.get_last_lr()[0], dtype=f32)
     return result
+
+
+def _micro_batch_loss(
+    module: Updatable, rows: int
+) -> Callable[[Trajectory], tuple[Tensor, dict[str, Tensor]]]:
+    """``module.loss``, or its compiled pass, which pads to this update's largest micro-batch."""
+    compiled = getattr(module, "compiled_update", None)
+    if compiled is None:
+        return module.loss
+    hp = module.optimization
+    largest = largest_micro_batch(rows, hp.num_minibatches, hp.grad_accum_steps)
+    return partial(compiled, module, rows=largest)
 
 
 def _warn_empty_steps(module: Updatable, rows: int, world: int) -> None:
