@@ -218,5 +218,7 @@ def test_push_time_and_peak_memory_are_logged_with_vllm_or_when_asked(
         assert 0 < metrics["perf/push_s"].item() < 60
     if logged:
         assert 0.05 < metrics["perf/peak_mem_gb/rank0"].item() < 100
+    peak = process_peak_bytes(torch.device("cpu")) / 1e9
     for key in phases:  # each phase's peak resident set, at most the process's peak
-        assert 0.05 < metrics[key].item() <= process_peak_bytes(torch.device("cpu")) / 1e9
+        # (logged as float32: its rounding may land a few parts in 1e8 above the float64 peak)
+        assert 0.05 < metrics[key].item() <= peak * (1 + 1e-7)

@@ -358,7 +358,9 @@ def test_the_ddp_means_log_a_plugged_estimator_under_its_name():
 
     from rlkl_lightning.algorithms.metrics import _global_sample_means
 
-    traj = SimpleNamespace(scores=torch.tensor([1.0, 0.0]), response_mask=torch.ones(2, 3))
+    traj = SimpleNamespace(
+        scores=torch.tensor([1.0, 0.0]), response_mask=torch.ones(2, 3), sample_mask=None
+    )
     diagnostics = {f"kl_{name}": torch.tensor([0.5, 1.5]) for name in KL_ESTIMATORS}
     diagnostics["kl_k4"] = torch.tensor([2.0, 4.0])
     means = _global_sample_means(traj, diagnostics, "k4", 0.1, lambda x: x)
