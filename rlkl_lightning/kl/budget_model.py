@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-#: The perplexity's lags the bank tries, in batches (the worlds' 20-200).
-LAGS = (50.0, 100.0, 200.0)
+#: The perplexity's lags the bank tries, in batches: the default world's perplexity follows
+#: the KL within batches, the review's plants in 20-200.
+LAGS = (10.0, 50.0, 100.0, 200.0)
 #: Lag of the "KL of now", in batches: the mean KL of an evaluation scatters by about 10%.
 NOW_LAG = 10.0
 #: Fading memory of the fits, in batches.
@@ -24,9 +25,9 @@ MEMORY = 200.0
 ELASTICITY = (0.7, 2.0)
 #: The model before any fit: (lag, elasticity).
 PRIOR = (100.0, 1.0)
-#: A longer lag is taken unless a shorter one fits with this factor less residual: the
+#: A longer lag is taken unless a shorter one fits with a residual this factor smaller: the
 #: fits are noisy early, and a lag too short predicts too little (the target then overshoots).
-SLACK = 1.0
+SLACK = 1.1
 #: Largest prediction, in log excess.
 MAX_LEAD = 1.0
 
