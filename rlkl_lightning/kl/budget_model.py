@@ -113,6 +113,7 @@ class ExcessModel:
     def state_dict(self) -> dict[str, Any]:
         """Everything the model carries from one evaluation to the next."""
         return {
+            "lags": list(LAGS),
             "now": self.now,
             "seen": None if self.seen is None else list(self.seen),
             "fits": [list(fit) for fit in self.fits],
@@ -128,8 +129,14 @@ class ExcessModel:
         if not state:
             return
         self.now = state["now"]
-        self.seen = None if state["seen"] is None else [float(s) for s in state["seen"]]
-        self.fits = [[float(v) for v in fit] for fit in state["fits"]]
+        # A bank saved with other lags (before 0.8.0: 50, 100, 200): the lags both know keep
+        # their state; a new one starts at the KL of now, unfitted.
+        saved = [float(lag) for lag in state.get("lags", (50.0, 100.0, 200.0))]
+        seen = dict(zip(saved, state["seen"] or [], strict=False))
+        fits = dict(zip(saved, state["fits"], strict=True))
+        if state["seen"] is not None:
+            self.seen = [float(seen.get(lag, self.now)) for lag in LAGS]
+        self.fits = [[float(v) for v in fits.get(lag, (0.0, 0.0, 0.0))] for lag in LAGS]
         self.log_excess, self.excess = state["log_excess"], state["excess"]
         self.noise = [float(v) for v in state["noise"]]
         self.n_noise = int(state["n_noise"])

@@ -696,3 +696,25 @@ def test_a_fast_plant_after_a_start_up_overshoot_predicts_no_rise_that_never_com
     leads = _fast_plant_leads()
     assert max(leads[8:]) < 0.05  # from batch 40 on
     assert max(_fast_plant_leads((50.0, 100.0, 200.0))[8:20]) > 0.2  # without it: a lead
+
+
+def test_a_bank_saved_with_the_older_lags_loads_into_the_new_one():
+    from rlkl_lightning.kl.budget_model import LAGS, ExcessModel
+
+    old = {  # 0.6.0-0.7.0's state: lags 50, 100, 200, no "lags" key
+        "now": 0.1,
+        "seen": [-0.5, -0.7, -0.9],
+        "fits": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]],
+        "log_excess": -2.0,
+        "excess": 0.13,
+        "noise": [0.01, 3.0],
+        "n_noise": 3,
+    }
+    model = ExcessModel()
+    model.load_state_dict(old)
+    assert LAGS == (10.0, 50.0, 100.0, 200.0)
+    assert model.seen == [0.1, -0.5, -0.7, -0.9]  # the new lag starts at the KL of now
+    assert model.fits == [[0.0, 0.0, 0.0], [1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]
+    again = ExcessModel()
+    again.load_state_dict(model.state_dict())
+    assert again.state_dict() == model.state_dict()
