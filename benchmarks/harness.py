@@ -344,3 +344,20 @@ def ragged_line(r: dict) -> str:
         f"{r['update_positions_per_iter']['packed']:.0f} per iteration); packing off / on: "
         f"{r['iteration_gain']:.2f}x per iteration, {r['update_gain']:.2f}x per update"
     )
+
+
+def result_line(result: dict) -> None:
+    """Print a child process's result as the one line :func:`in_fresh_process` reads."""
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def in_fresh_process(command: list, env: dict | None = None) -> dict:
+    """Run ``command`` (a benchmark's own child) and return the result its last line printed.
+
+    A fresh process per measurement: its peak memory is its own.
+    """
+    proc = subprocess.run([str(c) for c in command], env=env, capture_output=True, text=True)
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not results:
+        raise RuntimeError(f"{command[1:]} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(results[-1].removeprefix("RESULT "))

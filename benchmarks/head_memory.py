@@ -20,10 +20,10 @@ head's.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import time
+
+from harness import in_fresh_process, result_line
 
 WAYS = ("whole", "library chunks", "small chunks")
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)  # worker mode
     args = parser.parse_args(argv)
     if args.way:
-        print("RESULT " + json.dumps(run_once(args)), flush=True)
+        result_line(run_once(args))
         return []
     rows = []
     for _ in range(args.repeats):
@@ -104,11 +104,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             flags = ["--way", way, "--device", args.device, "--tokens", str(args.tokens)]
             flags += ["--vocab", str(args.vocab), "--width", str(args.width)]
             flags += ["--small-chunk", str(args.small_chunk), "--threads", str(args.threads)]
-            done = subprocess.run(
-                [sys.executable, __file__, *flags], capture_output=True, text=True, check=True
-            )
-            line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-            rows.append(json.loads(line[len("RESULT ") :]))
+            rows.append(in_fresh_process([sys.executable, __file__, *flags]))
             r = rows[-1]
             print(
                 f"{way:>14} ({r['chunk_rows']} rows): added peak {r['added_peak_mib']:,.0f} MiB, "

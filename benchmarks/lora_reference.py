@@ -29,11 +29,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness import in_fresh_process, result_line
 
 VARIANTS = ("full+copy", "lora+copy", "lora+off")
 GPT2_124M = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257}
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.variant:
-        print("RESULT " + json.dumps(run_variant(args)), flush=True)
+        result_line(run_variant(args))
         return []
 
     rows = []
@@ -212,13 +213,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for name in ("device", "precision", "batch", "new_tokens", "batches", "threads"):
                 command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
             command += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
-            proc = subprocess.run(
-                [str(c) for c in command], env=env, capture_output=True, text=True
-            )
-            results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode != 0 or not results:
-                raise RuntimeError(f"{variant} failed:\n{proc.stderr[-3000:]}")
-            rows.append(json.loads(results[-1].removeprefix("RESULT ")))
+            rows.append(in_fresh_process(command, env))
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

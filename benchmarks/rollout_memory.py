@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from harness import in_fresh_process, result_line
 from lora_reference import build_model, rss_bytes
 
 WAYS = ("kept", "recomputed")
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.way:
-        print("RESULT " + json.dumps(run_once(args)), flush=True)
+        result_line(run_once(args))
         return []
     if args.tiny:
         args.batch, args.new_tokens, args.vocab, args.repeats = 4, 6, 512, 1
@@ -112,11 +112,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 flags = ["--way", way, "--model-dir", str(model_dir), "--device", args.device]
                 flags += ["--batch", str(args.batch), "--new-tokens", str(args.new_tokens)]
                 flags += ["--vocab", str(args.vocab), "--threads", str(args.threads)]
-                done = subprocess.run(
-                    [sys.executable, __file__, *flags], capture_output=True, text=True, check=True
-                )
-                line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-                rows.append(json.loads(line[len("RESULT ") :]))
+                rows.append(in_fresh_process([sys.executable, __file__, *flags]))
                 r = rows[-1]
                 print(
                     f"{way:>10}: peak {r['peak_mib']:,.0f} MiB, rollout {r['rollout_s']:.2f} s, "
