@@ -102,6 +102,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "warm-up iteration includes the compilation",
     )
     parser.add_argument(
+        "--compiled-decode",
+        action="store_true",
+        help="also run our side with engine.compiled_decode (side ours_grpo_compiled, with "
+        "--compiled-update: both); its first warm-up iteration includes the compilation",
+    )
+    parser.add_argument(
         "--cpu-matmul",
         choices=("auto", "default", "onednn"),
         help="our side's models.cpu_matmul option (default: the library's own default)",
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     sides = {"ours_grpo": sys.executable}
     if args.ragged:
         sides["ours_grpo_packed"] = sys.executable
-    if args.compiled_update:
+    if args.compiled_update or args.compiled_decode:
         sides["ours_grpo_compiled"] = sys.executable
     if args.vs_trl:
         version = trl_version(args.trl_python)
@@ -153,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
         "omp_wait_policy": args.omp_wait_policy,
         "cpu_matmul": args.cpu_matmul,
         "ragged": args.ragged,
+        "compiled_update": args.compiled_update,
+        "compiled_decode": args.compiled_decode,
     }
     tmp = Path(tempfile.mkdtemp(prefix="rlkl-grpo-bench-"))
     world = build(args.world or tmp / "world", chosen)
@@ -193,7 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
         "trl_grpo": f"TRL {TRL_VERSION} GRPOTrainer (transformers generate)",
     }
     labels["ours_grpo_packed"] = labels["ours_grpo"] + ", optimization.packing=packed"
-    labels["ours_grpo_compiled"] = labels["ours_grpo"] + ", optimization.compile"
+    compiled = ["optimization.compile"] * args.compiled_update
+    compiled += ["engine.compiled_decode"] * args.compiled_decode
+    labels["ours_grpo_compiled"] = ", ".join([labels["ours_grpo"], *compiled])
     print(
         f"\nmachine: {results['machine']['device']}, {args.threads} threads, OMP_WAIT_POLICY "
         f"{args.omp_wait_policy}; preset {chosen.name}, {args.precision}; "
@@ -216,8 +226,16 @@ def main(argv: list[str] | None = None) -> dict:
         eager = results["ours_grpo"]["median_s_per_iter"]
         results["compiled_speedup"] = eager / results["ours_grpo_compiled"]["median_s_per_iter"]
         print(
-            f"compiled update (eager median / compiled median): {results['compiled_speedup']:.2f}x"
+            f"{' + '.join(compiled)} (eager median / compiled median): "
+            f"{results['compiled_speedup']:.2f}x"
         )
+        if "trl_grpo" in sides:
+            compiled_median = results["ours_grpo_compiled"]["median_s_per_iter"]
+            results["compiled_speedup_vs_trl"] = trl_median / compiled_median
+            print(
+                "speedup, compiled (TRL median / compiled median): "
+                f"{results['compiled_speedup_vs_trl']:.2f}x"
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results

@@ -449,6 +449,7 @@ def ours_grpo(world: Path, settings: dict, iterations: int, callbacks=()):
     options["penalty"].update(placement="loss", loss_estimator="k3")
     options["sampling"]["max_prompt_tokens"] = p.prompt + 1
     options["optimization"]["compile"] = settings.get("compile", False)
+    options["engine"] = {"compiled_decode": settings.get("compiled_decode", False)}
     module = RLOOModule(
         reward=reward,
         group={"responses_per_prompt": k, "advantage": "grpo", "scale_rewards": "group"},
@@ -588,8 +589,13 @@ def main() -> None:
         run_trl(world, pacer, iterations, settings)
     elif side == "trl_grpo":
         run_trl_grpo(world, pacer, iterations, settings)
-    elif side in ("ours_grpo", "ours_grpo_compiled"):  # the second: optimization.compile
-        settings = {**settings, "compile": side == "ours_grpo_compiled"}
+    elif side in ("ours_grpo", "ours_grpo_compiled"):  # the second: the compiled options asked
+        compiled = side == "ours_grpo_compiled"
+        settings = {
+            **settings,
+            "compile": compiled and settings.get("compiled_update", True),
+            "compiled_decode": compiled and settings.get("compiled_decode", False),
+        }
         run_ours(pacer, iterations, settings, partial(ours_grpo, world, settings, iterations))
     else:
         separate = side == "ours_separate_value"

@@ -5,10 +5,12 @@ launches every operator of the model and of the sampler from Python, and a KV ca
 changes the shapes at every token, so nothing can be captured once and replayed. Here the keys
 and values live in transformers' ``StaticCache`` (``[B, H, L, D]`` per layer, written in place),
 the attention mask has the fixed length ``L`` and hides the columns not yet written, and one
-function (the forward of one token, the logits, the filtering and the inverse-CDF draw) is
-compiled with ``torch.compile`` for fixed shapes: once per batch size and cache length ``L``
+function (the forward of one token, the logits, the filtering and the softmax) is compiled with
+``torch.compile`` for fixed shapes: once per batch size and cache length ``L``
 (``P`` rounded up to :data:`CAPACITY_STEP`, plus ``R``), never per token. On CUDA it is
-compiled with ``mode="reduce-overhead"``, so every token replays one CUDA graph.
+compiled with ``mode="reduce-overhead"``, so every token replays one CUDA graph. The
+inverse-CDF draw runs eagerly after it (a float64 scan over the vocabulary, which torch 2.11's
+inductor failed to generate for CUDA).
 
 What stays as in the eager loop, so a run samples what it would have sampled:
 
@@ -105,17 +107,15 @@ def _step(
     index: Tensor,
     shift: Tensor,
     allowed: Tensor,
-    uniform: Tensor,
     sampling: tuple[float, int, float],
-    eos: int | None,
-    pad: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Forward ``token [B, 1]`` at cache column ``index``, then draw the next token.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward ``token [B, 1]`` at cache column ``index``: the next token's distribution.
 
     ``shift [B, 1]``: position minus column; ``allowed [B, 1, 1, L]``: the prompt's padding
-    (False) and the response columns (True); ``uniform [B, 1]``: the draw's float64 numbers.
-    Returns the float32 ``logits / T [B, V]``, hidden state ``[B, H]``, next token ``[B, 1]``
-    and :func:`~rlkl_lightning.algorithms.decoding.picked_scores` ``[B, 3]``.
+    (False) and the response columns (True). Returns the float32 ``logits / T [B, V]``, hidden
+    state ``[B, H]`` and the filtered probabilities ``[B, V]``. The draw runs outside the graph:
+    its float64 CDF over the vocabulary is a scan that torch 2.11's inductor could not generate
+    for CUDA (first seen on an H200).
     """
     temperature, top_k, top_p = sampling
     policy = _model(policy)
@@ -129,21 +129,35 @@ def _step(
     )
     hidden = out.last_hidden_state
     logits = policy.get_output_embeddings()(hidden).float()[:, -1] / temperature
-    probs = torch.softmax(filter_logits(logits, top_k, top_p), dim=-1)
-    next_token = invert_cdf(probs, uniform)
-    return logits, hidden[:, -1], next_token, picked_scores(logits, next_token, eos, pad)
+    return logits, hidden[:, -1], torch.softmax(filter_logits(logits, top_k, top_p), dim=-1)
 
 
 _COMPILED: dict[str | None, object] = {}
+
+
+def compile_fixed(fn, limit: int, mode: str | None = None):
+    """``torch.compile`` for fixed shapes, one graph, at most ``limit`` recompilations.
+
+    Before torch 2.12 ``torch.compile`` takes no ``recompile_limit``: there dynamo's global
+    setting is raised to ``limit`` instead (never lowered).
+    """
+    kwargs = {"mode": mode, "dynamic": False, "fullgraph": True}
+    try:
+        return torch.compile(fn, recompile_limit=limit, **kwargs)
+    except TypeError as error:
+        if "recompile_limit" not in str(error):
+            raise
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), limit))
+    return torch.compile(fn, **kwargs)
 
 
 def _compiled_step(device: torch.device):
     """``_step`` compiled for fixed shapes; on CUDA replayed as CUDA graphs."""
     mode = "reduce-overhead" if device.type == "cuda" else None
     if mode not in _COMPILED:
-        _COMPILED[mode] = torch.compile(
-            _step, mode=mode, dynamic=False, fullgraph=True, recompile_limit=RECOMPILE_LIMIT
-        )
+        _COMPILED[mode] = compile_fixed(_step, RECOMPILE_LIMIT, mode)
     return _COMPILED[mode]
 
 
@@ -246,22 +260,14 @@ def decode(
         if step > 0:
             uniform = torch.rand(batch, 1, dtype=torch.float64, device=device)
             torch.compiler.cudagraph_mark_step_begin()
-            logits, hidden, token, picked_now = step_fn(
-                policy,
-                cache,
-                tokens[-1],
-                columns[step - 1],
-                shift,
-                allowed,
-                uniform,
+            logits, hidden, probs = step_fn(
+                policy, cache, tokens[-1], columns[step - 1], shift, allowed,
                 (temperature, top_k, top_p),
-                eos,
-                pad,
-            )
-            # A CUDA graph's outputs are overwritten by its next replay: keep copies.
-            token = token.clone()
+            )  # fmt: skip
+            token = invert_cdf(probs, uniform)
+            picked_now = picked_scores(logits, token, eos, pad) if not keep_logits else None
+            # A CUDA graph's outputs are overwritten by its next replay: keep a copy.
             hidden = hidden.clone()
-            picked_now = picked_now.clone() if not keep_logits else None
         if all_logits is not None:
             all_logits[:, step] = logits
         hidden_steps.append(hidden)

@@ -166,9 +166,9 @@ class CompiledUpdate:
         #: The rows every micro-batch is padded to: the largest micro-batch so far.
         self.rows = 0
         self._beta: Tensor | None = None
-        self._compiled = torch.compile(
-            _loss, dynamic=False, fullgraph=True, recompile_limit=RECOMPILE_LIMIT
-        )
+        from rlkl_lightning.algorithms.compiled_decode import compile_fixed
+
+        self._compiled = compile_fixed(_loss, RECOMPILE_LIMIT)
 
     def shape(self, part: Trajectory, rows: int) -> tuple[int, int, int]:
         """The padded ``(rows, prompt, response)`` of ``part``; ``rows``: its update's largest."""

@@ -44,3 +44,35 @@ def test_refused_by_name_attention_head_and_missing_compiler(tiny_lm_dir, monkey
     policy = load_causal_lm(str(tiny_lm_dir))
     with pytest.raises(ValueError, match=r"`engine.compiled_decode` on a CPU needs a C\+\+"):
         _sample(policy, tokenizer)
+
+
+def test_compile_fixed_sets_dynamo_s_limit_where_torch_compile_takes_no_recompile_limit(
+    monkeypatch,
+):
+    """torch 2.11 (the GPU machine's) has no ``recompile_limit`` argument: the config carries it."""
+    calls = []
+
+    def old_compile(fn, **kwargs):  # torch.compile before 2.12, as far as this argument goes
+        if "recompile_limit" in kwargs:
+            raise TypeError("compile() got an unexpected keyword argument 'recompile_limit'")
+        calls.append(kwargs)
+        return fn
+
+    config = torch._dynamo.config
+    monkeypatch.setattr(torch, "compile", old_compile)
+    monkeypatch.setattr(config, "recompile_limit", 8)
+    step = compiled_decode.compile_fixed(len, 40, "reduce-overhead")
+    assert step is len
+    assert calls == [{"mode": "reduce-overhead", "dynamic": False, "fullgraph": True}]
+    assert config.recompile_limit == 40
+    compiled_decode.compile_fixed(len, 20)  # never lowered
+    assert config.recompile_limit == 40
+
+
+def test_compile_fixed_passes_on_other_type_errors(monkeypatch):
+    def broken(fn, **kwargs):
+        raise TypeError("something else")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.raises(TypeError, match="something else"):
+        compiled_decode.compile_fixed(len, 40)

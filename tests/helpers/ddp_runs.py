@@ -55,7 +55,9 @@ def train_py(config: Path, cwd: Path, *args: str, timeout: float = 300) -> str:
     The run gets a session of its own: past ``timeout`` seconds (a hung DDP collective) the
     whole session is killed, the ranks Lightning started included, and the test fails.
     """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    # the caller's PYTHONPATH after ours (packages installed with --target, say)
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS), *inherited])}
     env["MASTER_PORT"] = str(free_port())  # used by a DDP run only
     command = [sys.executable, str(ROOT / "train.py"), "fit", "--config", str(config), *args]
     proc = subprocess.Popen(
