@@ -68,6 +68,7 @@ LABELS = {
 }
 for _side in ("ours", "ours_separate_value"):
     LABELS[f"{_side}_packed"] = LABELS[_side] + ", optimization.packing=packed"
+    LABELS[f"{_side}_compiled"] = LABELS[_side] + ", optimization.compile"
 
 
 def report(side: str, s: dict, cpu_matmul: str | None = None, thread: bool | None = None) -> None:
@@ -113,12 +114,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="our separate-value side without the second thread",
     )
     parser.add_argument(
+        "--compiled-update",
+        action="store_true",
+        help="also run each of our sides with optimization.compile (sides *_compiled; the "
+        "value model's thread off, as the option needs); the first warm-up iteration includes "
+        "the compilation",
+    )
+    parser.add_argument(
         "--no-separate-value",
         action="store_true",
         help="skip our variant with a separate value model",
     )
     args = parser.parse_args(argv)
     check_common_arguments(parser, args)
+    if args.ragged and args.compiled_update:
+        parser.error("--ragged and --compiled-update: one variant at a time")
     minibatches = preset(args.preset, args.tiny).minibatches
     if args.batch is not None and (args.batch < 1 or args.batch % minibatches):
         parser.error(f"--batch must be a positive multiple of the {minibatches} minibatches")
@@ -140,6 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
     sides = ["ours"] + ([] if args.no_separate_value else ["ours_separate_value"])
     if args.ragged:
         sides += [f"{side}_packed" for side in sides]
+    if args.compiled_update:
+        sides += [f"{side}_compiled" for side in sides]
     if args.vs_trl:
         if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
             print("TRL cannot be imported here (pip install trl==1.12.0): ours only")
@@ -167,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = shape.batch * shape.response
     results, precision = collect(
         runs,
-        lambda side: flops.phases(shape, side.removesuffix("_packed")),
+        lambda side: flops.phases(shape, side.removesuffix("_packed").removesuffix("_compiled")),
         tokens,
         peak,
         load_before,
@@ -216,6 +228,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"speedup (TRL median / ours median): {results['speedup']:.2f}x")
         if "speedup_separate_value" in results:
             print(f"speedup with a separate value model: {results['speedup_separate_value']:.2f}x")
+    for side in [s for s in sides if s.endswith("_compiled")]:
+        eager = results[side.removesuffix("_compiled")]["median_s_per_iter"]
+        compiled = results[side]["median_s_per_iter"]
+        results[f"compiled_speedup_{side}"] = eager / compiled
+        line = f"{side}: compiled update (eager median / compiled median) {eager / compiled:.2f}x"
+        if "trl" in sides:
+            line += f"; TRL median / compiled median {trl_median / compiled:.2f}x"
+        print(line)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results

@@ -184,7 +184,9 @@ def _our_options(world: Path, settings: dict, p) -> tuple[dict, object]:
             "num_minibatches": p.minibatches,
             "lr": LR,
             "packing": settings.get("packing", "none"),
+            "compile": settings.get("compile", False),
         },
+        engine={"compiled_decode": settings.get("compiled_decode", False)},
         logging={"log_samples_every": 0},
         models=matmul,
     )
@@ -205,7 +207,10 @@ def ours(world: Path, settings: dict, separate_value: bool, iterations: int, cal
     module = PPOModule(
         ppo={
             "value_model": str(world / "policy") if separate_value else None,
-            "value_model_thread": settings.get("value_model_thread") if separate_value else None,
+            # compiled: the library's default (off with optimization.compile)
+            "value_model_thread": settings.get("value_model_thread")
+            if separate_value and not settings.get("compile")
+            else None,
         },
         reward=SpacedPairReward(reward),
         **options,
@@ -448,8 +453,6 @@ def ours_grpo(world: Path, settings: dict, iterations: int, callbacks=()):
     options, reward = _our_options(world, settings, p)
     options["penalty"].update(placement="loss", loss_estimator="k3")
     options["sampling"]["max_prompt_tokens"] = p.prompt + 1
-    options["optimization"]["compile"] = settings.get("compile", False)
-    options["engine"] = {"compiled_decode": settings.get("compiled_decode", False)}
     module = RLOOModule(
         reward=reward,
         group={"responses_per_prompt": k, "advantage": "grpo", "scale_rewards": "group"},
@@ -580,6 +583,13 @@ def main() -> None:
     settings = json.loads(sys.argv[5])
     if side.endswith("_packed"):  # our side again, packing on
         side, settings = side.removesuffix("_packed"), {**settings, "packing": "packed"}
+    compiled = side.endswith("_compiled")  # our side again, with the compiled options asked
+    side = side.removesuffix("_compiled")
+    settings = {
+        **settings,
+        "compile": compiled and settings.get("compiled_update", True),
+        "compiled_decode": compiled and settings.get("compiled_decode", False),
+    }
     sys.path.insert(0, str(Path(__file__).parent))
     import torch
 
@@ -589,13 +599,7 @@ def main() -> None:
         run_trl(world, pacer, iterations, settings)
     elif side == "trl_grpo":
         run_trl_grpo(world, pacer, iterations, settings)
-    elif side in ("ours_grpo", "ours_grpo_compiled"):  # the second: the compiled options asked
-        compiled = side == "ours_grpo_compiled"
-        settings = {
-            **settings,
-            "compile": compiled and settings.get("compiled_update", True),
-            "compiled_decode": compiled and settings.get("compiled_decode", False),
-        }
+    elif side == "ours_grpo":
         run_ours(pacer, iterations, settings, partial(ours_grpo, world, settings, iterations))
     else:
         separate = side == "ours_separate_value"

@@ -17,8 +17,13 @@ of the run so far (rows) and to a bucket of prompt and response widths (:func:`b
 it meets, not once per batch. Padding adds only masked tokens: prompts on the left and
 responses on the right, as the batch is already padded, and rows whose every mask is 0 ("fully
 masked"); the losses, statistics and gradients are those of the micro-batch itself (to float
-rounding: the sums run over more zeros). A micro-batch whose rows come packed to a fixed length
-gets no width padding where that length is a bucket, and its padded rows hold no token.
+rounding: the sums run over more zeros).
+
+With ``optimization.packing: packed`` the padded micro-batch's sequences are packed
+(:func:`~rlkl_lightning.models.packing.pack`) outside the graph, which reads the data, into
+rows of the padded width, their count rounded up by :func:`row_bucket` and filled with filler
+rows (:func:`~rlkl_lightning.models.packing.pad_rows`); the graph takes the packed rows as
+inputs. A run then compiles once per (width bucket, packed-row bucket) it meets.
 
 Where it runs: with ``models.cpu_matmul: onednn`` (its products stay oneDNN's, opaque operators
 of the graph), with LoRA adapters, under DDP. Refused by name at fit start (:func:`check`):
@@ -41,6 +46,7 @@ import torch
 from torch import Tensor
 
 from rlkl_lightning.models.forward import plain_lm_head_weight
+from rlkl_lightning.models.packing import check_packable, pack, pad_rows
 from rlkl_lightning.trajectory import Trajectory
 
 OPTION = "optimization.compile"
@@ -62,6 +68,14 @@ def bucket(width: int, limit: int) -> int:
     while size < width:
         size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
     return max(width, min(size, limit))
+
+
+def row_bucket(rows: int, limit: int) -> int:
+    """``rows`` rounded up to the next of ``1, 2, 3, 4, 6, 8, 12, 16, ...``, at most ``limit``."""
+    size = min(rows, 4)
+    while size < rows:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return max(rows, min(size, limit))
 
 
 def pad_micro_batch(part: Trajectory, rows: int, prompt_width: int, response_width: int):
@@ -112,12 +126,6 @@ def check(module: Any) -> None:
 
     from rlkl_lightning.algorithms.compiled_decode import cpu_compiler_missing
 
-    if module.optimization.packing != "none":
-        raise ValueError(
-            f"`{OPTION}` does not run with `optimization.packing`="
-            f"{module.optimization.packing!r} yet (packed rows are built from the data, outside "
-            "a graph of fixed shapes); set one of them off"
-        )
     strategy = module.trainer.strategy
     if isinstance(strategy, FSDPStrategy):
         raise ValueError(
@@ -187,6 +195,13 @@ class CompiledUpdate:
         """``module.loss(part)`` of ``part`` padded (:meth:`shape`), compiled."""
         padded = pad_micro_batch(part, *self.shape(part, rows))
         plain_lm_head_weight(module.policy)  # its one-off check is a forward pass of its own
+        objective = module.policy_objective
+        if objective.packing != "none":  # packed here: packing reads the data (not a graph)
+            check_packable(module.policy)
+            width = padded.input_ids.shape[1]
+            packed = pack(padded.attention_mask, padded.response_mask, padded.input_ids, width)
+            count = row_bucket(packed.input_ids.shape[0], padded.input_ids.shape[0])
+            objective.given_rows = pad_rows(packed, count)
         beta = module.kl_coef
         if self._beta is None:  # float32, as the float is cast to multiply a float32 term
             self._beta = torch.zeros((), dtype=torch.float32, device=module.device)
@@ -207,3 +222,4 @@ class CompiledUpdate:
             ) from err
         finally:
             module.kl_coef = beta
+            objective.given_rows = None

@@ -74,6 +74,9 @@ class PolicyObjective:
     ) -> None:
         self.options = options
         self.packing = packing
+        #: Rows packed outside a compiled graph for the micro-batch whose loss it runs
+        #: (:class:`~rlkl_lightning.algorithms.compiled_update.CompiledUpdate`), or None.
+        self.given_rows: PackedRows | None = None
         self.penalty = penalty
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens
@@ -92,6 +95,8 @@ class PolicyObjective:
         """
         if self.packing == "none":
             return None
+        if self.given_rows is not None:  # packed by the compiled update, outside its graph
+            return self.given_rows
         check_packable(model)
         return pack(minibatch.attention_mask, minibatch.response_mask, minibatch.input_ids)
 

@@ -109,8 +109,13 @@ def first_fit(lengths: list[int], row_length: int) -> tuple[list[int], list[int]
     return rows, row_of, offset
 
 
-def pack(attention_mask: Tensor, response_mask: Tensor, input_ids: Tensor) -> PackedRows:
+def pack(
+    attention_mask: Tensor, response_mask: Tensor, input_ids: Tensor, row_length: int | None = None
+) -> PackedRows:
     """Pack the sequences of ``[B, P + R]`` padded rows (module docstring: the row budget).
+
+    ``row_length``: rows of this many tokens (at least the longest sequence) instead of the
+    budget's choice, as a compiled pass asks for fewer shapes.
 
     Raises:
         ValueError: If a position that predicts a response token is masked out (an empty
@@ -129,9 +134,10 @@ def pack(attention_mask: Tensor, response_mask: Tensor, input_ids: Tensor) -> Pa
         )
     lengths = keep.sum(1).tolist()
     options = []
-    for size in row_lengths(max(lengths), width, batch):
+    sizes = row_lengths(max(lengths), width, batch) if row_length is None else [row_length]
+    for size in sizes:
         placed = first_fit(lengths, size)
-        if len(placed[0]) * size * size <= batch * width * width:  # the padded attention's
+        if row_length or len(placed[0]) * size * size <= batch * width * width:  # the padded's
             options.append((len(placed[0]) * size, size, placed))
     _, row_length, (rows, row_of, offset) = min(options, key=lambda option: option[:2])
     n = len(rows)
@@ -150,6 +156,28 @@ def pack(attention_mask: Tensor, response_mask: Tensor, input_ids: Tensor) -> Pa
     source = torch.where(valid, target[:, prompt - 1 : prompt - 1 + steps], filler)
     shape = (n, row_length)
     return PackedRows(tokens.view(shape), positions.view(shape), source, batch * width)
+
+
+def pad_rows(rows: PackedRows, count: int) -> PackedRows:
+    """``rows`` with filler rows added up to ``count`` (fixed shapes for a compiled pass).
+
+    A filler row holds token 0 at positions restarting every ``P + R`` tokens, as a row's
+    filler does; no response position reads it (``source``'s zero row moves past it).
+    """
+    n, length = rows.input_ids.shape
+    if count < n:
+        raise ValueError(f"pad_rows: {n} packed rows do not fit {count}")
+    if count == n:
+        return rows
+    width = rows.padded_positions // rows.source.shape[0]
+    more = count - n
+    filler = torch.arange(length, device=rows.position_ids.device) % width
+    return PackedRows(
+        torch.cat([rows.input_ids, rows.input_ids.new_zeros(more, length)]),
+        torch.cat([rows.position_ids, filler.to(rows.position_ids.dtype).expand(more, length)]),
+        torch.where(rows.source == n * length, count * length, rows.source),
+        rows.padded_positions,
+    )
 
 
 def gather_rows(packed: Tensor, rows: PackedRows) -> Tensor:

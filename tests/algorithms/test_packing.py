@@ -19,7 +19,7 @@ from rlkl_lightning import PPOModule, RLOOModule
 from rlkl_lightning.algorithms.options import Optimization
 from rlkl_lightning.models.forward import trunk_forward
 from rlkl_lightning.models.logprobs import score_tokens
-from rlkl_lightning.models.packing import BUCKETS, check_packable, pack
+from rlkl_lightning.models.packing import BUCKETS, check_packable, pack, pad_rows
 from rlkl_lightning.trajectory import Trajectory
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn", "c_fc"], "fan_in_fan_out": True}
@@ -154,6 +154,27 @@ def test_pack_restarts_positions_and_fits_the_budget():
     assert rows.source.tolist() == [[1, 2, 3, fill], [6, fill, fill, fill], [7, 8, 9, 10]]
     assert (rows.positions, rows.padded_positions) == (14, 21)
     assert BUCKETS[:6] == (16, 24, 32, 48, 64, 96)
+
+
+def test_filler_rows_change_no_packed_value(tiny_lm_dir):
+    """``pad_rows`` (the compiled update's fixed row counts): the same per-token values."""
+    module = ppo(tiny_lm_dir)
+    traj = ragged(module, seed=3)
+    width = traj.input_ids.shape[1]
+    rows = pack(traj.attention_mask, traj.response_mask, traj.input_ids, width)
+    assert rows.input_ids.shape[1] == width  # the row length asked for
+    more = pad_rows(rows, rows.input_ids.shape[0] + 3)
+    assert more.input_ids.shape == (rows.input_ids.shape[0] + 3, width)
+    assert not more.input_ids[-3:].any()
+    assert more.position_ids[-1].tolist() == list(range(width))
+    with torch.no_grad():
+        packed = score_tokens(module.policy, traj, 1.0, logits=False, rows=rows)
+        padded_rows = score_tokens(module.policy, traj, 1.0, logits=False, rows=more)
+    torch.testing.assert_close(padded_rows.logprobs, packed.logprobs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(padded_rows.hidden, packed.hidden, rtol=0, atol=1e-6)
+    assert pad_rows(rows, rows.input_ids.shape[0]) is rows
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_rows(rows, rows.input_ids.shape[0] - 1)
 
 
 def test_the_row_length_packs_best_within_the_padded_attention():

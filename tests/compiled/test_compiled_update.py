@@ -29,7 +29,10 @@ from rlkl_lightning.algorithms.compiled_update import (
     INDUCTOR_CACHE_ENV,
     CompiledUpdate,
     bucket,
+    pad_micro_batch,
+    row_bucket,
 )
+from rlkl_lightning.models.packing import pack
 from rlkl_lightning.perf.onednn import available as onednn_available
 from rlkl_lightning.rewards import FunctionReward
 from rlkl_lightning.trajectory import Trajectory
@@ -50,6 +53,7 @@ def _module(cls, path, compiled: bool, **groups):
         "max_grad_norm": None,
         "lr": 1e-2,
         "compile": compiled,
+        "packing": groups.pop("packing", "none"),
     }
     return cls(
         policy=str(path),
@@ -81,10 +85,11 @@ def _step_gradients(cls, path, compiled: bool, prompts, **groups) -> list[torch.
     return grads
 
 
-def _assert_close_gradients(cls, path, prompts, **groups) -> None:
+def _assert_close_gradients(cls, path, prompts, packing: str = "none", **groups) -> None:
+    """The compiled pass (packed rows with ``packing``) against the eager padded pass."""
     eager = _step_gradients(cls, path, False, prompts, **groups)
     before = counters["stats"]["unique_graphs"]
-    compiled = _step_gradients(cls, path, True, prompts, **groups)
+    compiled = _step_gradients(cls, path, True, prompts, packing=packing, **groups)
     assert counters["stats"]["unique_graphs"] > before  # it did compile
     assert len(eager) == len(compiled) == 2  # one per minibatch
     for g_e, g_c in zip(eager, compiled, strict=True):
@@ -102,6 +107,19 @@ def test_grpo_gradients_are_the_eager_passes(tiny_lm_dir):
     group = {"advantage": "grpo", "responses_per_prompt": 2}
     objective = {"aggregation": "batch_token_mean", "cliprange_high": 0.28}
     _assert_close_gradients(RLOOModule, tiny_lm_dir, PROMPTS[:3], group=group, objective=objective)
+
+
+def test_packed_and_compiled_ppo_gradients_are_the_eager_padded_passes(tiny_lm_dir):
+    # the KL in the reward, the value head on the policy's packed trunk
+    _assert_close_gradients(PPOModule, tiny_lm_dir, PROMPTS, packing="packed")
+
+
+def test_packed_and_compiled_grpo_gradients_are_the_eager_padded_passes(tiny_lm_dir):
+    group = {"advantage": "grpo", "responses_per_prompt": 2}
+    _assert_close_gradients(
+        RLOOModule, tiny_lm_dir, PROMPTS[:3], packing="packed", group=group,
+        penalty={"placement": "loss"},
+    )  # fmt: skip
 
 
 @pytest.mark.skipif(not onednn_available(), reason="no oneDNN float32 linear kernel")
@@ -162,6 +180,42 @@ def test_twenty_ragged_micro_batches_compile_once_per_bucket(tiny_lm_dir):
         torch.testing.assert_close(stats, eager_stats, rtol=1e-5, atol=1e-6)
     assert buckets == {(3, 8, 8), (3, 12, 8)}  # prompts 2-12 tokens, responses 2-8
     assert counters["stats"]["unique_graphs"] - before == len(buckets)
+
+
+def test_twenty_ragged_packed_micro_batches_compile_once_per_shape(tiny_lm_dir):
+    """Packed rows of the padded width: one graph per (width buckets, packed-row bucket)."""
+    module = PPOModule(
+        policy=str(tiny_lm_dir),
+        sampling={"max_prompt_tokens": 16, "max_new_tokens": 8},
+        optimization={"packing": "packed"},
+    )
+    compiled = CompiledUpdate(prompt_limit=16, response_limit=8)
+    generator = torch.Generator().manual_seed(1)
+    vocab = module.policy.config.vocab_size
+    shapes, saved = set(), []
+    before = counters["stats"]["unique_graphs"]
+    for i in range(20):
+        rows = 4 + i % 5
+        prompt = int(torch.randint(2, 13, (1,), generator=generator))
+        response = int(torch.randint(2, 9, (1,), generator=generator))
+        part = _ragged(generator, vocab, rows, prompt, response)
+        module.kl_coef = 0.01 * (i + 1)
+        padded = pad_micro_batch(part, 8, bucket(prompt, 16), bucket(response, 8))
+        packed = pack(padded.attention_mask, padded.response_mask, padded.input_ids, None)
+        n = pack(*(padded.attention_mask, padded.response_mask, padded.input_ids),
+                 padded.input_ids.shape[1]).input_ids.shape[0]  # fmt: skip
+        shapes.add((bucket(prompt, 16), bucket(response, 8), row_bucket(n, 8)))
+        saved.append(1 - n / 8)
+        assert packed.positions <= padded.attention_mask.numel()
+        loss, stats = compiled(module, part, rows=8)
+        assert module.policy_objective.given_rows is None  # not left for an eager pass
+        module.policy_objective.packing = "none"  # the eager padded pass
+        eager, eager_stats = module.loss(part)
+        module.policy_objective.packing = "packed"
+        torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(stats, eager_stats, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] - before == len(shapes)
+    assert max(saved) >= 0.25  # some micro-batches did run on fewer rows
 
 
 CACHE_SCRIPT = textwrap.dedent(
