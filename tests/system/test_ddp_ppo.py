@@ -58,7 +58,10 @@ def close(a, b, rel=1e-5, abs=1e-6):
     return a == pytest.approx(b, rel=rel, abs=abs)
 
 
-def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_path, tiny_lm_dir):
+@pytest.mark.parametrize("packing", ["none", "packed"])  # packed: padding-free updates
+def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(
+    tmp_path, tiny_lm_dir, packing
+):
     from helpers.tiny_models import make_tiny_lm
 
     from rlkl_lightning.cli import main
@@ -74,12 +77,13 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(tmp_p
 
     ddp_cfg = config(tmp_path, lms, prompts_file, "ddp", poison, PER_RANK)
     ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
-    train_py(ddp_cfg, tmp_path, *ddp)
+    options = ["--model.init_args.optimization", f"{{packing: {packing}}}"] * (packing != "none")
+    train_py(ddp_cfg, tmp_path, *ddp, *options)
 
     sys.path.insert(0, str(TESTS))
     try:
         single_cfg = config(tmp_path, lms, prompts_file, "single", poison, global_batch)
-        main(["fit", "--config", str(single_cfg)])
+        main(["fit", "--config", str(single_cfg), *options])
     finally:
         sys.path.remove(str(TESTS))
 
