@@ -58,13 +58,14 @@ RECOMPILE_LIMIT = 64
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
-def bucket(width: int, limit: int) -> int:
+def bucket(width: int, limit: int, smallest: int = MIN_BUCKET) -> int:
     """``width`` rounded up to the next of ``8, 12, 16, 24, 32, 48, ...``, at most ``limit``.
 
     The buckets grow by factors of 1.5 and 4/3, so a run meets a few of them and padding adds
     at most half of a width; a width above ``limit`` (the sampling limit) stays as it is.
+    ``smallest``: the first bucket.
     """
-    size = MIN_BUCKET
+    size = smallest
     while size < width:
         size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
     return max(width, min(size, limit))
@@ -72,10 +73,7 @@ def bucket(width: int, limit: int) -> int:
 
 def row_bucket(rows: int, limit: int) -> int:
     """``rows`` rounded up to the next of ``1, 2, 3, 4, 6, 8, 12, 16, ...``, at most ``limit``."""
-    size = min(rows, 4)
-    while size < rows:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    return max(rows, min(size, limit))
+    return bucket(rows, limit, smallest=min(rows, 4))
 
 
 def pad_micro_batch(part: Trajectory, rows: int, prompt_width: int, response_width: int):
