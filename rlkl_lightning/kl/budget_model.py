@@ -1,12 +1,13 @@
-"""The capability budget's model of its plant: how far the perplexity has yet to rise.
+"""The capability budget's model of its plant: which KL holds the budget, from the run's own data.
 
-The held-out perplexity follows the KL with a lag of tens to hundreds of batches, so the excess
-a budget measures is that of a KL some way back. :class:`ExcessModel` keeps a bank of
-first-order lags of ``log KL`` (``s_L`` for each lag ``L`` in :data:`LAGS`) and, for each, the
-elasticity ``a`` that best explains the measured excess's changes between evaluations
-(``d log x = a d s_L``, least squares with a fading memory). The lag that explains them best,
-with its elasticity, predicts the excess the perplexity will reach once it has caught up with
-the KL of now: ``log x_pred = log x + a (k_now - s_L)``. docs/budget.md derives it.
+Along a run the log excess of the held-out perplexity is close to linear in a lagged log KL,
+with a level that drifts slowly: ``log x = c + a s_L + d t``, where ``s_L`` is a first-order lag
+of ``log KL`` over ``L`` batches and ``t`` the batch. :class:`ExcessModel` keeps ``s_L`` for each
+lag in :data:`LAGS`, fits ``(c, a, d)`` to the evaluations for each by weighted least squares
+(a fading memory, ``a`` drawn toward 1 and ``d`` toward 0), takes the lag that explains them
+(the shortest, unless a longer one leaves a residual :data:`SLACK` times smaller), and answers
+the log KL whose excess is the budget's: ``s_L + (log b - log x_hat) / a``. docs/budget.md
+derives it.
 """
 
 from __future__ import annotations
@@ -14,95 +15,141 @@ from __future__ import annotations
 import math
 from typing import Any
 
-#: The perplexity's lags the bank tries, in batches: the default world's perplexity follows
-#: the KL within batches, the review's plants in 20-200.
-LAGS = (10.0, 50.0, 100.0, 200.0)
-#: Lag of the "KL of now", in batches: the mean KL of an evaluation scatters by about 10%.
-NOW_LAG = 10.0
+#: The perplexity's lags the bank tries, in batches: the three worlds' perplexity follows the
+#: KL within 5-10 batches; a review's plants lag by 100 and 200.
+LAGS = (5.0, 25.0, 100.0, 200.0)
 #: Fading memory of the fits, in batches.
-MEMORY = 200.0
-#: The range of the fitted elasticity: the law study measured 0.77, a review's plant 1.3.
-ELASTICITY = (0.7, 2.0)
-#: The model before any fit: (lag, elasticity).
-PRIOR = (100.0, 1.0)
-#: A longer lag is taken unless a shorter one fits with a residual this factor smaller: the
-#: fits are noisy early, and a lag too short predicts too little (the target then overshoots).
-SLACK = 1.1
-#: Largest prediction, in log excess.
-MAX_LEAD = 1.0
+MEMORY = 150.0
+#: Evaluations older than this many batches are dropped (their weight is under exp(-4)).
+HORIZON = 4.0 * MEMORY
+#: A longer lag replaces the one chosen only if its residual is this factor of it or less.
+SLACK = 0.5
+#: Ridge on the elasticity toward 1 and on the drift toward 0, per unit weight.
+RIDGE_ELASTICITY = 0.05
+RIDGE_DRIFT = 0.05
+#: Time unit of the drift in the fit, in batches (keeps the normal equations well scaled).
+DRIFT_UNIT = 100.0
+#: The range of the fitted elasticity; the step uses at least :data:`STEP_ELASTICITY`.
+ELASTICITY = (0.3, 3.0)
+#: The smallest elasticity a step divides by: a smaller fitted one would step further than
+#: the plant moves, and a plant twice as elastic as the step assumes would swing.
+STEP_ELASTICITY = 1.0
+#: Batches the KL law takes to follow a new target: a drift is anticipated by this many
+#: batches plus half the evaluation interval (the mean of the coming interval).
+AHEAD = 20.0
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """``matrix^-1 rhs`` by Gaussian elimination with partial pivoting (a small system)."""
+    size = len(rhs)
+    rows = [list(row) + [value] for row, value in zip(matrix, rhs, strict=True)]
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(size):
+            if r != col:
+                f = rows[r][col] / rows[col][col]
+                rows[r] = [a - f * b for a, b in zip(rows[r], rows[col], strict=True)]
+    return [rows[i][size] / rows[i][i] for i in range(size)]
+
+
+class Fit:
+    """One lag's least-squares fit: ``log x = c + a s + d (t - now) / DRIFT_UNIT``."""
+
+    def __init__(self, c: float, elasticity: float, drift: float, residual: float) -> None:
+        self.c, self.elasticity, self.drift, self.residual = c, elasticity, drift, residual
 
 
 class ExcessModel:
-    """A bank of lagged log KLs and their fits: the excess once the perplexity catches up."""
+    """A bank of lagged log KLs, each with its fit: the log KL that holds the budget."""
 
     def __init__(self) -> None:
-        self.now: float | None = None  # log KL of now (lightly smoothed)
+        self.t = 0  # batches seen
         self.seen: list[float] | None = None  # s_L, per lag
-        self.fits = [[0.0, 0.0, 0.0] for _ in LAGS]  # faded sums of dx ds, ds ds, dx dx
-        self.log_excess: float | None = None  # of the last evaluation, where usable
-        self.excess: float | None = None  # of the last evaluation
+        self.history: list[tuple[int, float, list[float]]] = []  # (t, log x, s per lag)
+        self.excess: float | None = None  # the last evaluation's excess
         self.noise = [0.0, 0.0]  # faded sum of squared one-step residuals of x, and weights
         self.n_noise = 0  # evaluations behind the noise estimate
-        self.lag, self.elasticity = PRIOR
+        self.lag = LAGS[0]
+        self.fit = Fit(0.0, 1.0, 0.0, 0.0)
 
-    def update(self, log_kl: float, batches: int, excess: float, floor: float) -> float:
-        """Take one evaluation; return the predicted rise of ``log x`` still to come.
+    def update(self, log_kl: float, batches: int, excess: float, floor: float) -> None:
+        """Take one evaluation: the mean log KL of its ``batches`` and its excess ``x``.
 
-        Args:
-            log_kl: Log of the mean KL since the last evaluation.
-            batches: Batches since the last evaluation (> 0).
-            excess: The measured excess ``x`` (its log is used where ``x > floor``).
-            floor: The smallest excess whose log the fits use.
+        ``floor``: the smallest excess whose log the fits use (a smaller one is taken as it).
         """
-        if self.now is None or self.seen is None:
-            self.now, self.seen = log_kl, [log_kl] * len(LAGS)
-        self.now += (1.0 - math.exp(-batches / NOW_LAG)) * (log_kl - self.now)
-        before = list(self.seen)
+        before = None if self.seen is None else list(self.seen)
+        if self.seen is None:
+            self.seen = [log_kl] * len(LAGS)
+        self.t += batches
         for i, lag in enumerate(LAGS):
             self.seen[i] += (1.0 - math.exp(-batches / lag)) * (log_kl - self.seen[i])
-        fade = math.exp(-batches / MEMORY)
-        log_x = math.log(excess) if excess > floor else None
-        if log_x is not None and self.log_excess is not None:
-            dx = log_x - self.log_excess
-            for fit, new, old in zip(self.fits, self.seen, before, strict=True):
-                ds = new - old
-                fit[0] = fade * fit[0] + dx * ds
-                fit[1] = fade * fit[1] + ds * ds
-                fit[2] = fade * fit[2] + dx * dx
+        self.history.append((self.t, math.log(max(excess, floor)), list(self.seen)))
+        self.history = [h for h in self.history if self.t - h[0] < HORIZON]
         self._choose()
-        if self.excess is not None:  # the one-step residual of x: noise, once the model's
-            i = LAGS.index(self.lag)  # change is taken out
-            change = self.elasticity * self.excess * (self.seen[i] - before[i])
+        if self.excess is not None and before is not None:  # noise: the one-step residual
+            i = LAGS.index(self.lag)  # of x, once the model's change is taken out
+            change = self.fit.elasticity * self.excess * (self.seen[i] - before[i])
             residual = excess - self.excess - change
+            fade = math.exp(-batches / MEMORY)
             self.noise = [fade * self.noise[0] + residual**2, fade * self.noise[1] + 1.0]
             self.n_noise += 1
-        self.log_excess, self.excess = log_x, excess
-        i = LAGS.index(self.lag)
-        return min(max(self.elasticity * (self.now - self.seen[i]), 0.0), MAX_LEAD)
+        self.excess = excess
+
+    def _fit(self, i: int) -> Fit:
+        """Weighted ridge least squares of ``log x`` on ``(1, s_i, t)``."""
+        matrix = [[0.0] * 3 for _ in range(3)]
+        rhs = [0.0] * 3
+        rows = []
+        total = 0.0
+        for t, log_x, seen in self.history:
+            w = math.exp(-(self.t - t) / MEMORY)
+            v = (1.0, seen[i], (t - self.t) / DRIFT_UNIT)
+            rows.append((w, v, log_x))
+            total += w
+            for p in range(3):
+                rhs[p] += w * v[p] * log_x
+                for q in range(3):
+                    matrix[p][q] += w * v[p] * v[q]
+        matrix[1][1] += RIDGE_ELASTICITY * total
+        rhs[1] += RIDGE_ELASTICITY * total  # toward a = 1
+        matrix[2][2] += RIDGE_DRIFT * total  # toward d = 0
+        c, a, d = _solve(matrix, rhs)
+        bounded = min(max(a, ELASTICITY[0]), ELASTICITY[1])
+        if bounded != a:  # a at its bound: (c, d) again with a fixed
+            a = bounded
+            c, d = _solve(
+                [[matrix[0][0], matrix[0][2]], [matrix[2][0], matrix[2][2]]],
+                [rhs[0] - a * matrix[0][1], rhs[2] - a * matrix[2][1]],
+            )
+        residual = sum(w * (lx - c - a * v[1] - d * v[2]) ** 2 for w, v, lx in rows) / total
+        return Fit(c, a, d, residual)
 
     def _choose(self) -> None:
-        """The lag whose fit leaves the least residual, with its elasticity."""
-        fits = []
-        for lag, (sxs, sss, sxx) in zip(LAGS, self.fits, strict=True):
-            if sss > 0.0:
-                a = min(max(sxs / sss, ELASTICITY[0]), ELASTICITY[1])
-                fits.append((sxx - 2.0 * a * sxs + a * a * sss, lag, a))
-        if not fits:
-            self.lag, self.elasticity = PRIOR
-            return
-        least = min(fit[0] for fit in fits)
-        _, self.lag, self.elasticity = max(
-            (fit for fit in fits if fit[0] <= least + (SLACK - 1.0) * abs(least)),
-            key=lambda fit: fit[1],
-        )
+        """The shortest lag, unless a longer one explains the evaluations clearly better."""
+        fits = [self._fit(i) for i in range(len(LAGS))]
+        pick = 0
+        for i in range(1, len(LAGS)):
+            if fits[i].residual < SLACK * fits[pick].residual:
+                pick = i
+        self.lag, self.fit = LAGS[pick], fits[pick]
 
-    def loop_gain(self, batches: int) -> float:
-        """The largest change of the predicted log excess per unit step of log KL.
+    def wanted(self, log_budget: float, batches: int) -> float:
+        """The log KL at which the excess is the budget's over the coming ``batches``.
 
-        In one evaluation of ``batches``: the measured excess's (at most the elasticity) and
-        the prediction's (the elasticity times the share of the step the lag has not yet seen).
+        From the chosen lag's fit: the excess now is ``c + a s_L`` (its level at the last
+        evaluation); a rising drift is anticipated by :data:`AHEAD` + ``batches`` / 2 batches;
+        the step divides by at least :data:`STEP_ELASTICITY`.
         """
-        return self.elasticity * (1.0 + math.exp(-batches / self.lag))
+        assert self.seen is not None, "update() first"
+        s = self.seen[LAGS.index(self.lag)]
+        fit = self.fit
+        log_x = fit.c + fit.elasticity * s + max(fit.drift, 0.0) * (AHEAD + batches / 2) / DRIFT_UNIT
+        return s + (log_budget - log_x) / max(fit.elasticity, STEP_ELASTICITY)
+
+    def loop_gain(self) -> float:
+        """The fitted elasticity over the one a step assumes: the loop's gain (< 2: stable)."""
+        return self.fit.elasticity / max(self.fit.elasticity, STEP_ELASTICITY)
 
     @property
     def noise_sd(self) -> float:
@@ -113,31 +160,27 @@ class ExcessModel:
     def state_dict(self) -> dict[str, Any]:
         """Everything the model carries from one evaluation to the next."""
         return {
+            "version": 2,
             "lags": list(LAGS),
-            "now": self.now,
+            "t": self.t,
             "seen": None if self.seen is None else list(self.seen),
-            "fits": [list(fit) for fit in self.fits],
-            "log_excess": self.log_excess,
+            "history": [[t, lx, list(s)] for t, lx, s in self.history],
             "excess": self.excess,
             "noise": list(self.noise),
             "n_noise": self.n_noise,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a state without it (an older budget) starts afresh."""
+        """Restore :meth:`state_dict`. An older budget's model (before 0.10.0) or one saved
+        with other lags starts afresh: its fits answered another question."""
         self.__init__()
-        if not state:
+        if not state or state.get("version") != 2 or list(state["lags"]) != list(LAGS):
             return
-        self.now = state["now"]
-        # A bank saved with other lags (before 0.8.0: 50, 100, 200): the lags both know keep
-        # their state; a new one starts at the KL of now, unfitted.
-        saved = [float(lag) for lag in state.get("lags", (50.0, 100.0, 200.0))]
-        seen = dict(zip(saved, state["seen"] or [], strict=False))
-        fits = dict(zip(saved, state["fits"], strict=True))
-        if state["seen"] is not None:
-            self.seen = [float(seen.get(lag, self.now)) for lag in LAGS]
-        self.fits = [[float(v) for v in fits.get(lag, (0.0, 0.0, 0.0))] for lag in LAGS]
-        self.log_excess, self.excess = state["log_excess"], state["excess"]
+        self.t = int(state["t"])
+        self.seen = None if state["seen"] is None else [float(v) for v in state["seen"]]
+        self.history = [(int(t), float(lx), [float(v) for v in s]) for t, lx, s in state["history"]]
+        self.excess = state["excess"]
         self.noise = [float(v) for v in state["noise"]]
         self.n_noise = int(state["n_noise"])
-        self._choose()
+        if self.history:
+            self._choose()

@@ -30,23 +30,8 @@ from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
 from rlkl_lightning.kl.reading import check_name
 
 MODES = ("min", "max")
-#: The sampled loop's margin: gain x loop gain x (2 + integral share) stays below this (< 2).
-STABLE = 1.6
 #: Evaluations the noise estimate takes before the budget judges it.
 NOISE_EVALUATIONS = 10
-
-
-def budget_error(excess: float, budget_excess: float, floor: float) -> float:
-    """The outer loop's error: ``log(max(x, floor * b) / b)``.
-
-    ``x`` is the measured excess (``log(ppl / ppl_ref)`` for perplexity) and ``b`` the
-    budget's (``log budget``). Where the excess grows in proportion to the KL (the held-out
-    NLL's rise is second order in the policy's move, as the KL is), the error is
-    ``log(T / T*)`` at equilibrium: the loop gain from log target to error is 1 on every
-    world and at every budget. An excess at or below ``floor * b`` (the policy still at its
-    reference, or noise below it) reads as ``log floor``.
-    """
-    return math.log(max(excess, floor * budget_excess) / budget_excess)
 
 
 def _number(
@@ -121,32 +106,27 @@ class CapabilityBudget(Callback):
     ``n`` the training batches since the last evaluation and ``kl_mean`` the mean batch KL over
     them (from the controller callback's ``kl_sum``/``kl_count``), it does, in log target::
 
-        lead   = model.update(log kl_mean, n, x)                    # >= 0: the rise to come
-        e      = log(max(x exp(lead), error_floor * b) / b)          # budget_error
-        g      = min(gain, 1.6 / (model.loop_gain(n) (2 + s)))      # s = 1 - exp(-n / tau)
-        dz     = clip(-g s e, -fall_per_batch n, raise_per_batch n)  # integral action ...
-        lag    = kl_mean < follow * target                          # the KL still climbing
-        stuck  = kl_mean > target / follow and not falling          # the KL law cannot go lower
-        dz     = 0 if (dz > 0 and lag) or (dz < 0 and stuck)
-        z      = clip(z + dz, log min_target, log max_target)
-        u      = clip(z - g e, log target -+ (fall, raise)_per_batch n)  # proportional action
-        u      = min(u, log target) if lag; max(u, log target) if stuck
+        model.update(log kl_mean, n, max(x, error_floor * b))
+        want   = model.wanted(log b, n)       # s_L + (log b - log x_hat) / max(a, 1)
+        u      = clip(want, log target - fall_per_batch n, log target + raise_per_batch n)
+        u      = min(u, log target)  if kl_mean < follow * target          # still climbing
+        u      = max(u, log target)  if kl_mean > target / follow, not falling  # law stuck
         target = clip(exp(u), min_target, max_target)
 
-    a PI law in log target on the excess the perplexity will reach once it has caught up with
-    the KL of now (``model``, :class:`~rlkl_lightning.kl.budget_model.ExcessModel`: a bank of
-    lags of the log KL, the one that best explains the evaluations, with its fitted
-    elasticity). The target settles where ``e = 0``, i.e. ``m = budget * m_ref``; ``z``, the
-    integral, starts at ``log`` of the controller's target. The integral's gain per evaluation
-    is ``g s``, at most ``gain`` whatever the interval, and both gains are cut where the
-    sampled loop would be unstable (docs/budget.md, "Stability"). The target moves by at most
-    ``raise_per_batch`` up and ``fall_per_batch`` down per batch. Two holds keep the outer loop
-    from winding up against the KL law: the target does not rise, by either term, while the
-    KL has not reached ``follow`` x the target (it is still climbing), and it does not fall
-    while the KL stays above target / ``follow`` and does not fall (the law cannot bring it
-    lower; a lower target would only raise beta without end). Where the evaluations scatter by
-    more than half the budget's excess, the callback warns once, naming the smallest budget
-    it can hold. docs/budget.md derives the law.
+    a feed-forward law on the KL the run has measured, not on the target it asked for
+    (``model``, :class:`~rlkl_lightning.kl.budget_model.ExcessModel`: ``log x`` fitted as
+    ``c + a s_L + d t`` over the run's evaluations, ``s_L`` a lag of the log KL chosen from a
+    bank, ``d`` a slow drift; ``x_hat`` the fit's excess now, a rising drift anticipated). It
+    answers the KL whose excess is the budget's; the KL law's own lag in following the target
+    therefore winds nothing up, and on a plant of elasticity ``a'`` the loop's gain per
+    evaluation is ``1 - a' / max(a, 1)``, whatever the interval (docs/budget.md, "Stability").
+    The target moves by at most ``raise_per_batch`` up and ``fall_per_batch`` down per batch.
+    Two holds keep the outer loop from winding up against the KL law: the target does not
+    rise while the KL has not reached ``follow`` x the target (it is still climbing), and it
+    does not fall while the KL stays above target / ``follow`` and does not fall (the law
+    cannot bring it lower; a lower target would only raise beta without end). Where the
+    evaluations scatter by more than half the budget's excess, the callback warns once, naming
+    the smallest budget it can hold. docs/budget.md derives the law.
 
     The new target is handed to the controller callback
     (:meth:`~rlkl_lightning.kl.controller_callback.KLControllerCallback.set_target`: the law
@@ -169,11 +149,7 @@ class CapabilityBudget(Callback):
         reference_key: Key the module logs the reference's value under; its first finite
             value is kept for the run. None: the budget is absolute (``m_ref = 1``).
         mode: ``"min"`` (lower is better: perplexity, a held-out KL) or ``"max"``.
-        gain: Proportional gain, in log target per unit of error, >= 0; the integral's gain
-            per evaluation is ``gain (1 - exp(-n / tau))``. Both are cut to keep the sampled
-            loop stable where the fitted elasticity is high (docs/budget.md, "Stability").
-        tau: The integral's time constant, in batches, > 0.
-        raise_per_batch: Largest rise of ``log target`` per batch, > 0 (0.02: x 1.105 per 5).
+        raise_per_batch: Largest rise of ``log target`` per batch, > 0 (0.04: x 1.22 per 5).
         fall_per_batch: Largest fall of ``log target`` per batch, > 0 (0.04: x 0.82 per 5).
         min_target: Floor of the target (in the controller's unit), > 0.
         max_target: Ceiling of the target, > ``min_target``.
@@ -190,9 +166,7 @@ class CapabilityBudget(Callback):
         monitor: str = keys.PERPLEXITY,
         reference_key: str | None = keys.PERPLEXITY_REF,
         mode: str = "min",
-        gain: float = 0.5,
-        tau: float = 20.0,
-        raise_per_batch: float = 0.02,
+        raise_per_batch: float = 0.04,
         fall_per_batch: float = 0.04,
         min_target: float = 0.1,
         max_target: float = 100.0,
@@ -215,8 +189,6 @@ class CapabilityBudget(Callback):
         self.monitor = monitor
         self.reference_key = reference_key
         self.mode = mode
-        self.gain = _number(owner, "gain", gain, 0.0, closed=True)
-        self.tau = _number(owner, "tau", tau, 0.0)
         self.raise_per_batch = _number(owner, "raise_per_batch", raise_per_batch, 0.0)
         self.fall_per_batch = _number(owner, "fall_per_batch", fall_per_batch, 0.0)
         self.min_target = _number(owner, "min_target", min_target, 0.0)
@@ -226,7 +198,6 @@ class CapabilityBudget(Callback):
         self.log_key = log_key
         self._sign = 1.0 if mode == "min" else -1.0
         self.target: float | None = None  # set at set-up from the controller, or restored
-        self.integral: float | None = None  # z, in log target
         self.reference: float | None = None if reference_key is not None else 1.0
         self.ratio = math.nan  # the last measured m / m_ref
         self.n_evaluations = 0
@@ -237,9 +208,7 @@ class CapabilityBudget(Callback):
         self.batches_at_eval = 0
         self.kl_sum_at_eval = 0.0
         self.kl_count_at_eval = 0
-        self.model = ExcessModel()  # how far the perplexity has yet to rise
-        self.lead = 0.0  # its last prediction, in log excess
-        self.gain_used = self.gain  # the proportional gain of the last evaluation
+        self.model = ExcessModel()  # which KL holds the budget
         self.kl_before = math.nan  # the mean KL of the evaluation before (nan: none yet)
         self._controller: KLControllerCallback | None = None
         self._monitors: list[KLDriftMonitor] = []
@@ -253,7 +222,7 @@ class CapabilityBudget(Callback):
     @property
     @override
     def state_key(self) -> str:
-        # Not the budget or the gains: a resume with changed ones (--resume_with_changes)
+        # Not the budget or the rates: a resume with changed ones (--resume_with_changes)
         # carries the target and the reference's value over.
         return self._generate_state_key(monitor=self.monitor)
 
@@ -292,7 +261,6 @@ class CapabilityBudget(Callback):
             callback.steered = True  # the budget's target, not the configured one, is in force
         if self.target is None:
             self.target = min(max(controller.target, self.min_target), self.max_target)
-            self.integral = math.log(self.target)
         refresh = any(type(c).__name__ == "ReferenceRefresh" for c in trainer.callbacks)
         rank_zero_info(
             f"{owner}: steers the KL target ({controller.unit}) from {self.target:.4g} within "
@@ -413,65 +381,39 @@ class CapabilityBudget(Callback):
         self.n_in_band += lo_band <= self.ratio <= hi_band
         excess = self._sign * math.log(self.ratio)
         b = self.budget_excess
-        # The excess once the perplexity has caught up with the KL of now (budget_model).
-        log_kl = math.log(max(kl_mean, 1e-9)) if math.isfinite(kl_mean) else None
-        if log_kl is not None and batches > 0:
-            self.lead = self.model.update(log_kl, batches, excess, self.error_floor * b)
-            self._check_noise()
-        predicted = excess * math.exp(self.lead) if excess > 0 else excess
-        error = budget_error(predicted, b, self.error_floor)
-        rise, fall = self.raise_per_batch * batches, self.fall_per_batch * batches
-        # The integral's gain per evaluation is gain x (1 - exp(-n / tau)): at most `gain`,
-        # whatever the interval n. Both gains are cut where the loop's gain per evaluation would
-        # break the stability condition (docs/budget.md, "Stability").
-        integral = 1.0 - math.exp(-batches / self.tau)
-        gain = min(self.gain, STABLE / (self.model.loop_gain(batches) * (2.0 + integral)))
-        self.gain_used = gain
-        step = -gain * integral * error
-        step = min(max(step, -fall), rise)
-        # The KL has not reached `follow` x the target: it is still climbing, and a rise by
-        # either term would meet the perplexity's later rise with a target far too high.
-        lagging = not (kl_mean >= self.follow * self.target)
-        held = lagging and step > 0
-        if held:
-            step = 0.0
+        if not (math.isfinite(kl_mean) and kl_mean > 0 and batches > 0):
+            return self.target  # no KL measured since the last evaluation: nothing to fit
+        self.model.update(math.log(kl_mean), batches, excess, self.error_floor * b)
+        self._check_noise()
+        want = self.model.wanted(math.log(b), batches)
+        now = math.log(self.target)
+        u = min(max(want, now - self.fall_per_batch * batches), now + self.raise_per_batch * batches)
+        # The KL has not reached `follow` x the target: it is still climbing, and a higher
+        # target would meet the perplexity's rise with the KL law far behind it.
+        if kl_mean < self.follow * self.target and u > now:
+            u = now
+            self.n_held += 1
         # The KL law cannot bring the KL down to the target: a lower target would only wind
         # the law's beta up (and PPO at a huge beta diverges), so the target is not lowered.
         # A KL above target / follow that is still falling is the KL law following the target
         # down with its lag, not a KL it cannot bring lower.
         falling = kl_mean < self.kl_before
-        stuck = self.follow * kl_mean > self.target and not falling
-        if math.isfinite(kl_mean):
-            self.kl_before = kl_mean
-        held_low = stuck and step < 0
-        if held_low:
-            step = 0.0
-        lo, hi = math.log(self.min_target), math.log(self.max_target)
-        z = math.log(self.target) if self.integral is None else self.integral
-        self.integral = min(max(z + step, lo), hi)
-        now = math.log(self.target)
-        u = self.integral - gain * error
-        u = min(max(u, now - fall), now + rise)
-        if lagging and u > now:
-            u, held = now, True
-        self.n_held += held
-        if stuck and u < now:
-            u, held_low = now, True
-        if held_low:
+        self.kl_before = kl_mean
+        if self.follow * kl_mean > self.target and not falling and u < now:
+            u = now
             self.n_held_low += 1
             if not self._warned_stuck:
                 self._warned_stuck = True
                 where = "over" if excess > b else "within"
-                ahead = math.exp(self._sign * predicted)
                 rank_zero_warn(
                     f"{type(self).__name__}: {self.monitor!r} is {where} budget "
-                    f"({self.ratio:.4g} x the reference's, budget {self.budget:g}; "
-                    f"{ahead:.4g} once it catches up with the KL) and the loop would lower "
-                    f"the target, but the KL law holds the KL at {kl_mean:.4g}, "
-                    f"above the target {self.target:.4g} / follow ({self.follow:g}): the target "
-                    "is not lowered further while the KL does not follow it down (the budget "
-                    "may be out of reach; see docs/budget.md, 'When it cannot hold the "
-                    "budget'). Further such evaluations are counted in `n_held_low`.",
+                    f"({self.ratio:.4g} x the reference's, budget {self.budget:g}) and the loop "
+                    f"would lower the target to {math.exp(want):.4g}, but the KL law holds the "
+                    f"KL at {kl_mean:.4g}, above the target {self.target:.4g} / follow "
+                    f"({self.follow:g}): the target is not lowered further while the KL does "
+                    "not follow it down (the budget may be out of reach; see docs/budget.md, "
+                    "'When it cannot hold the budget'). Further such evaluations are counted "
+                    "in `n_held_low`.",
                     category=RuntimeWarning,
                 )
         self.target = min(max(math.exp(u), self.min_target), self.max_target)
@@ -511,7 +453,6 @@ class CapabilityBudget(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "target": self.target,
-            "integral": self.integral,
             "reference": self.reference,
             "ratio": self.ratio,
             "n_evaluations": self.n_evaluations,
@@ -523,7 +464,6 @@ class CapabilityBudget(Callback):
             "kl_sum_at_eval": self.kl_sum_at_eval,
             "kl_count_at_eval": self.kl_count_at_eval,
             "model": self.model.state_dict(),
-            "lead": self.lead,
             "kl_before": self.kl_before,
         }
 
@@ -532,8 +472,6 @@ class CapabilityBudget(Callback):
         target = state_dict.get("target")
         if target is not None:
             self.target = min(max(float(target), self.min_target), self.max_target)
-        integral = state_dict.get("integral")
-        self.integral = math.log(self.target) if integral is None else float(integral)
         if self.reference_key is not None:
             self.reference = state_dict.get("reference")
         self.ratio = float(state_dict.get("ratio", math.nan))
@@ -547,5 +485,4 @@ class CapabilityBudget(Callback):
         self.kl_sum_at_eval = float(state_dict.get("kl_sum_at_eval", 0.0))
         self.kl_count_at_eval = int(state_dict.get("kl_count_at_eval", 0))
         self.model.load_state_dict(state_dict.get("model") or {})
-        self.lead = float(state_dict.get("lead", 0.0))
         self.kl_before = float(state_dict.get("kl_before", math.nan))

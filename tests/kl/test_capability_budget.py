@@ -17,7 +17,9 @@ from helpers.kl_callbacks import fit
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from rlkl_lightning.kl.capability_budget import CapabilityBudget, budget_error
+from rlkl_lightning.kl import budget_model
+from rlkl_lightning.kl.budget_model import LAGS, ExcessModel
+from rlkl_lightning.kl.capability_budget import CapabilityBudget
 from rlkl_lightning.kl.controller_callback import KLControllerCallback
 from rlkl_lightning.kl.controllers import (
     ExponentialKLController,
@@ -33,12 +35,79 @@ SLOPE = 0.1  # log(ppl / ref) per nat of KL: the plant's excess grows in proport
 # ---- the law, one evaluation at a time ------------------------------------------------------
 
 
-def test_budget_error_is_the_log_of_the_excess_over_the_budgets_with_a_floor():
-    b = math.log(1.15)
-    assert budget_error(b, b, 0.1) == 0.0
-    assert budget_error(2 * b, b, 0.1) == pytest.approx(math.log(2), rel=1e-15)
-    assert budget_error(0.5 * b, b, 0.1) == pytest.approx(math.log(0.5), rel=1e-15)
-    assert budget_error(-0.3, b, 0.1) == pytest.approx(math.log(0.1), rel=1e-15)  # floored
+def _lagged(log_kls, lag, n=5):
+    """s_L after each evaluation of ``n`` batches whose mean log KL is each of ``log_kls``."""
+    s, out = None, []
+    for k in log_kls:
+        s = k if s is None else s + (1 - math.exp(-n / lag)) * (k - s)
+        out.append(s)
+    return out
+
+
+def test_the_fit_is_the_weighted_ridge_least_squares_solved_a_second_way():
+    # The model's normal equations against torch's least squares on the weighted rows, the
+    # ridge written as two extra rows: the same (c, a, d) and residual.
+    rng = random.Random(3)
+    model = ExcessModel()
+    rows = []
+    for k in range(40):
+        log_kl = math.log(1.5 + 0.5 * math.sin(k / 3) + 0.1 * rng.random())
+        excess = math.exp(-2.0 + 0.8 * log_kl + 0.002 * 5 * k + rng.gauss(0, 0.05))
+        model.update(log_kl, 5, excess, 1e-6)
+        rows.append(log_kl)
+    for i in range(len(LAGS)):
+        fit = model._fit(i)
+        t_now = model.t
+        w, a_rows, y = [], [], []
+        for t, log_x, seen in model.history:
+            w.append(math.exp(-(t_now - t) / budget_model.MEMORY))
+            a_rows.append([1.0, seen[i], (t - t_now) / budget_model.DRIFT_UNIT])
+            y.append(log_x)
+        total = sum(w)
+        sw = torch.tensor(w, dtype=torch.float64).sqrt()
+        design = torch.tensor(a_rows, dtype=torch.float64) * sw[:, None]
+        target = torch.tensor(y, dtype=torch.float64) * sw
+        ridge_a = math.sqrt(budget_model.RIDGE_ELASTICITY * total)
+        ridge_d = math.sqrt(budget_model.RIDGE_DRIFT * total)
+        design = torch.cat([design, torch.tensor([[0.0, ridge_a, 0.0], [0.0, 0.0, ridge_d]],
+                                                 dtype=torch.float64)])
+        target = torch.cat([target, torch.tensor([ridge_a, 0.0], dtype=torch.float64)])
+        c, a, d = torch.linalg.lstsq(design, target[:, None]).solution[:, 0].tolist()
+        assert (fit.c, fit.elasticity, fit.drift) == pytest.approx((c, a, d), rel=1e-9, abs=1e-12)
+        residual = sum(
+            wi * (yi - c - a * r[1] - d * r[2]) ** 2 for wi, yi, r in zip(w, y, a_rows, strict=True)
+        ) / total
+        assert fit.residual == pytest.approx(residual, rel=1e-9)
+    assert model.lag == 5.0  # the plant has no lag: the shortest is kept
+
+
+def test_the_fit_finds_a_noise_free_plants_elasticity_and_drift_and_wants_its_kl():
+    # log x = -2 + 0.8 s_5 + 0.01 per 5 batches: the fit recovers a and d but for the ridge's
+    # pull (a toward 1, d toward 0), and the KL it wants puts the excess at the budget.
+    model = ExcessModel()
+    log_kls = [math.log(2.0 + math.sin(k / 2)) for k in range(30)]  # not collinear with time
+    for k, s in enumerate(_lagged(log_kls, 5.0)):
+        model.update(log_kls[k], 5, math.exp(-2.0 + 0.8 * s + 0.002 * 5 * k), 1e-6)
+    fit = model.fit
+    assert model.lag == 5.0
+    assert 0.8 < fit.elasticity < 0.9  # the ridge draws it toward 1
+    assert fit.drift == pytest.approx(0.2, rel=0.25)  # per 100 batches
+    b = math.log(1.3)
+    s = model.seen[0]
+    log_x = fit.c + fit.elasticity * s + fit.drift * (budget_model.AHEAD + 2.5) / 100
+    assert model.wanted(math.log(b), 5) == pytest.approx(s + (math.log(b) - log_x), rel=1e-12)
+
+
+def test_a_longer_lag_is_chosen_only_when_it_explains_the_evaluations_clearly_better():
+    # A plant whose excess follows a 100-batch lag of the KL: the bank finds it. A fast one
+    # with noise: the shortest lag is kept.
+    for lag, noise in [(100.0, 0.0), (5.0, 0.05)]:
+        rng = random.Random(0)
+        model = ExcessModel()
+        log_kls = [math.log(1.0 if k < 10 else 3.0) for k in range(60)]
+        for k, s in enumerate(_lagged(log_kls, lag)):
+            model.update(log_kls[k], 5, math.exp(-2.0 + s + rng.gauss(0, noise)), 1e-6)
+        assert model.lag == lag
 
 
 class FakeControllerCallback(SimpleNamespace):
@@ -55,94 +124,41 @@ def _wired(budget: CapabilityBudget, target: float) -> FakeControllerCallback:
     return ctl
 
 
-def _expected(
-    z,
-    target,
-    ratio,
-    batches,
-    kl_mean,
-    kl_before,
-    budget=1.15,
-    gain=0.5,
-    tau=20.0,
-    rise=0.02,
-    fall=0.04,
-    follow=0.7,
-    lo=0.1,
-    hi=100.0,
-):
-    """The PI law of the class docstring, its prediction at 0, written out: (z, target)."""
-    b = math.log(budget)
-    e = math.log(max(math.log(ratio), 0.1 * b) / b)
-    dz = -gain * (1 - math.exp(-batches / tau)) * e
-    dz = min(max(dz, -fall * batches), rise * batches)
-    lag = kl_mean < follow * target  # the KL still climbing: no rise, by either term
-    if dz > 0 and lag:
-        dz = 0.0
-    # the KL law does not bring the KL down to the target (it is above and not falling)
-    stuck = kl_mean > target / follow and not kl_mean < kl_before
-    if stuck and dz < 0:
-        dz = 0.0
-    z = min(max(z + dz, math.log(lo)), math.log(hi))
-    now = math.log(target)
-    u = min(max(z - gain * e, now - fall * batches), now + rise * batches)
-    if lag:
-        u = min(u, now)
-    if stuck:
-        u = max(u, now)
-    return z, min(max(math.exp(u), lo), hi)
-
-
-def test_each_evaluation_follows_the_formula_with_its_clip_hold_floor_and_ceiling():
+def test_each_evaluation_follows_the_formula_with_its_clip_holds_floor_and_ceiling():
     budget = CapabilityBudget(
-        1.15, gain=0.5, tau=30.0, raise_per_batch=0.005, min_target=0.5, max_target=4.0
+        1.15, raise_per_batch=0.005, fall_per_batch=0.04, min_target=0.5, max_target=4.0
     )
-    budget.model.update = lambda *args: 0.0  # the prediction: tested on its own below
-    budget.model.loop_gain = lambda batches: 1.0  # gain x 1 x (2 + share) < 1.6: not cut
-    ctl = _wired(budget, 3.5)
-    # (ratio measured, batches since the last evaluation, mean KL over them)
-    steps = [
-        (1.02, 40, 3.4),  # under and following, a long interval: a raise clipped at 40 x rise
-        (1.30, 5, 2.1),  # over budget: lower, by gain (1 - exp(-5 / tau)) e and gain e
-        (1.15, 5, 2.0),  # at budget, the KL lagging: no move (the proportional rise held)
-        (1.02, 5, 0.5),  # under, but the KL has not reached the target: held
-        (1.02, 5, 3.9),  # under and following: raise (error floored at log 0.1)
-        *[(5.0, 100, None)] * 12,  # far over, the KL following: clipped steps, to the floor
-        (1.30, 5, 1.0),  # over, the KL above target / follow and not falling: not lowered
-        (1.30, 5, 1.0),  # ... again
-        (1.30, 5, 0.9),  # over, the KL above target / follow but falling: lowered (the floor)
-        (1.02, 5, 1.0),  # under: raising is never held by a KL above the target
-    ]
-    z, target, kl_before = math.log(3.5), 3.5, math.nan
-    for ratio, batches, kl_mean in steps:
-        kl_mean = target if kl_mean is None else kl_mean
+    ctl = _wired(budget, 2.0)
+    shadow = ExcessModel()  # the model fed by hand: what the budget's own must want
+    b = math.log(1.15)
+    target, kl_before, held, held_low = 2.0, math.nan, 0, 0
+    for ratio, batches, kl_mean in [
+        (1.30, 5, 2.1),  # over budget: lower, by at most 0.04 n
+        (1.05, 5, 2.0),  # under budget: raise, by at most 0.005 n
+        (1.12, 10, 0.5),  # under budget but the KL lags (0.5 < 0.7 target): held
+        (1.30, 5, 3.5),  # over budget, the KL above target / 0.7 and rising: held
+        (1.30, 5, 3.0),  # ... the KL falls: the law follows it down, so lowered
+        (1.30, 50, 2.0),  # far over budget, a long interval: down to the floor
+        (1.00, 5, 0.6),  # at the reference: the excess at its floor 0.1 b
+        (1.10, 200, 3.9),  # under budget, a long interval: up to the ceiling
+    ]:
         ctl.n_batches += batches
         ctl.kl_sum += kl_mean * batches
         ctl.kl_count += batches
         new = budget.step(ratio * REF)
-        z, target = _expected(
-            z, target, ratio, batches, kl_mean, kl_before, tau=30.0, rise=0.005, lo=0.5, hi=4.0
-        )
+        shadow.update(math.log(kl_mean), batches, max(math.log(ratio), 0.1 * b), 0.1 * b)
+        now = math.log(target)
+        u = min(max(shadow.wanted(math.log(b), batches), now - 0.04 * batches),
+                now + 0.005 * batches)
+        if kl_mean < 0.7 * target and u > now:
+            u, held = now, held + 1
+        if kl_mean > target / 0.7 and not kl_mean < kl_before and u < now:
+            u, held_low = now, held_low + 1
         kl_before = kl_mean
+        target = min(max(math.exp(u), 0.5), 4.0)
         assert new == pytest.approx(target, rel=1e-14)
-        assert budget.integral == pytest.approx(z, rel=1e-14, abs=1e-15)
-        assert budget.ratio == pytest.approx(ratio, rel=1e-14)
-    assert budget.n_held == 2 and budget.n_held_low == 2
-    assert budget.n_evaluations == len(steps) and target > 0.5
-
-
-def test_the_integrals_step_per_evaluation_is_bounded_whatever_the_interval():
-    # 0.4.0's integral stepped by rate x n x e: ten times more at n = 50 than at n = 5.
-    for batches, share in [(5, 1 - math.exp(-0.25)), (50, 1 - math.exp(-2.5)), (10**6, 1.0)]:
-        budget = CapabilityBudget(1.15, gain=0.5, tau=20.0, fall_per_batch=10.0)
-        budget.model.update = lambda *args: 0.0
-        budget.model.loop_gain = lambda n: 1.0
-        ctl = _wired(budget, 2.0)
-        budget.integral = math.log(2.0)
-        ctl.n_batches, ctl.kl_sum, ctl.kl_count = batches, 2.0 * batches, batches
-        budget.step(1.3 * REF)
-        e = math.log(math.log(1.3) / math.log(1.15))
-        assert budget.integral == pytest.approx(math.log(2.0) - 0.5 * share * e, rel=1e-12)
+    assert (budget.n_held, budget.n_held_low) == (held, held_low)
+    assert held >= 1
 
 
 def _plant(budget, tau_i, tau_p, a, n, batches, star=3.0, noise=0.0, kl_noise=0.0, seed=0):
@@ -153,7 +169,6 @@ def _plant(budget, tau_i, tau_p, a, n, batches, star=3.0, noise=0.0, kl_noise=0.
     b = math.log(budget.budget)
     start = budget.target
     ctl = _wired(budget, start)
-    budget.integral = math.log(start)
     p, q = math.exp(-1 / tau_i), math.exp(-1 / tau_p)
     log_kl = log_seen = math.log(start)  # the plant starts settled at the start
     ratios, targets = [], []
@@ -177,9 +192,9 @@ PLANTS = [(10, 20, 0.77), (20, 100, 0.77), (20, 100, 1.3), (20, 200, 1.3)]
 @pytest.mark.parametrize("n", [5, 10, 25, 50])
 @pytest.mark.parametrize("tau_i,tau_p,a", PLANTS)
 def test_on_plants_of_two_lags_the_loop_settles_without_passing_the_budget(tau_i, tau_p, a, n):
-    # The start 3x below the target that holds the budget (docs/budget.md, "How fast"); the
-    # review's slow plants (20, 100) and (20, 200) with an elasticity of 1.3 among them. 0.4.0's
-    # law swung a third past the budget's excess on the slow plants, and oscillated at n = 50.
+    # The start 3x below the target that holds the budget; the review's slow plants (20, 100)
+    # and (20, 200) with an elasticity of 1.3 among them. 0.4.0's law swung a third past the
+    # budget's excess on the slow plants, and oscillated at n = 50.
     budget = CapabilityBudget(1.3)
     budget.target = 1.0
     ratios, targets = _plant(budget, tau_i, tau_p, a, n, batches=4000)
@@ -199,29 +214,69 @@ def test_with_noise_on_the_perplexity_and_the_kl_the_loop_stays_within_a_quarter
     budget.target = 1.0
     ratios, _ = _plant(budget, tau_i, tau_p, a, 5, 1500, noise=0.003, kl_noise=0.25, seed=seed)
     excess = budget_ratio - 1
-    assert max(ratios) < 1 + 1.25 * excess
+    # Past the budget by at most a quarter of its excess on the fast plant, a third on the slow
+    # ones (their lag is found from noisy evaluations while the target rises).
+    assert max(ratios) < 1 + (1.25 if tau_p <= 20 else 1.34) * excess
     tail = ratios[-100:]  # the last 500 batches
     assert max(abs(r - budget_ratio) for r in tail) < 0.1 * excess
 
 
-def test_the_gain_cut_is_what_keeps_a_long_interval_stable():
-    # The stability condition (docs/budget.md): without the cut, gain 1 on the fast plant at
-    # n = 50 keeps swinging; with it, the same gain settles.
-    for cut, settles in [(False, False), (True, True)]:
-        budget = CapabilityBudget(1.3, gain=1.0)
-        budget.target = 1.0
-        if not cut:
-            budget.model.loop_gain = lambda n: 1e-9
-        ratios, _ = _plant(budget, 10, 20, 1.3, 50, batches=4000)
-        assert (max(abs(r - 1.3) for r in ratios[-20:]) < 0.01 * 0.3) == settles
+# The three worlds' shapes, from the budget study of 0.8.0's law (docs/studies.md): the excess
+# x(K) = x0 min(1, K / 0.3) + s K^e of the KL seen over 5 batches, drifting up by rho per
+# batch and nat (at 2.6 nats, rho 0.001 is half the fastest drift measured, 0.002 all of it).
+WORLDS = {
+    "default": (0.02, 0.094, 1.0),
+    "fortunes": (0.061, 0.0565, 1.0),
+    "kjv": (0.04, 0.0318, 1.25),
+}
 
 
-def test_the_model_finds_the_plants_lag_and_elasticity():
-    budget = CapabilityBudget(1.3)
-    budget.target = 1.0
-    _plant(budget, 20, 100, 1.3, 5, batches=600)
-    assert budget.model.lag == 100.0
-    assert budget.model.elasticity == pytest.approx(1.3, rel=0.02)
+def _world(budget, shape, n, rho, seed, batches=300):
+    """A run on a world's shape: the KL law follows the target with a 15-batch lag, wanders
+    by 10% and measures the batch KL with 25% noise; the evaluation's log ratio by 0.008.
+    Returns (batch, ratio) after each evaluation."""
+    rng = random.Random(seed)
+    x0, slope, power = WORLDS[shape]
+    ctl = _wired(budget, budget.target)
+    kl = seen = 0.05
+    drift = 0.0
+    out = []
+    for t in range(1, batches + 1):
+        drift += rho * kl / 2.6
+        kl += (1 - math.exp(-1 / 15)) * (budget.target * math.exp(0.1 * rng.gauss(0, 1)) - kl)
+        seen += (1 - math.exp(-1 / 5)) * (kl - seen)
+        ctl.n_batches += 1
+        ctl.kl_sum += kl * math.exp(rng.gauss(0, 0.25) - 0.25**2 / 2)
+        ctl.kl_count += 1
+        if t % n == 0:
+            excess = (x0 * min(1.0, seen / 0.3) + slope * seen**power) * math.exp(drift)
+            budget.step(math.exp(excess + rng.gauss(0, 0.008)) * REF)
+            out.append((t, math.exp(excess)))
+    return out
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.001])
+@pytest.mark.parametrize("budget_ratio", [1.15, 1.3])
+@pytest.mark.parametrize("shape", sorted(WORLDS))
+def test_on_the_worlds_shapes_the_ratio_is_in_its_band_by_batch_120_and_stays(
+    shape, budget_ratio, rho
+):
+    # Issue 47's criteria on simulated runs, 3 seeds each: the trailing mean of 3 evaluations
+    # within 20% of the excess by batch 120 and within 25% after it; the last third's mean
+    # within 10%. 0.8.0's law met them in 4 of 14 real runs.
+    excess = budget_ratio - 1
+    for seed in range(3):
+        budget = CapabilityBudget(budget_ratio)
+        budget.target = 1.0  # configs/ppo_budget.yaml's start
+        out = _world(budget, shape, 5, rho, seed)
+        ratios = [r for _, r in out]
+        smooth = [sum(ratios[max(0, i - 2) : i + 1]) / len(ratios[max(0, i - 2) : i + 1])
+                  for i in range(len(ratios))]
+        at_120 = smooth[120 // 5 - 1]
+        assert abs(at_120 - budget_ratio) <= 0.2 * excess, (seed, at_120)
+        assert max(abs(m - budget_ratio) for m in smooth[120 // 5 - 1 :]) <= 0.25 * excess
+        last = ratios[-len(ratios) // 3 :]
+        assert abs(sum(last) / len(last) - budget_ratio) <= 0.1 * excess
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -269,39 +324,48 @@ def test_a_kl_that_does_not_follow_the_target_down_holds_the_target_and_warns_on
     assert budget.n_held_low >= 30 and targets[-30:] == [targets[-1]] * 30
 
 
-def test_mode_max_steers_a_score_that_must_stay_above_budget_times_the_reference():
-    budget = CapabilityBudget(0.9, mode="max", reference_key=None, fall_per_batch=1.0)
-    budget.model.update = lambda *args: 0.0
-    budget.model.loop_gain = lambda n: 1.0
-    ctl = _wired(budget, 3.0)
-    budget.reference, budget.integral = 1.0, math.log(3.0)
-    ctl.n_batches, ctl.kl_sum, ctl.kl_count = 5, 15.0, 5
-    # A score of 0.8 is below 0.9: its loss log(1/0.8) exceeds the budget's log(1/0.9).
-    new = budget.step(0.8)
-    e = math.log(math.log(1 / 0.8) / math.log(1 / 0.9))
-    share = 1 - math.exp(-5 / 20)
-    assert new == pytest.approx(3.0 * math.exp(-0.5 * share * e - 0.5 * e), rel=1e-14)
+def test_mode_max_steers_a_score_as_min_mode_steers_its_inverse():
+    # A score that must stay above 0.9 x the reference's is a loss log(ref / m) against the
+    # budget's log(1 / 0.9): the same targets as min mode at budget 1 / 0.9 on ref / m.
+    high = CapabilityBudget(0.9, mode="max", reference_key=None)
+    low = CapabilityBudget(1 / 0.9, reference_key=None)
+    wired = [_wired(high, 1.0), _wired(low, 1.0)]
+    high.reference = low.reference = 1.0
+    rng = random.Random(0)
+    for k in range(40):
+        kl = 0.5 + 0.1 * k + rng.random()
+        score = 0.95 - 0.02 * kl + 0.01 * rng.random()
+        for ctl in wired:
+            ctl.n_batches += 5
+            ctl.kl_sum += kl * 5
+            ctl.kl_count += 5
+        assert high.step(score) == pytest.approx(low.step(1.0 / score), rel=1e-12)
+    assert high.target != 1.0
 
 
-def test_a_perplexity_drifting_at_a_constant_kl_is_followed_with_a_steady_error():
+def test_a_perplexity_drifting_at_a_constant_kl_is_followed_and_anticipated():
     # The excess grows as c(t) x KL, c rising by exp(rho) a batch; the KL holds the target.
-    # The integral lowers log T by rho a batch at the steady error rho n / (gain share)
-    # (docs/budget.md, "When it cannot hold the budget"); the prediction is taken out.
+    # The fit's drift is anticipated by AHEAD + n / 2 batches (the KL law's lag and the mean of
+    # the coming interval), so with a KL law that follows at once the excess sits below the
+    # budget, by at most rho (AHEAD + n / 2) in log (2% of it here; the ridge on the drift
+    # takes some of that back), and steadily.
     rho, n = 0.001, 5
     budget = CapabilityBudget(1.15)
-    budget.model.update = lambda *args: 0.0
-    budget.model.loop_gain = lambda batches: 1.0
     ctl = _wired(budget, 1.5)
-    budget.integral = math.log(1.5)
     b = math.log(1.15)
+    errors = []
     for k in range(400):  # log T falls by 2 in all, above the floor (0.1)
         target = budget.target
         ctl.n_batches += n
         ctl.kl_sum += target * n
         ctl.kl_count += n
-        budget.step(math.exp(b * (target / 1.5) * math.exp(rho * n * k)) * REF)
-    error = budget_error(math.log(budget.ratio), b, 0.1)
-    assert error == pytest.approx(rho * n / (0.5 * (1 - math.exp(-n / 20))), rel=1e-3)
+        excess = b * (target / 1.5) * math.exp(rho * n * k)
+        budget.step(math.exp(excess) * REF)
+        errors.append(math.log(excess / b))
+    steady = sum(errors[-100:]) / 100
+    assert -rho * (budget_model.AHEAD + n / 2) <= steady < 0
+    assert max(abs(e - steady) for e in errors[-100:]) < 0.005
+    assert budget.target < 1.5 * math.exp(-1.5)
 
 
 @pytest.mark.parametrize("metric", [math.nan, math.inf, -1.0, 0.0])
@@ -324,8 +388,6 @@ def test_an_unusable_metric_leaves_the_target_and_warns_once(metric):
         ({"budget": 0.9}, "budget"),
         ({"budget": 1.2, "mode": "max"}, "budget"),
         ({"mode": "lower"}, "mode"),
-        ({"tau": 0.0}, "tau"),
-        ({"gain": -1.0}, "gain"),
         ({"fall_per_batch": math.nan}, "fall_per_batch"),
         ({"raise_per_batch": -1.0}, "raise_per_batch"),
         ({"min_target": -1.0}, "min_target"),
@@ -400,7 +462,7 @@ class PlantModule(pl.LightningModule):
 def _callbacks(**budget):
     controller = KLControllerCallback(ExponentialKLController(1.0, target=3.0, k=0.3))
     monitor = KLDriftMonitor(3.0, window=4, verbose=False)
-    return [controller, monitor, CapabilityBudget(**{"budget": 1.15, "tau": 5.0, **budget})]
+    return [controller, monitor, CapabilityBudget(**{"budget": 1.15, **budget})]
 
 
 VAL = dict(limit_val_batches=1, val_check_interval=2, check_val_every_n_epoch=None)
@@ -506,17 +568,17 @@ def test_logpid_law_with_a_budget_runs_and_logs_the_target():
 
 
 def test_a_lowering_held_under_budget_says_within_budget_not_over():
-    # The integral sits below the target (it remembers an earlier excess): under budget the
-    # loop would still lower the target, and the KL law holds the KL above target / follow.
-    # (In a run the prediction alone can make it so: 1.135 measured, more to come.)
+    # Under budget the model can still want a lower KL (a drift it anticipates, or a long lag
+    # still to be seen): here it wants 1 nat, and the KL law holds the KL above target / follow.
     budget = CapabilityBudget(1.15)
     ctl = _wired(budget, 2.0)
-    budget.integral = math.log(2.0) - 1.0
+    budget.model.wanted = lambda log_budget, batches: 0.0
     ctl.n_batches, ctl.kl_sum, ctl.kl_count = 5, 3.5 * 5, 5
     with pytest.warns(RuntimeWarning, match="not lowered further") as caught:
         assert budget.step(1.145 * REF) == 2.0
     (message,) = [str(w.message) for w in caught]
-    assert "is within budget (1.145 x the reference's, budget 1.15; " in message
+    assert "is within budget (1.145 x the reference's, budget 1.15) and the loop would lower " \
+        "the target to 1," in message
     assert "over budget" not in message
 
 
@@ -659,52 +721,12 @@ def test_the_docstring_gives_each_options_default_where_it_names_a_value():
         assert value == defaults[name].default, name
 
 
-def _fast_plant_leads(lags: tuple[float, ...] | None = None) -> list[float]:
-    """The model's lead at each evaluation of a plant whose excess follows the KL within batches.
-
-    The default world's shape (a real ppo_budget run): the KL overshoots at start-up (2.1 nats at
-    batch 14 against a target of 1) and settles near 1; the log excess follows a 3-batch lag of
-    log KL with elasticity 0.7.
-    """
-    from rlkl_lightning.kl import budget_model
-
-    if lags is not None:
-        saved, budget_model.LAGS = budget_model.LAGS, lags
-    try:
-        model, leads, s = budget_model.ExcessModel(), [], None
-        rng = random.Random(0)
-        for evaluation in range(30):
-            kls = []
-            for batch in range(5 * evaluation, 5 * evaluation + 5):
-                kl = 0.25 if batch < 5 else 1.7 if batch < 10 else 2.1 if batch < 15 else 1.0
-                kl *= math.exp(rng.gauss(0.0, 0.1))
-                s = math.log(kl) if s is None else s + (1 - math.exp(-1 / 3)) * (math.log(kl) - s)
-                kls.append(kl)
-            excess = 0.13 * math.exp(0.7 * s)  # log of the perplexity ratio
-            log_kl = math.log(sum(kls) / len(kls))
-            leads.append(model.update(log_kl, 5, excess, 0.1 * math.log(1.15)))
-    finally:
-        if lags is not None:
-            budget_model.LAGS = saved
-    return leads
-
-
-def test_a_fast_plant_after_a_start_up_overshoot_predicts_no_rise_that_never_comes():
-    # A bank of 50-200-batch lags alone read the start-up's low KL as a rise still to come
-    # (lead 0.3-1, the prediction 1.4x against a measured 1.13x) for a hundred batches, and the
-    # budget lowered the target under budget; the 10-batch lag explains the plant.
-    leads = _fast_plant_leads()
-    assert max(leads[8:]) < 0.05  # from batch 40 on
-    assert max(_fast_plant_leads((50.0, 100.0, 200.0))[8:20]) > 0.2  # without it: a lead
-
-
-def test_a_bank_saved_with_the_older_lags_loads_into_the_new_one():
-    from rlkl_lightning.kl.budget_model import LAGS, ExcessModel
-
-    old = {  # 0.6.0-0.7.0's state: lags 50, 100, 200, no "lags" key
+def test_a_model_saved_before_0_10_starts_afresh_and_a_saved_one_round_trips():
+    old = {  # 0.8.0-0.9.0's state: a bank of 10-200-batch lags with their fits
+        "lags": [10.0, 50.0, 100.0, 200.0],
         "now": 0.1,
-        "seen": [-0.5, -0.7, -0.9],
-        "fits": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]],
+        "seen": [0.1, -0.5, -0.7, -0.9],
+        "fits": [[1.0, 2.0, 3.0]] * 4,
         "log_excess": -2.0,
         "excess": 0.13,
         "noise": [0.01, 3.0],
@@ -712,9 +734,10 @@ def test_a_bank_saved_with_the_older_lags_loads_into_the_new_one():
     }
     model = ExcessModel()
     model.load_state_dict(old)
-    assert LAGS == (10.0, 50.0, 100.0, 200.0)
-    assert model.seen == [0.1, -0.5, -0.7, -0.9]  # the new lag starts at the KL of now
-    assert model.fits == [[0.0, 0.0, 0.0], [1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]
+    assert model.state_dict() == ExcessModel().state_dict()
+    for k in range(12):
+        model.update(math.log(1.0 + 0.1 * k), 5, 0.1 + 0.01 * k, 0.01)
     again = ExcessModel()
     again.load_state_dict(model.state_dict())
     assert again.state_dict() == model.state_dict()
+    assert again.wanted(math.log(0.14), 5) == model.wanted(math.log(0.14), 5)
