@@ -4,8 +4,8 @@ The modules' flat options of 0.1.0 go into their groups, the module's ``kl`` gro
 0.2.0-0.4.0 is named ``penalty`` (:mod:`rlkl_lightning.migrations`), and a law's gains of
 0.1.0-0.4.0 (``kl.horizon``, ``kl.k``, ``kl.kp``, ``kl.ki``) become the arguments of the law in
 ``kl.controller``; ``CapabilityBudget``'s steps per validation of 0.3.0-0.5.0 (``max_raise``,
-``max_step``) become steps per batch and its ``rate`` is dropped (0.6.0's law has its own
-gains); everything else is kept in its order. Where only a group is renamed the file is
+``max_step``) become steps per batch and the gains of its older laws (``rate``, ``gain``,
+``tau``) are dropped (0.10.0's law has none); everything else is kept in its order. Where only a group is renamed the file is
 rewritten in place, comments and layout kept; where flat options move into groups it is written
 again from its values, and its comments are lost (the first line says so).
 """
@@ -73,12 +73,15 @@ def _law_arguments(config: dict[str, Any]) -> dict[str, Any]:
 
 #: CapabilityBudget's steps of 0.3.0-0.5.0 (per validation) and 0.6.0's (per batch).
 _BUDGET_STEPS = {"max_raise": "raise_per_batch", "max_step": "fall_per_batch"}
+#: CapabilityBudget's gains of laws it no longer has: 0.3.0-0.6.0's ``rate``, 0.7.0-0.9.0's
+#: ``gain`` and ``tau`` (0.10.0's feed-forward law has no gain).
+_BUDGET_DROPPED = frozenset({"rate", "gain", "tau"})
 
 
 def _budget_arguments(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` with a ``CapabilityBudget``'s old steps per validation as steps per batch.
 
-    ``rate`` (the old integral gain per batch) is dropped; without a whole-batch
+    The gains of its older laws (``rate``, ``gain``, ``tau``) are dropped; without a whole-batch
     ``trainer.val_check_interval`` the steps cannot be converted and are dropped too (the
     defaults apply).
     """
@@ -94,11 +97,11 @@ def _budget_arguments(config: dict[str, Any]) -> dict[str, Any]:
         if (
             not isinstance(args, dict)
             or not str(callback.get("class_path", "")).endswith("CapabilityBudget")
-            or not ({"rate"} | _BUDGET_STEPS.keys()) & args.keys()
+            or not (_BUDGET_DROPPED | _BUDGET_STEPS.keys()) & args.keys()
         ):
             changed.append(callback)
             continue
-        args = {name: value for name, value in args.items() if name != "rate"}
+        args = {name: value for name, value in args.items() if name not in _BUDGET_DROPPED}
         for old, new in _BUDGET_STEPS.items():
             if old in args:
                 value = args.pop(old)

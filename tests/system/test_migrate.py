@@ -154,14 +154,17 @@ def test_a_file_that_is_not_a_config_is_one_line(tmp_path):
     assert done.stderr == f"error: `migrate`: {bad} must be a YAML mapping (a run config)\n"
 
 
-def test_the_budgets_steps_per_validation_become_steps_per_batch_and_rate_is_dropped():
+def test_the_budgets_steps_per_validation_become_steps_per_batch_and_old_gains_are_dropped():
     old = {
         "trainer": {
             "val_check_interval": 5,
             "callbacks": [
                 {
                     "class_path": "rlkl_lightning.CapabilityBudget",
-                    "init_args": {"budget": 1.3, "rate": 0.1, "max_raise": 0.2, "max_step": 0.5},
+                    "init_args": {
+                        "budget": 1.3, "rate": 0.1, "max_raise": 0.2, "max_step": 0.5,
+                        "gain": 0.5, "tau": 20.0,
+                    },
                 },
                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"},
             ],
