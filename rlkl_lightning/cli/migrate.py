@@ -5,9 +5,10 @@ The modules' flat options of 0.1.0 go into their groups, the module's ``kl`` gro
 0.1.0-0.4.0 (``kl.horizon``, ``kl.k``, ``kl.kp``, ``kl.ki``) become the arguments of the law in
 ``kl.controller``; ``CapabilityBudget``'s steps per validation of 0.3.0-0.5.0 (``max_raise``,
 ``max_step``) become steps per batch and the gains of its older laws (``rate``, ``gain``,
-``tau``) are dropped (0.10.0's law has none); everything else is kept in its order. Where only a group is renamed the file is
-rewritten in place, comments and layout kept; where flat options move into groups it is written
-again from its values, and its comments are lost (the first line says so).
+``tau``) are dropped (0.10.0's law has none); everything else is kept in its order. Where only
+a group is renamed the file is rewritten in place, comments and layout kept; where flat options
+move into groups it is written again from its values, and its comments are lost (the first line
+says so).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ with a level that drifts slowly: ``log x = c + a s_L + d t``, where ``s_L`` is a
 of ``log KL`` over ``L`` batches and ``t`` the batch. :class:`ExcessModel` keeps ``s_L`` for each
 lag in :data:`LAGS`, fits ``(c, a, d)`` to the evaluations for each by weighted least squares
 (a fading memory, ``a`` drawn toward 1 and ``d`` toward 0), takes the lag that explains them
-(the shortest, unless a longer one leaves a residual :data:`SLACK` times smaller), and answers
-the log KL whose excess is the budget's: ``s_L + (log b - log x_hat) / a``. docs/budget.md
-derives it.
+(the shortest, unless a longer one that the evaluations span leaves :data:`SLACK` of its
+residual), and answers the log KL whose excess is the budget's:
+``s_L + (log b - log x_hat) / a``. docs/budget.md derives it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ MEMORY = 150.0
 #: Evaluations older than this many batches are dropped (their weight is under exp(-4)).
 HORIZON = 4.0 * MEMORY
 #: A longer lag replaces the one chosen only if its residual is this factor of it or less.
-SLACK = 0.5
+SLACK = 0.35
+#: A lag may be chosen once the evaluations span this many times it.
+EVIDENCE = 1.0
 #: Ridge on the elasticity toward 1 and on the drift toward 0, per unit weight.
 RIDGE_ELASTICITY = 0.05
 RIDGE_DRIFT = 0.05
@@ -128,9 +130,12 @@ class ExcessModel:
     def _choose(self) -> None:
         """The shortest lag, unless a longer one explains the evaluations clearly better."""
         fits = [self._fit(i) for i in range(len(LAGS))]
+        span = self.t - self.history[0][0] if self.history else 0
         pick = 0
         for i in range(1, len(LAGS)):
-            if fits[i].residual < SLACK * fits[pick].residual:
+            # A lag is judged only on evaluations that span it: over fewer batches a smooth
+            # long lag fits a noisy ramp better than the KL it lags.
+            if span >= EVIDENCE * LAGS[i] and fits[i].residual < SLACK * fits[pick].residual:
                 pick = i
         self.lag, self.fit = LAGS[pick], fits[pick]
 
@@ -144,7 +149,9 @@ class ExcessModel:
         assert self.seen is not None, "update() first"
         s = self.seen[LAGS.index(self.lag)]
         fit = self.fit
-        log_x = fit.c + fit.elasticity * s + max(fit.drift, 0.0) * (AHEAD + batches / 2) / DRIFT_UNIT
+        log_x = (
+            fit.c + fit.elasticity * s + max(fit.drift, 0.0) * (AHEAD + batches / 2) / DRIFT_UNIT
+        )
         return s + (log_budget - log_x) / max(fit.elasticity, STEP_ELASTICITY)
 
     def loop_gain(self) -> float:
@@ -171,8 +178,10 @@ class ExcessModel:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`. An older budget's model (before 0.10.0) or one saved
-        with other lags starts afresh: its fits answered another question."""
+        """Restore :meth:`state_dict`; an older model (before 0.10.0, or other lags) starts afresh.
+
+        The older fits answered another question.
+        """
         self.__init__()
         if not state or state.get("version") != 2 or list(state["lags"]) != list(LAGS):
             return

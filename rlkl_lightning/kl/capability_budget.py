@@ -387,7 +387,9 @@ class CapabilityBudget(Callback):
         self._check_noise()
         want = self.model.wanted(math.log(b), batches)
         now = math.log(self.target)
-        u = min(max(want, now - self.fall_per_batch * batches), now + self.raise_per_batch * batches)
+        u = min(
+            max(want, now - self.fall_per_batch * batches), now + self.raise_per_batch * batches
+        )
         # The KL has not reached `follow` x the target: it is still climbing, and a higher
         # target would meet the perplexity's rise with the KL law far behind it.
         if kl_mean < self.follow * self.target and u > now:

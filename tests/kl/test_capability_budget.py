@@ -8,6 +8,7 @@ import multiprocessing
 import random
 import re
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -69,14 +70,19 @@ def test_the_fit_is_the_weighted_ridge_least_squares_solved_a_second_way():
         target = torch.tensor(y, dtype=torch.float64) * sw
         ridge_a = math.sqrt(budget_model.RIDGE_ELASTICITY * total)
         ridge_d = math.sqrt(budget_model.RIDGE_DRIFT * total)
-        design = torch.cat([design, torch.tensor([[0.0, ridge_a, 0.0], [0.0, 0.0, ridge_d]],
-                                                 dtype=torch.float64)])
+        design = torch.cat(
+            [design, torch.tensor([[0.0, ridge_a, 0.0], [0.0, 0.0, ridge_d]], dtype=torch.float64)]
+        )
         target = torch.cat([target, torch.tensor([ridge_a, 0.0], dtype=torch.float64)])
         c, a, d = torch.linalg.lstsq(design, target[:, None]).solution[:, 0].tolist()
         assert (fit.c, fit.elasticity, fit.drift) == pytest.approx((c, a, d), rel=1e-9, abs=1e-12)
-        residual = sum(
-            wi * (yi - c - a * r[1] - d * r[2]) ** 2 for wi, yi, r in zip(w, y, a_rows, strict=True)
-        ) / total
+        residual = (
+            sum(
+                wi * (yi - c - a * r[1] - d * r[2]) ** 2
+                for wi, yi, r in zip(w, y, a_rows, strict=True)
+            )
+            / total
+        )
         assert fit.residual == pytest.approx(residual, rel=1e-9)
     assert model.lag == 5.0  # the plant has no lag: the shortest is kept
 
@@ -96,6 +102,30 @@ def test_the_fit_finds_a_noise_free_plants_elasticity_and_drift_and_wants_its_kl
     s = model.seen[0]
     log_x = fit.c + fit.elasticity * s + fit.drift * (budget_model.AHEAD + 2.5) / 100
     assert model.wanted(math.log(b), 5) == pytest.approx(s + (math.log(b) - log_x), rel=1e-12)
+
+
+def _longer_lags(rows, budget=1.3):
+    """Evaluations of a logged run at which the bank holds a lag longer than its shortest."""
+    model, before, b, longer = ExcessModel(), 0, math.log(budget), []
+    for batch, kl, ratio in rows:
+        model.update(math.log(kl), batch - before, max(math.log(ratio), 0.1 * b), 0.1 * b)
+        before = batch
+        if model.lag > LAGS[0]:
+            longer.append(batch)
+    return longer
+
+
+@pytest.mark.parametrize("run", ["default_1.3_seed2", "kjv_1.3_seed1_080"])
+def test_on_two_logged_runs_the_bank_keeps_the_short_lag_their_plants_have(run, monkeypatch):
+    # Two real runs whose perplexity follows the KL within 5-10 batches (tests/kl/
+    # budget_runs.json). Without the span rule and with a slack of 0.5 (0.10.0's first bank)
+    # a smooth 100-200-batch lag fitted their noisy ramps better from batch 10 on: 27 and 41
+    # of 60 evaluations, and the default-world run sat under its band for 140 batches.
+    rows = json.loads((Path(__file__).parent / "budget_runs.json").read_text())[run]
+    assert len(_longer_lags(rows)) <= 8
+    monkeypatch.setattr(budget_model, "EVIDENCE", 0.0)
+    monkeypatch.setattr(budget_model, "SLACK", 0.5)
+    assert len(_longer_lags(rows)) >= 27
 
 
 def test_a_longer_lag_is_chosen_only_when_it_explains_the_evaluations_clearly_better():
@@ -148,8 +178,9 @@ def test_each_evaluation_follows_the_formula_with_its_clip_holds_floor_and_ceili
         new = budget.step(ratio * REF)
         shadow.update(math.log(kl_mean), batches, max(math.log(ratio), 0.1 * b), 0.1 * b)
         now = math.log(target)
-        u = min(max(shadow.wanted(math.log(b), batches), now - 0.04 * batches),
-                now + 0.005 * batches)
+        u = min(
+            max(shadow.wanted(math.log(b), batches), now - 0.04 * batches), now + 0.005 * batches
+        )
         if kl_mean < 0.7 * target and u > now:
             u, held = now, held + 1
         if kl_mean > target / 0.7 and not kl_mean < kl_before and u < now:
@@ -214,9 +245,11 @@ def test_with_noise_on_the_perplexity_and_the_kl_the_loop_stays_within_a_quarter
     budget.target = 1.0
     ratios, _ = _plant(budget, tau_i, tau_p, a, 5, 1500, noise=0.003, kl_noise=0.25, seed=seed)
     excess = budget_ratio - 1
-    # Past the budget by at most a quarter of its excess on the fast plant, a third on the slow
-    # ones (their lag is found from noisy evaluations while the target rises).
-    assert max(ratios) < 1 + (1.25 if tau_p <= 20 else 1.34) * excess
+    # Past the budget by at most a quarter of its excess on the fast plant. On the slow ones by
+    # up to 68% of it (at 1.15x, where the noise is largest against the excess): their lag is
+    # chosen only once the evaluations span it and it fits 3x better than the shorter one,
+    # which the three worlds' fast, noisy plants need (docs/budget.md, "The bank's choice").
+    assert max(ratios) < 1 + (1.25 if tau_p <= 20 else 1.75) * excess
     tail = ratios[-100:]  # the last 500 batches
     assert max(abs(r - budget_ratio) for r in tail) < 0.1 * excess
 
@@ -270,8 +303,10 @@ def test_on_the_worlds_shapes_the_ratio_is_in_its_band_by_batch_120_and_stays(
         budget.target = 1.0  # configs/ppo_budget.yaml's start
         out = _world(budget, shape, 5, rho, seed)
         ratios = [r for _, r in out]
-        smooth = [sum(ratios[max(0, i - 2) : i + 1]) / len(ratios[max(0, i - 2) : i + 1])
-                  for i in range(len(ratios))]
+        smooth = [
+            sum(ratios[max(0, i - 2) : i + 1]) / len(ratios[max(0, i - 2) : i + 1])
+            for i in range(len(ratios))
+        ]
         at_120 = smooth[120 // 5 - 1]
         assert abs(at_120 - budget_ratio) <= 0.2 * excess, (seed, at_120)
         assert max(abs(m - budget_ratio) for m in smooth[120 // 5 - 1 :]) <= 0.25 * excess
@@ -577,8 +612,10 @@ def test_a_lowering_held_under_budget_says_within_budget_not_over():
     with pytest.warns(RuntimeWarning, match="not lowered further") as caught:
         assert budget.step(1.145 * REF) == 2.0
     (message,) = [str(w.message) for w in caught]
-    assert "is within budget (1.145 x the reference's, budget 1.15) and the loop would lower " \
+    assert (
+        "is within budget (1.145 x the reference's, budget 1.15) and the loop would lower "
         "the target to 1," in message
+    )
     assert "over budget" not in message
 
 

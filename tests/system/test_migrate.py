@@ -162,8 +162,12 @@ def test_the_budgets_steps_per_validation_become_steps_per_batch_and_old_gains_a
                 {
                     "class_path": "rlkl_lightning.CapabilityBudget",
                     "init_args": {
-                        "budget": 1.3, "rate": 0.1, "max_raise": 0.2, "max_step": 0.5,
-                        "gain": 0.5, "tau": 20.0,
+                        "budget": 1.3,
+                        "rate": 0.1,
+                        "max_raise": 0.2,
+                        "max_step": 0.5,
+                        "gain": 0.5,
+                        "tau": 20.0,
                     },
                 },
                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint"},
