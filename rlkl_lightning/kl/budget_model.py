@@ -117,6 +117,11 @@ class ExcessModel:
         rhs[1] += RIDGE_ELASTICITY * total  # toward a = 1
         matrix[2][2] += RIDGE_DRIFT * total  # toward d = 0
         c, a, d = _solve(matrix, rhs)
+        if d < 0.0:  # the perplexity does not recover at a constant KL: (c, a) without it
+            d = 0.0
+            c, a = _solve(
+                [[matrix[0][0], matrix[0][1]], [matrix[1][0], matrix[1][1]]], [rhs[0], rhs[1]]
+            )
         bounded = min(max(a, ELASTICITY[0]), ELASTICITY[1])
         if bounded != a:  # a at its bound: (c, d) again with a fixed
             a = bounded
@@ -124,6 +129,9 @@ class ExcessModel:
                 [[matrix[0][0], matrix[0][2]], [matrix[2][0], matrix[2][2]]],
                 [rhs[0] - a * matrix[0][1], rhs[2] - a * matrix[2][1]],
             )
+            if d < 0.0:
+                d = 0.0
+                c = (rhs[0] - a * matrix[0][1]) / matrix[0][0]
         residual = sum(w * (lx - c - a * v[1] - d * v[2]) ** 2 for w, v, lx in rows) / total
         return Fit(c, a, d, residual)
 

@@ -119,13 +119,14 @@ def _longer_lags(rows, budget=1.3):
 def test_on_two_logged_runs_the_bank_keeps_the_short_lag_their_plants_have(run, monkeypatch):
     # Two real runs whose perplexity follows the KL within 5-10 batches (tests/kl/
     # budget_runs.json). Without the span rule and with a slack of 0.5 (0.10.0's first bank)
-    # a smooth 100-200-batch lag fitted their noisy ramps better from batch 10 on: 27 and 41
-    # of 60 evaluations, and the default-world run sat under its band for 140 batches.
+    # a smooth 100-200-batch lag fitted their noisy ramps better from batch 10 on: 20 and 33
+    # of 60 evaluations (in the run itself the default-world one sat under its band for 140
+    # batches); now 0 and 1.
     rows = json.loads((Path(__file__).parent / "budget_runs.json").read_text())[run]
-    assert len(_longer_lags(rows)) <= 8
+    assert len(_longer_lags(rows)) <= 1
     monkeypatch.setattr(budget_model, "EVIDENCE", 0.0)
     monkeypatch.setattr(budget_model, "SLACK", 0.5)
-    assert len(_longer_lags(rows)) >= 27
+    assert len(_longer_lags(rows)) >= 20
 
 
 def test_a_longer_lag_is_chosen_only_when_it_explains_the_evaluations_clearly_better():
