@@ -29,6 +29,10 @@ EVIDENCE = 1.0
 #: Ridge on the elasticity toward 1 and on the drift toward 0, per unit weight.
 RIDGE_ELASTICITY = 0.05
 RIDGE_DRIFT = 0.05
+#: Time constant of the level, in batches: the excess now is the fit's line through an
+#: exponential average of the evaluations' offsets from it (the fit's own level, over its
+#: memory, answers an excess above the line too slowly).
+LEVEL = 20.0
 #: Time unit of the drift in the fit, in batches (keeps the normal equations well scaled).
 DRIFT_UNIT = 100.0
 #: The range of the fitted elasticity; the step uses at least :data:`STEP_ELASTICITY`.
@@ -72,8 +76,10 @@ class ExcessModel:
         self.excess: float | None = None  # the last evaluation's excess
         self.noise = [0.0, 0.0]  # faded sum of squared one-step residuals of x, and weights
         self.n_noise = 0  # evaluations behind the noise estimate
+        self.levels: list[float | None] = [None] * len(LAGS)  # per lag: log x - a s_L, averaged
         self.lag = LAGS[0]
         self.fit = Fit(0.0, 1.0, 0.0, 0.0)
+        self.fits: list[Fit] = []
 
     def update(self, log_kl: float, batches: int, excess: float, floor: float) -> None:
         """Take one evaluation: the mean log KL of its ``batches`` and its excess ``x``.
@@ -89,6 +95,12 @@ class ExcessModel:
         self.history.append((self.t, math.log(max(excess, floor)), list(self.seen)))
         self.history = [h for h in self.history if self.t - h[0] < HORIZON]
         self._choose()
+        log_x = self.history[-1][1]
+        share = 1.0 - math.exp(-batches / LEVEL)
+        for i, fit in enumerate(self.fits):
+            offset = log_x - fit.elasticity * self.seen[i]
+            level = self.levels[i]
+            self.levels[i] = offset if level is None else level + share * (offset - level)
         if self.excess is not None and before is not None:  # noise: the one-step residual
             i = LAGS.index(self.lag)  # of x, once the model's change is taken out
             change = self.fit.elasticity * self.excess * (self.seen[i] - before[i])
@@ -137,7 +149,7 @@ class ExcessModel:
 
     def _choose(self) -> None:
         """The shortest lag, unless a longer one explains the evaluations clearly better."""
-        fits = [self._fit(i) for i in range(len(LAGS))]
+        self.fits = fits = [self._fit(i) for i in range(len(LAGS))]
         span = self.t - self.history[0][0] if self.history else 0
         pick = 0
         for i in range(1, len(LAGS)):
@@ -150,16 +162,18 @@ class ExcessModel:
     def wanted(self, log_budget: float, batches: int) -> float:
         """The log KL at which the excess is the budget's over the coming ``batches``.
 
-        From the chosen lag's fit: the excess now is ``c + a s_L`` (its level at the last
-        evaluation); a rising drift is anticipated by :data:`AHEAD` + ``batches`` / 2 batches;
-        the step divides by at least :data:`STEP_ELASTICITY`.
+        From the chosen lag's fit: the excess now is ``level + a s_L``, the level an average of
+        the evaluations' offsets from the line over :data:`LEVEL` batches; a rising drift is
+        anticipated by :data:`LEVEL` + :data:`AHEAD` + ``batches`` / 2 batches (the level's lag,
+        the KL law's, the coming interval's mean); the step divides by at least
+        :data:`STEP_ELASTICITY`.
         """
         assert self.seen is not None, "update() first"
-        s = self.seen[LAGS.index(self.lag)]
-        fit = self.fit
-        log_x = (
-            fit.c + fit.elasticity * s + max(fit.drift, 0.0) * (AHEAD + batches / 2) / DRIFT_UNIT
-        )
+        i = LAGS.index(self.lag)
+        s, fit, level = self.seen[i], self.fit, self.levels[i]
+        assert level is not None
+        ahead = LEVEL + AHEAD + batches / 2
+        log_x = level + fit.elasticity * s + max(fit.drift, 0.0) * ahead / DRIFT_UNIT
         return s + (log_budget - log_x) / max(fit.elasticity, STEP_ELASTICITY)
 
     def loop_gain(self) -> float:
@@ -180,6 +194,7 @@ class ExcessModel:
             "t": self.t,
             "seen": None if self.seen is None else list(self.seen),
             "history": [[t, lx, list(s)] for t, lx, s in self.history],
+            "levels": list(self.levels),
             "excess": self.excess,
             "noise": list(self.noise),
             "n_noise": self.n_noise,
@@ -196,6 +211,7 @@ class ExcessModel:
         self.t = int(state["t"])
         self.seen = None if state["seen"] is None else [float(v) for v in state["seen"]]
         self.history = [(int(t), float(lx), [float(v) for v in s]) for t, lx, s in state["history"]]
+        self.levels = [None if v is None else float(v) for v in state["levels"]]
         self.excess = state["excess"]
         self.noise = [float(v) for v in state["noise"]]
         self.n_noise = int(state["n_noise"])

@@ -100,7 +100,8 @@ def test_the_fit_finds_a_noise_free_plants_elasticity_and_drift_and_wants_its_kl
     assert fit.drift == pytest.approx(0.2, rel=0.25)  # per 100 batches
     b = math.log(1.3)
     s = model.seen[0]
-    log_x = fit.c + fit.elasticity * s + fit.drift * (budget_model.AHEAD + 2.5) / 100
+    ahead = budget_model.LEVEL + budget_model.AHEAD + 2.5
+    log_x = model.levels[0] + fit.elasticity * s + fit.drift * ahead / 100
     assert model.wanted(math.log(b), 5) == pytest.approx(s + (math.log(b) - log_x), rel=1e-12)
 
 
@@ -172,6 +173,8 @@ def test_each_evaluation_follows_the_formula_with_its_clip_holds_floor_and_ceili
         (1.30, 50, 2.0),  # far over budget, a long interval: down to the floor
         (1.00, 5, 0.6),  # at the reference: the excess at its floor 0.1 b
         (1.10, 200, 3.9),  # under budget, a long interval: up to the ceiling
+        (1.01, 5, 0.3),  # at the reference and the KL far behind the target: no rise
+        (1.60, 5, 6.0),  # far over budget, the KL above target / 0.7 and rising: no fall
     ]:
         ctl.n_batches += batches
         ctl.kl_sum += kl_mean * batches
@@ -190,7 +193,7 @@ def test_each_evaluation_follows_the_formula_with_its_clip_holds_floor_and_ceili
         target = min(max(math.exp(u), 0.5), 4.0)
         assert new == pytest.approx(target, rel=1e-14)
     assert (budget.n_held, budget.n_held_low) == (held, held_low)
-    assert held >= 1
+    assert held >= 1 and held_low >= 1, (held, held_low)
 
 
 def _plant(budget, tau_i, tau_p, a, n, batches, star=3.0, noise=0.0, kl_noise=0.0, seed=0):
