@@ -250,10 +250,10 @@ def test_with_noise_on_the_perplexity_and_the_kl_the_loop_stays_within_a_quarter
     ratios, _ = _plant(budget, tau_i, tau_p, a, 5, 1500, noise=0.003, kl_noise=0.25, seed=seed)
     excess = budget_ratio - 1
     # Past the budget by at most a quarter of its excess on the fast plant. On the slow ones by
-    # up to 68% of it (at 1.15x, where the noise is largest against the excess): their lag is
+    # up to 53% of it (at 1.15x, where the noise is largest against the excess): their lag is
     # chosen only once the evaluations span it and it fits 3x better than the shorter one,
     # which the three worlds' fast, noisy plants need (docs/budget.md, "The bank's choice").
-    assert max(ratios) < 1 + (1.25 if tau_p <= 20 else 1.75) * excess
+    assert max(ratios) < 1 + (1.25 if tau_p <= 20 else 1.6) * excess
     tail = ratios[-100:]  # the last 500 batches
     assert max(abs(r - budget_ratio) for r in tail) < 0.1 * excess
 
