@@ -176,10 +176,6 @@ class ExcessModel:
         log_x = level + fit.elasticity * s + max(fit.drift, 0.0) * ahead / DRIFT_UNIT
         return s + (log_budget - log_x) / max(fit.elasticity, STEP_ELASTICITY)
 
-    def loop_gain(self) -> float:
-        """The fitted elasticity over the one a step assumes: the loop's gain (< 2: stable)."""
-        return self.fit.elasticity / max(self.fit.elasticity, STEP_ELASTICITY)
-
     @property
     def noise_sd(self) -> float:
         """The evaluations' noise in the excess (sd), from the one-step residuals."""
