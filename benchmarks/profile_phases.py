@@ -12,6 +12,7 @@ Usage::
     python benchmarks/profile_phases.py                           # value head, fp32, 2 threads
     python benchmarks/profile_phases.py --separate-value --cpu-matmul onednn --threads 1
     python benchmarks/profile_phases.py --separate-value --value-model-thread --cpu-matmul onednn
+    python benchmarks/profile_phases.py --algorithm grpo --compiled-update   # the compiled pass
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--value-model-thread", action="store_true", help="with --separate-value: in a thread"
     )
+    parser.add_argument(
+        "--compiled-update", action="store_true", help="optimization.compile (compiles in warm-up)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations")
@@ -121,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpu_matmul": args.cpu_matmul,
         "value_model_thread": args.value_model_thread,
         "generations": 4,
+        "compile": args.compiled_update,
     }
     chosen = preset(args.preset, args.tiny)
     world = build(args.world or Path(tempfile.mkdtemp(prefix="rlkl-profile-")), chosen)
@@ -137,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.cpu_matmul or 'library default'}, "
         f"{'separate value model' if args.separate_value else 'value head on the trunk'}"
         f"{' in a second thread' if args.separate_value and args.value_model_thread else ''}, "
+        f"{'optimization.compile, ' if args.compiled_update else ''}"
         f"{args.threads} threads"
     )
     profiler.report()

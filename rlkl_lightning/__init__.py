@@ -30,7 +30,7 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-__version__ = "0.10.0"
+__version__ = "0.10.1"
 
 
 def __getattr__(name: str) -> Any:

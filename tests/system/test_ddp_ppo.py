@@ -58,9 +58,10 @@ def close(a, b, rel=1e-5, abs=1e-6):
     return a == pytest.approx(b, rel=rel, abs=abs)
 
 
-@pytest.mark.parametrize("packing", ["none", "packed"])  # packed: padding-free updates
+# packed: padding-free updates; tests/compiled/test_compiled_ddp.py runs it compiled too.
+@pytest.mark.parametrize("optimization", [None, "{packing: packed}"], ids=["padded", "packed"])
 def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(
-    tmp_path, tiny_lm_dir, packing
+    tmp_path, tiny_lm_dir, optimization
 ):
     from helpers.tiny_models import make_tiny_lm
 
@@ -77,7 +78,7 @@ def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(
 
     ddp_cfg = config(tmp_path, lms, prompts_file, "ddp", poison, PER_RANK)
     ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
-    options = ["--model.init_args.optimization", f"{{packing: {packing}}}"] * (packing != "none")
+    options = ["--model.init_args.optimization", optimization] if optimization else []
     train_py(ddp_cfg, tmp_path, *ddp, *options)
 
     sys.path.insert(0, str(TESTS))
