@@ -36,3 +36,16 @@ def test_grpo_throughput_compiles_update_and_decode_on_one_side(monkeypatch, cap
     printed = capsys.readouterr().out
     assert "optimization.compile, engine.compiled_decode" in printed
     assert "optimization.compile + engine.compiled_decode (eager median" in printed
+
+
+def test_profile_phases_profiles_the_compiled_update(monkeypatch, capsys, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import profile_phases
+
+    args = ["--algorithm", "grpo", "--tiny", "--threads", "1", "--warmup", "1", "--iters", "1"]
+    args += ["--profiled", "1", "--compiled-update", "--world", str(tmp_path / "w")]
+    profile_phases.main(args)
+    printed = capsys.readouterr().out
+    assert "optimization.compile, 1 threads" in printed
+    update = printed.split("\nupdate: operators by self time")[1]
+    assert "CompiledFxGraph" in update  # the profiled update ran the compiled graphs
