@@ -1,13 +1,13 @@
 """The capability budget's model of its plant: which KL holds the budget, from the run's own data.
 
 Along a run the log excess of the held-out perplexity is close to linear in a lagged log KL,
-with a level that drifts slowly: ``log x = c + a s_L + d t``, where ``s_L`` is a first-order lag
-of ``log KL`` over ``L`` batches and ``t`` the batch. :class:`ExcessModel` keeps ``s_L`` for each
-lag in :data:`LAGS`, fits ``(c, a, d)`` to the evaluations for each by weighted least squares
-(a fading memory, ``a`` drawn toward 1 and ``d`` toward 0), takes the lag that explains them
-(the shortest, unless a longer one that the evaluations span leaves :data:`SLACK` of its
-residual), and answers the log KL whose excess is the budget's:
-``s_L + (log b - log x_hat) / a``. docs/budget.md derives it.
+with a level that drifts slowly: ``log x = c + a z + d t``, where ``z`` is the log KL seen
+through a lag kernel (a weighted sum of first-order lags, :data:`KERNELS`) and ``t`` the batch.
+:class:`ExcessModel` keeps ``z`` for each kernel, fits ``(c, a, d)`` to the evaluations for each
+by weighted least squares (a fading memory, ``a`` drawn toward 1 and ``d`` toward 0), takes the
+kernel that explains them (the first, unless a longer one that the evaluations span leaves
+:data:`SLACK` of its residual), and answers the log KL that brings the excess to the budget's
+within the kernel's horizon (:data:`LEAD`). docs/budget.md derives it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,22 @@ from __future__ import annotations
 import math
 from typing import Any
 
-#: The perplexity's lags the bank tries, in batches: the three worlds' perplexity follows the
-#: KL within 5-10 batches; a review's plants lag by 100 and 200.
-LAGS = (5.0, 25.0, 100.0, 200.0)
+#: The lag kernels the bank tries: ``((lag in batches, weight), ...)``, weights summing to 1.
+#: The first is the worlds': in 30 logged runs on four worlds half the perplexity's answer to
+#: the KL came within 5 batches and half over 30-200 (a 50-batch lag fitted them best, pooled);
+#: a review's plants lag by 100 and 200.
+KERNELS: tuple[tuple[tuple[float, float], ...], ...] = (
+    ((5.0, 0.5), (50.0, 0.5)),
+    ((100.0, 1.0),),
+    ((200.0, 1.0),),
+)
+#: The first-order lags the kernels are made of.
+LAGS = tuple(sorted({lag for kernel in KERNELS for lag, _ in kernel}))
+#: The share of the KL now that a kernel still remembers at the answer's horizon: the law asks
+#: for the KL that brings the excess to the budget by the batch at which the kernel keeps this
+#: much of what it has seen (12 batches for the first kernel, 82 and 164 for the others), not
+#: for the KL that does so once the lags have settled, which reached the band too late.
+LEAD = 0.44
 #: Fading memory of the fits, in batches.
 MEMORY = 150.0
 #: Evaluations older than this many batches are dropped (their weight is under exp(-4)).
@@ -45,6 +58,22 @@ STEP_ELASTICITY = 1.0
 AHEAD = 20.0
 
 
+def horizon(kernel: tuple[tuple[float, float], ...]) -> float:
+    """The batches after which ``kernel`` keeps :data:`LEAD` of a KL (its weights' decay)."""
+    low, high = 0.0, 20.0 * max(lag for lag, _ in kernel)
+    for _ in range(100):  # bisection: the kept share falls monotonically with the batches
+        middle = 0.5 * (low + high)
+        if sum(w * math.exp(-middle / lag) for lag, w in kernel) > LEAD:
+            low = middle
+        else:
+            high = middle
+    return 0.5 * (low + high)
+
+
+#: Each kernel's horizon, in batches.
+HORIZONS = tuple(horizon(kernel) for kernel in KERNELS)
+
+
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
     """``matrix^-1 rhs`` by Gaussian elimination with partial pivoting (a small system)."""
     size = len(rhs)
@@ -60,24 +89,25 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
 
 
 class Fit:
-    """One lag's least-squares fit: ``log x = c + a s + d (t - now) / DRIFT_UNIT``."""
+    """One kernel's least-squares fit: ``log x = c + a z + d (t - now) / DRIFT_UNIT``."""
 
     def __init__(self, c: float, elasticity: float, drift: float, residual: float) -> None:
         self.c, self.elasticity, self.drift, self.residual = c, elasticity, drift, residual
 
 
 class ExcessModel:
-    """A bank of lagged log KLs, each with its fit: the log KL that holds the budget."""
+    """A bank of log KLs seen through lag kernels, each with its fit: the log KL to ask for."""
 
     def __init__(self) -> None:
         self.t = 0  # batches seen
-        self.seen: list[float] | None = None  # s_L, per lag
-        self.history: list[tuple[int, float, list[float]]] = []  # (t, log x, s per lag)
+        self.lagged: list[float] | None = None  # the log KL's first-order lag, per LAGS
+        self.seen: list[float] | None = None  # z, per kernel
+        self.history: list[tuple[int, float, list[float]]] = []  # (t, log x, z per kernel)
         self.excess: float | None = None  # the last evaluation's excess
         self.noise = [0.0, 0.0]  # faded sum of squared one-step residuals of x, and weights
         self.n_noise = 0  # evaluations behind the noise estimate
-        self.levels: list[float | None] = [None] * len(LAGS)  # per lag: log x - a s_L, averaged
-        self.lag = LAGS[0]
+        self.levels: list[float | None] = [None] * len(KERNELS)  # per kernel: log x - a z
+        self.kernel = 0  # the kernel chosen
         self.fit = Fit(0.0, 1.0, 0.0, 0.0)
         self.fits: list[Fit] = []
 
@@ -87,11 +117,12 @@ class ExcessModel:
         ``floor``: the smallest excess whose log the fits use (a smaller one is taken as it).
         """
         before = None if self.seen is None else list(self.seen)
-        if self.seen is None:
-            self.seen = [log_kl] * len(LAGS)
+        if self.lagged is None:
+            self.lagged = [log_kl] * len(LAGS)
         self.t += batches
-        for i, lag in enumerate(LAGS):
-            self.seen[i] += (1.0 - math.exp(-batches / lag)) * (log_kl - self.seen[i])
+        for j, lag in enumerate(LAGS):
+            self.lagged[j] += (1.0 - math.exp(-batches / lag)) * (log_kl - self.lagged[j])
+        self.seen = self._kernels()
         self.history.append((self.t, math.log(max(excess, floor)), list(self.seen)))
         self.history = [h for h in self.history if self.t - h[0] < HORIZON]
         self._choose()
@@ -102,13 +133,18 @@ class ExcessModel:
             level = self.levels[i]
             self.levels[i] = offset if level is None else level + share * (offset - level)
         if self.excess is not None and before is not None:  # noise: the one-step residual
-            i = LAGS.index(self.lag)  # of x, once the model's change is taken out
+            i = self.kernel  # of x, once the model's change is taken out
             change = self.fit.elasticity * self.excess * (self.seen[i] - before[i])
             residual = excess - self.excess - change
             fade = math.exp(-batches / MEMORY)
             self.noise = [fade * self.noise[0] + residual**2, fade * self.noise[1] + 1.0]
             self.n_noise += 1
         self.excess = excess
+
+    def _kernels(self) -> list[float]:
+        """``z`` per kernel: its weighted sum of the lagged log KLs."""
+        assert self.lagged is not None
+        return [sum(w * self.lagged[LAGS.index(lag)] for lag, w in k) for k in KERNELS]
 
     def _fit(self, i: int) -> Fit:
         """Weighted ridge least squares of ``log x`` on ``(1, s_i, t)``."""
@@ -148,33 +184,47 @@ class ExcessModel:
         return Fit(c, a, d, residual)
 
     def _choose(self) -> None:
-        """The shortest lag, unless a longer one explains the evaluations clearly better."""
-        self.fits = fits = [self._fit(i) for i in range(len(LAGS))]
+        """The first kernel, unless a longer one explains the evaluations clearly better."""
+        self.fits = fits = [self._fit(i) for i in range(len(KERNELS))]
         span = self.t - self.history[0][0] if self.history else 0
         pick = 0
-        for i in range(1, len(LAGS)):
-            # A lag is judged only on evaluations that span it: over fewer batches a smooth
-            # long lag fits a noisy ramp better than the KL it lags.
-            if span >= EVIDENCE * LAGS[i] and fits[i].residual < SLACK * fits[pick].residual:
+        for i in range(1, len(KERNELS)):
+            # A kernel is judged only on evaluations that span its longest lag: over fewer
+            # batches a smooth long lag fits a noisy ramp better than the KL it lags.
+            longest = max(lag for lag, _ in KERNELS[i])
+            if span >= EVIDENCE * longest and fits[i].residual < SLACK * fits[pick].residual:
                 pick = i
-        self.lag, self.fit = LAGS[pick], fits[pick]
+        self.kernel, self.fit = pick, fits[pick]
+
+    @property
+    def lag(self) -> float:
+        """The chosen kernel's longest lag, in batches."""
+        return max(lag for lag, _ in KERNELS[self.kernel])
 
     def wanted(self, log_budget: float, batches: int) -> float:
-        """The log KL at which the excess is the budget's over the coming ``batches``.
+        """The log KL to ask for: the one that brings the excess to the budget's in time.
 
-        From the chosen lag's fit: the excess now is ``level + a s_L``, the level an average of
-        the evaluations' offsets from the line over :data:`LEVEL` batches; a rising drift is
+        From the chosen kernel's fit: the excess now is ``level + a z``, the level an average
+        of the evaluations' offsets from the line over :data:`LEVEL` batches; a rising drift is
         anticipated by :data:`LEVEL` + :data:`AHEAD` + ``batches`` / 2 batches (the level's lag,
-        the KL law's, the coming interval's mean); the step divides by at least
-        :data:`STEP_ELASTICITY`.
+        the KL law's, the coming interval's mean). ``z* = z + (log b - log x) / max(a, 1)`` is
+        the ``z`` that gives the budget's excess (the step divides by at least
+        :data:`STEP_ELASTICITY`); a log KL ``u`` held from now on brings each lag ``s_j`` to
+        ``u + (s_j - u) e_j`` within the kernel's horizon ``H`` (``e_j = exp(-H / L_j)``), so
+        ``z`` to ``z*`` when ``u = (z* - sum_j w_j e_j s_j) / (1 - LEAD)``.
         """
-        assert self.seen is not None, "update() first"
-        i = LAGS.index(self.lag)
-        s, fit, level = self.seen[i], self.fit, self.levels[i]
+        assert self.seen is not None and self.lagged is not None, "update() first"
+        i = self.kernel
+        z, fit, level = self.seen[i], self.fit, self.levels[i]
         assert level is not None
         ahead = LEVEL + AHEAD + batches / 2
-        log_x = level + fit.elasticity * s + max(fit.drift, 0.0) * ahead / DRIFT_UNIT
-        return s + (log_budget - log_x) / max(fit.elasticity, STEP_ELASTICITY)
+        log_x = level + fit.elasticity * z + max(fit.drift, 0.0) * ahead / DRIFT_UNIT
+        z_star = z + (log_budget - log_x) / max(fit.elasticity, STEP_ELASTICITY)
+        kept = sum(
+            w * math.exp(-HORIZONS[i] / lag) * self.lagged[LAGS.index(lag)]
+            for lag, w in KERNELS[i]
+        )
+        return (z_star - kept) / (1.0 - LEAD)
 
     @property
     def noise_sd(self) -> float:
@@ -185,10 +235,10 @@ class ExcessModel:
     def state_dict(self) -> dict[str, Any]:
         """Everything the model carries from one evaluation to the next."""
         return {
-            "version": 2,
-            "lags": list(LAGS),
+            "version": 3,
+            "kernels": [[list(part) for part in kernel] for kernel in KERNELS],
             "t": self.t,
-            "seen": None if self.seen is None else list(self.seen),
+            "lagged": None if self.lagged is None else list(self.lagged),
             "history": [[t, lx, list(s)] for t, lx, s in self.history],
             "levels": list(self.levels),
             "excess": self.excess,
@@ -197,15 +247,19 @@ class ExcessModel:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; an older model (before 0.10.0, or other lags) starts afresh.
+        """Restore :meth:`state_dict`; an older model (before 0.11.0, or other kernels) starts
+        afresh.
 
         The older fits answered another question.
         """
         self.__init__()
-        if not state or state.get("version") != 2 or list(state["lags"]) != list(LAGS):
+        kernels = [[list(part) for part in kernel] for kernel in KERNELS]
+        if not state or state.get("version") != 3 or state.get("kernels") != kernels:
             return
         self.t = int(state["t"])
-        self.seen = None if state["seen"] is None else [float(v) for v in state["seen"]]
+        if state["lagged"] is not None:
+            self.lagged = [float(v) for v in state["lagged"]]
+            self.seen = self._kernels()
         self.history = [(int(t), float(lx), [float(v) for v in s]) for t, lx, s in state["history"]]
         self.levels = [None if v is None else float(v) for v in state["levels"]]
         self.excess = state["excess"]
