@@ -88,6 +88,15 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
     return [rows[i][size] / rows[i][i] for i in range(size)]
 
 
+def _held(matrix: list[list[float]], rhs: list[float], held: dict[int, float]) -> list[float]:
+    """The normal equations solved with the parameters in ``held`` fixed at their values."""
+    free = [p for p in range(len(rhs)) if p not in held]
+    right = [rhs[p] - sum(v * matrix[p][q] for q, v in held.items()) for p in free]
+    values = dict(zip(free, _solve([[matrix[p][q] for q in free] for p in free], right)))
+    values.update(held)
+    return [values[p] for p in range(len(rhs))]
+
+
 class Fit:
     """One kernel's least-squares fit: ``log x = c + a z + d (t - now) / DRIFT_UNIT``."""
 
@@ -166,20 +175,12 @@ class ExcessModel:
         matrix[2][2] += RIDGE_DRIFT * total  # toward d = 0
         c, a, d = _solve(matrix, rhs)
         if d < 0.0:  # the perplexity does not recover at a constant KL: (c, a) without it
-            d = 0.0
-            c, a = _solve(
-                [[matrix[0][0], matrix[0][1]], [matrix[1][0], matrix[1][1]]], [rhs[0], rhs[1]]
-            )
+            c, a, d = _held(matrix, rhs, {2: 0.0})
         bounded = min(max(a, ELASTICITY[0]), ELASTICITY[1])
         if bounded != a:  # a at its bound: (c, d) again with a fixed
-            a = bounded
-            c, d = _solve(
-                [[matrix[0][0], matrix[0][2]], [matrix[2][0], matrix[2][2]]],
-                [rhs[0] - a * matrix[0][1], rhs[2] - a * matrix[2][1]],
-            )
+            c, a, d = _held(matrix, rhs, {1: bounded})
             if d < 0.0:
-                d = 0.0
-                c = (rhs[0] - a * matrix[0][1]) / matrix[0][0]
+                c, a, d = _held(matrix, rhs, {1: bounded, 2: 0.0})
         residual = sum(w * (lx - c - a * v[1] - d * v[2]) ** 2 for w, v, lx in rows) / total
         return Fit(c, a, d, residual)
 
@@ -221,8 +222,7 @@ class ExcessModel:
         log_x = level + fit.elasticity * z + max(fit.drift, 0.0) * ahead / DRIFT_UNIT
         z_star = z + (log_budget - log_x) / max(fit.elasticity, STEP_ELASTICITY)
         kept = sum(
-            w * math.exp(-HORIZONS[i] / lag) * self.lagged[LAGS.index(lag)]
-            for lag, w in KERNELS[i]
+            w * math.exp(-HORIZONS[i] / lag) * self.lagged[LAGS.index(lag)] for lag, w in KERNELS[i]
         )
         return (z_star - kept) / (1.0 - LEAD)
 
@@ -247,10 +247,9 @@ class ExcessModel:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; an older model (before 0.11.0, or other kernels) starts
-        afresh.
+        """Restore :meth:`state_dict`; an older model (before 0.11.0) starts afresh.
 
-        The older fits answered another question.
+        The older fits answered another question (other lags, no lead).
         """
         self.__init__()
         kernels = [[list(part) for part in kernel] for kernel in KERNELS]
