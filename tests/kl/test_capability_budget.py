@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from rlkl_lightning.kl import budget_model
-from rlkl_lightning.kl.budget_model import LAGS, ExcessModel
+from rlkl_lightning.kl.budget_model import HORIZONS, KERNELS, LAGS, LEAD, ExcessModel
 from rlkl_lightning.kl.capability_budget import CapabilityBudget
 from rlkl_lightning.kl.controller_callback import KLControllerCallback
 from rlkl_lightning.kl.controllers import (
@@ -45,6 +45,23 @@ def _lagged(log_kls, lag, n=5):
     return out
 
 
+def _kernel(log_kls, kernel, n=5):
+    """z of ``kernel`` (``((lag, weight), ...)``) after each evaluation, from its lags."""
+    parts = [[w * s for s in _lagged(log_kls, lag, n)] for lag, w in kernel]
+    return [sum(values) for values in zip(*parts, strict=True)]
+
+
+def test_the_kernels_horizons_keep_the_lead_share_of_a_kl():
+    # The first kernel keeps LEAD of a step in the KL after 11.9 batches (its 5-batch half has
+    # all but forgotten it, its 50-batch half keeps 79%); a single lag after L ln(1 / LEAD).
+    for kernel, horizon in zip(KERNELS, HORIZONS, strict=True):
+        kept = sum(w * math.exp(-horizon / lag) for lag, w in kernel)
+        assert kept == pytest.approx(LEAD, rel=1e-12)
+    assert HORIZONS[0] == pytest.approx(11.92, abs=0.01)
+    assert HORIZONS[1] == pytest.approx(100 * math.log(1 / LEAD), rel=1e-12)
+    assert sorted(LAGS) == [5.0, 50.0, 100.0, 200.0]
+
+
 def test_the_fit_is_the_weighted_ridge_least_squares_solved_a_second_way():
     # The model's normal equations against torch's least squares on the weighted rows, the
     # ridge written as two extra rows: the same (c, a, d) and residual.
@@ -56,7 +73,7 @@ def test_the_fit_is_the_weighted_ridge_least_squares_solved_a_second_way():
         excess = math.exp(-2.0 + 0.8 * log_kl + 0.002 * 5 * k + rng.gauss(0, 0.05))
         model.update(log_kl, 5, excess, 1e-6)
         rows.append(log_kl)
-    for i in range(len(LAGS)):
+    for i in range(len(KERNELS)):
         fit = model._fit(i)
         t_now = model.t
         w, a_rows, y = [], [], []
@@ -84,62 +101,79 @@ def test_the_fit_is_the_weighted_ridge_least_squares_solved_a_second_way():
             / total
         )
         assert fit.residual == pytest.approx(residual, rel=1e-9)
-    assert model.lag == 5.0  # the plant has no lag: the shortest is kept
+    assert model.kernel == 0  # the plant has no lag: the first kernel is kept
 
 
 def test_the_fit_finds_a_noise_free_plants_elasticity_and_drift_and_wants_its_kl():
-    # log x = -2 + 0.8 s_5 + 0.01 per 5 batches: the fit recovers a and d but for the ridge's
-    # pull (a toward 1, d toward 0), and the KL it wants puts the excess at the budget.
+    # log x = -2 + 0.8 z + 0.01 per 5 batches, z the first kernel's: the fit recovers a and d
+    # but for the ridge's pull (a toward 1, d toward 0), and the KL it wants is the one that,
+    # held, brings z to the z of the budget's excess within the kernel's horizon, written out.
     model = ExcessModel()
     log_kls = [math.log(2.0 + math.sin(k / 2)) for k in range(30)]  # not collinear with time
-    for k, s in enumerate(_lagged(log_kls, 5.0)):
-        model.update(log_kls[k], 5, math.exp(-2.0 + 0.8 * s + 0.002 * 5 * k), 1e-6)
+    for k, z in enumerate(_kernel(log_kls, KERNELS[0])):
+        model.update(log_kls[k], 5, math.exp(-2.0 + 0.8 * z + 0.002 * 5 * k), 1e-6)
     fit = model.fit
-    assert model.lag == 5.0
-    assert 0.8 < fit.elasticity < 0.9  # the ridge draws it toward 1
+    assert model.kernel == 0
+    assert 0.8 < fit.elasticity < 0.95  # the ridge draws it toward 1
     assert fit.drift == pytest.approx(0.2, rel=0.25)  # per 100 batches
     b = math.log(1.3)
-    s = model.seen[0]
+    z = model.seen[0]
+    assert z == pytest.approx(_kernel(log_kls, KERNELS[0])[-1], rel=1e-12)
     ahead = budget_model.LEVEL + budget_model.AHEAD + 2.5
-    log_x = model.levels[0] + fit.elasticity * s + fit.drift * ahead / 100
-    assert model.wanted(math.log(b), 5) == pytest.approx(s + (math.log(b) - log_x), rel=1e-12)
+    log_x = model.levels[0] + fit.elasticity * z + fit.drift * ahead / 100
+    z_star = z + (math.log(b) - log_x)  # the elasticity below 1: the step divides by 1
+    (l5, w5), (l50, w50) = KERNELS[0]
+    s5, s50 = _lagged(log_kls, l5)[-1], _lagged(log_kls, l50)[-1]
+    e5, e50 = math.exp(-HORIZONS[0] / l5), math.exp(-HORIZONS[0] / l50)
+    u = (z_star - w5 * e5 * s5 - w50 * e50 * s50) / (1 - LEAD)
+    assert model.wanted(math.log(b), 5) == pytest.approx(u, rel=1e-9)
+    # Held from now on, that KL brings z to z_star after the horizon (closed form per lag).
+    z_then = sum(
+        w * (u + (s - u) * math.exp(-HORIZONS[0] / lag))
+        for (lag, w), s in zip(KERNELS[0], (s5, s50), strict=True)
+    )
+    assert z_then == pytest.approx(z_star, rel=1e-9)
 
 
 def _longer_lags(rows, budget=1.3):
-    """Evaluations of a logged run at which the bank holds a lag longer than its shortest."""
+    """Evaluations of a logged run at which the bank holds a kernel other than its first."""
     model, before, b, longer = ExcessModel(), 0, math.log(budget), []
     for batch, kl, ratio in rows:
         model.update(math.log(kl), batch - before, max(math.log(ratio), 0.1 * b), 0.1 * b)
         before = batch
-        if model.lag > LAGS[0]:
+        if model.kernel > 0:
             longer.append(batch)
     return longer
 
 
 @pytest.mark.parametrize("run", ["default_1.3_seed2", "kjv_1.3_seed1_080"])
-def test_on_two_logged_runs_the_bank_keeps_the_short_lag_their_plants_have(run, monkeypatch):
-    # Two real runs whose perplexity follows the KL within 5-10 batches (tests/kl/
-    # budget_runs.json). Without the span rule and with a slack of 0.5 (0.10.0's first bank)
-    # a smooth 100-200-batch lag fitted their noisy ramps better from batch 10 on: 20 and 33
-    # of 60 evaluations (in the run itself the default-world one sat under its band for 140
-    # batches); now 0 and 1.
+def test_on_two_logged_runs_the_bank_keeps_the_first_kernel(run, monkeypatch):
+    # Two real runs (tests/kl/budget_runs.json). Without the span rule and with a slack of 0.5
+    # (0.10.0's first bank) a smooth 100-200-batch lag fitted their noisy ramps better from
+    # batch 10 on (20 and 33 of 60 evaluations, with 0.10.0's short lag; in the run itself the
+    # default-world one sat under its band for 140 batches); with the rule, the first kernel
+    # all but once, and without it a long one at 17 and 8 evaluations.
     rows = json.loads((Path(__file__).parent / "budget_runs.json").read_text())[run]
     assert len(_longer_lags(rows)) <= 1
     monkeypatch.setattr(budget_model, "EVIDENCE", 0.0)
     monkeypatch.setattr(budget_model, "SLACK", 0.5)
-    assert len(_longer_lags(rows)) >= 20
+    assert len(_longer_lags(rows)) >= 8
 
 
 def test_a_longer_lag_is_chosen_only_when_it_explains_the_evaluations_clearly_better():
-    # A plant whose excess follows a 100-batch lag of the KL: the bank finds it. A fast one
-    # with noise: the shortest lag is kept.
-    for lag, noise in [(100.0, 0.0), (5.0, 0.05)]:
+    # A plant whose excess follows a 100-batch lag of the KL: the bank finds it. One that
+    # follows the first kernel, with noise, or a 5-batch lag: the first kernel is kept.
+    for kernel, noise, chosen in [
+        (((100.0, 1.0),), 0.0, 1),
+        (KERNELS[0], 0.05, 0),
+        (((5.0, 1.0),), 0.05, 0),
+    ]:
         rng = random.Random(0)
         model = ExcessModel()
         log_kls = [math.log(1.0 if k < 10 else 3.0) for k in range(60)]
-        for k, s in enumerate(_lagged(log_kls, lag)):
-            model.update(log_kls[k], 5, math.exp(-2.0 + s + rng.gauss(0, noise)), 1e-6)
-        assert model.lag == lag
+        for k, z in enumerate(_kernel(log_kls, kernel)):
+            model.update(log_kls[k], 5, math.exp(-2.0 + z + rng.gauss(0, noise)), 1e-6)
+        assert model.kernel == chosen, kernel
 
 
 class FakeControllerCallback(SimpleNamespace):
@@ -229,11 +263,13 @@ PLANTS = [(10, 20, 0.77), (20, 100, 0.77), (20, 100, 1.3), (20, 200, 1.3)]
 def test_on_plants_of_two_lags_the_loop_settles_without_passing_the_budget(tau_i, tau_p, a, n):
     # The start 3x below the target that holds the budget; the review's slow plants (20, 100)
     # and (20, 200) with an elasticity of 1.3 among them. 0.4.0's law swung a third past the
-    # budget's excess on the slow plants, and oscillated at n = 50.
+    # budget's excess on the slow plants, and oscillated at n = 50. The lead (asking for the
+    # KL that reaches the budget within the kernel's horizon) passes it by up to 17% of its
+    # excess (the fast plant at n = 50; 0.10.1's law, without a lead, by 0.3%): in the band.
     budget = CapabilityBudget(1.3)
     budget.target = 1.0
     ratios, targets = _plant(budget, tau_i, tau_p, a, n, batches=4000)
-    assert max(ratios) < 1 + 1.02 * 0.3  # never past the budget
+    assert max(ratios) < 1 + 1.2 * 0.3
     assert ratios[-1] == pytest.approx(1.3, abs=0.01 * 0.3)  # settled, within 1% of the excess
     assert targets[-1] == pytest.approx(3.0, rel=0.02)
 
@@ -250,10 +286,12 @@ def test_with_noise_on_the_perplexity_and_the_kl_the_loop_stays_within_a_quarter
     ratios, _ = _plant(budget, tau_i, tau_p, a, 5, 1500, noise=0.003, kl_noise=0.25, seed=seed)
     excess = budget_ratio - 1
     # Past the budget by at most a quarter of its excess on the fast plant. On the slow ones by
-    # up to 53% of it (at 1.15x, where the noise is largest against the excess): their lag is
-    # chosen only once the evaluations span it and it fits 3x better than the shorter one,
-    # which the three worlds' fast, noisy plants need (docs/budget.md, "The bank's choice").
-    assert max(ratios) < 1 + (1.25 if tau_p <= 20 else 1.6) * excess
+    # up to 72% of it (at 1.15x, where the noise is largest against the excess; 53% with
+    # 0.10.1's law): their lag is chosen only once the evaluations span it and it fits 3x
+    # better than the first kernel, and until then the first kernel's lead, half of it a
+    # 50-batch lag, asks for more KL than a 100-200-batch lag answers in time (docs/budget.md,
+    # "The bank's choice").
+    assert max(ratios) < 1 + (1.25 if tau_p <= 20 else 1.75) * excess
     tail = ratios[-100:]  # the last 500 batches
     assert max(abs(r - budget_ratio) for r in tail) < 0.1 * excess
 
@@ -298,24 +336,96 @@ def _world(budget, shape, n, rho, seed, batches=300):
 def test_on_the_worlds_shapes_the_ratio_is_in_its_band_by_batch_120_and_stays(
     shape, budget_ratio, rho
 ):
-    # Issue 47's criteria on simulated runs, 3 seeds each: the trailing mean of 3 evaluations
-    # within 20% of the excess by batch 120 and within 25% after it; the last third's mean
-    # within 10%. 0.8.0's law met them in 4 of 14 real runs.
-    excess = budget_ratio - 1
+    # Issue 47's criteria on simulated runs, 3 seeds each. 0.8.0's law met them in 4 of 14 real
+    # runs.
     for seed in range(3):
         budget = CapabilityBudget(budget_ratio)
         budget.target = 1.0  # configs/ppo_budget.yaml's start
         out = _world(budget, shape, 5, rho, seed)
-        ratios = [r for _, r in out]
-        smooth = [
-            sum(ratios[max(0, i - 2) : i + 1]) / len(ratios[max(0, i - 2) : i + 1])
-            for i in range(len(ratios))
-        ]
-        at_120 = smooth[120 // 5 - 1]
-        assert abs(at_120 - budget_ratio) <= 0.2 * excess, (seed, at_120)
-        assert max(abs(m - budget_ratio) for m in smooth[120 // 5 - 1 :]) <= 0.25 * excess
-        last = ratios[-len(ratios) // 3 :]
-        assert abs(sum(last) / len(last) - budget_ratio) <= 0.1 * excess
+        assert not _meets_the_criteria(out, budget_ratio, 120), seed
+
+
+def _meets_the_criteria(out, budget_ratio, by):
+    """Issue 47's criteria on (batch, ratio) rows: the trailing mean of 3 evaluations within
+    20% of the excess by batch ``by`` and within 25% after it; the last third's mean within
+    10%. Returns the failures, named."""
+    excess = budget_ratio - 1
+    batches = [t for t, _ in out]
+    ratios = [r for _, r in out]
+    smooth = [
+        sum(ratios[max(0, i - 2) : i + 1]) / len(ratios[max(0, i - 2) : i + 1])
+        for i in range(len(ratios))
+    ]
+    at_by = [m for t, m in zip(batches, smooth, strict=True) if t <= by][-1]
+    after = [m for t, m in zip(batches, smooth, strict=True) if t >= by]
+    last = [r for t, r in out if t > batches[-1] * 2 / 3]
+    failures = []
+    if abs(at_by - budget_ratio) > 0.2 * excess:
+        failures.append(f"at batch {by}: {at_by:.4f}")
+    if max(abs(m - budget_ratio) for m in after) > 0.25 * excess:
+        failures.append(f"after batch {by}: {min(after):.4f}-{max(after):.4f}")
+    if abs(sum(last) / len(last) - budget_ratio) > 0.1 * excess:
+        failures.append(f"last third: {sum(last) / len(last):.4f}")
+    return failures
+
+
+# Two-lag plants of 16 logged budget runs of 0.10.x's law (default world 12, Python docstrings
+# 2, fortunes 2; 1.15x and 1.3x): the excess x = c min(1, K5 / 0.3) + f K5 + g KL_L of the
+# batch KL seen over 5 batches (K5) and over the run's slow lag L, fitted by least squares to
+# each run's 60 validation ratios (L the best of 30, 50, 80, 120 and 200 batches; the 5-batch
+# lag alone left 1.3-2.1x the residual). Rows: (c, f, g, L).
+LOGGED_PLANTS = [
+    (0.046, 0.019, 0.049, 50), (0.093, 0.014, 0.042, 80), (0.085, 0.007, 0.037, 30),
+    (0.062, 0.042, 0.026, 80), (0.039, 0.033, 0.043, 50), (0.056, 0.027, 0.057, 50),
+    (0.072, 0.035, 0.047, 80), (0.042, 0.041, 0.066, 200), (0.084, 0.027, 0.035, 200),
+    (0.089, 0.001, 0.077, 50), (0.076, 0.022, 0.039, 120), (0.057, 0.040, 0.046, 50),
+    (0.035, 0.070, 0.042, 80), (0.082, 0.039, 0.038, 120), (0.056, 0.040, 0.051, 80),
+    (0.097, 0.000, 0.067, 30),
+]  # fmt: skip
+
+
+def _logged_plant(budget, plant, n, seed, batches=300):
+    """A run on a logged run's plant, with _world's KL law and its noise on the validation,
+    plus a slow wander of the excess (sd 0.008, 20 batches) and the test split's own noise.
+    Returns the (batch, test ratio) rows."""
+    rng = random.Random(seed)
+    c, fast, slow, lag = plant
+    ctl = _wired(budget, budget.target)
+    kl = kl_5 = kl_slow = 0.05
+    wander = 0.0
+    out = []
+    for t in range(1, batches + 1):
+        kl += (1 - math.exp(-1 / 15)) * (budget.target * math.exp(0.1 * rng.gauss(0, 1)) - kl)
+        kl_5 += (1 - math.exp(-1 / 5)) * (kl - kl_5)
+        kl_slow += (1 - math.exp(-1 / lag)) * (kl - kl_slow)
+        wander = math.exp(-1 / 20) * wander + math.sqrt(1 - math.exp(-2 / 20)) * rng.gauss(0, 0.008)
+        ctl.n_batches += 1
+        ctl.kl_sum += kl * math.exp(rng.gauss(0, 0.25) - 0.25**2 / 2)
+        ctl.kl_count += 1
+        if t % n == 0:
+            excess = c * min(1.0, kl_5 / 0.3) + fast * kl_5 + slow * kl_slow + wander
+            budget.step(math.exp(excess + rng.gauss(0, 0.008)) * REF)
+            out.append((t, math.exp(excess + rng.gauss(0, 0.008))))
+    return out
+
+
+@pytest.mark.parametrize("n,by,least", [(5, 120, 48), (25, 200, 46)])
+@pytest.mark.parametrize("budget_ratio", [1.15, 1.3])
+def test_on_logged_runs_plants_the_ratio_is_in_its_band_in_time_and_stays(
+    budget_ratio, n, by, least
+):
+    # Issue 47's criteria on each plant, 3 seeds: at the shipped interval on all 48 runs, at
+    # 25 (the band by batch 200) on 46 of 48 at least (48 at 1.3x). 0.10.1's law, which
+    # answered the 5-batch lag at once, met them in 41 and 43 of 48 (1.15x, 1.3x) at
+    # interval 5, 44 and 42 at 25: it raised the target past what holds the budget while the
+    # slow lag had not yet answered, as in the real runs.
+    met = 0
+    for plant in LOGGED_PLANTS:
+        for seed in range(3):
+            budget = CapabilityBudget(budget_ratio)
+            budget.target = 1.0  # configs/ppo_budget.yaml's start
+            met += not _meets_the_criteria(_logged_plant(budget, plant, n, seed), budget_ratio, by)
+    assert met >= least
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
