@@ -16,9 +16,9 @@ import math
 from typing import Any
 
 #: The lag kernels the bank tries: ``((lag in batches, weight), ...)``, weights summing to 1.
-#: The first is the worlds': in 30 logged runs on four worlds half the perplexity's answer to
-#: the KL came within 5 batches and half over 30-200 (a 50-batch lag fitted them best, pooled);
-#: a review's plants lag by 100 and 200.
+#: The first is the worlds': in 32 logged runs on four worlds about half the perplexity's
+#: answer to the KL came within 5 batches and the rest over 30-200 (pooled by world, a 50-batch
+#: lag fitted better than a 30-batch one); a review's plants lag by 100 and 200.
 KERNELS: tuple[tuple[tuple[float, float], ...], ...] = (
     ((5.0, 0.5), (50.0, 0.5)),
     ((100.0, 1.0),),

@@ -107,7 +107,7 @@ class CapabilityBudget(Callback):
     them (from the controller callback's ``kl_sum``/``kl_count``), it does, in log target::
 
         model.update(log kl_mean, n, max(x, error_floor * b))
-        want   = model.wanted(log b, n)       # s_L + (log b - log x_hat) / max(a, 1)
+        want   = model.wanted(log b, n)       # the KL that brings x to b within a horizon
         u      = clip(want, log target - fall_per_batch n, log target + raise_per_batch n)
         u      = min(u, log target)  if kl_mean < follow * target          # still climbing
         u      = max(u, log target)  if kl_mean > target / follow, not falling  # law stuck
@@ -115,11 +115,13 @@ class CapabilityBudget(Callback):
 
     a feed-forward law on the KL the run has measured, not on the target it asked for
     (``model``, :class:`~rlkl_lightning.kl.budget_model.ExcessModel`: ``log x`` fitted as
-    ``c + a s_L + d t`` over the run's evaluations, ``s_L`` a lag of the log KL chosen from a
-    bank, ``d`` a slow drift; ``x_hat`` the fit's excess now, a rising drift anticipated). It
-    answers the KL whose excess is the budget's; the KL law's own lag in following the target
-    therefore winds nothing up, and on a plant of elasticity ``a'`` the loop's gain per
-    evaluation is ``1 - a' / max(a, 1)``, whatever the interval (docs/budget.md, "Stability").
+    ``c + a z + d t`` over the run's evaluations, ``z`` the log KL seen through a lag kernel
+    chosen from a bank, by default half a 5-batch and half a 50-batch lag, ``d`` a slow
+    drift). It answers the KL that, held, brings the excess to the budget's within the
+    kernel's horizon (12 batches for the default kernel), from the lags the KL has already
+    charged: more than the KL that holds the budget while the slow lag is still catching up,
+    that KL once it has. The KL law's own lag in following the target therefore winds nothing
+    up, and the horizon is in batches, not evaluations (docs/budget.md, "Stability").
     The target moves by at most ``raise_per_batch`` up and ``fall_per_batch`` down per batch.
     Two holds keep the outer loop from winding up against the KL law: the target does not
     rise while the KL has not reached ``follow`` x the target (it is still climbing), and it

@@ -372,8 +372,8 @@ def _meets_the_criteria(out, budget_ratio, by):
 # Two-lag plants of 16 logged budget runs of 0.10.x's law (default world 12, Python docstrings
 # 2, fortunes 2; 1.15x and 1.3x): the excess x = c min(1, K5 / 0.3) + f K5 + g KL_L of the
 # batch KL seen over 5 batches (K5) and over the run's slow lag L, fitted by least squares to
-# each run's 60 validation ratios (L the best of 30, 50, 80, 120 and 200 batches; the 5-batch
-# lag alone left 1.3-2.1x the residual). Rows: (c, f, g, L).
+# each run's 60 validation ratios (L the best of 30, 50, 80, 120 and 200 batches; a line in
+# the 5-batch lag alone left 1.3-2.8x the residual sd). Rows: (c, f, g, L).
 LOGGED_PLANTS = [
     (0.046, 0.019, 0.049, 50), (0.093, 0.014, 0.042, 80), (0.085, 0.007, 0.037, 30),
     (0.062, 0.042, 0.026, 80), (0.039, 0.033, 0.043, 50), (0.056, 0.027, 0.057, 50),
