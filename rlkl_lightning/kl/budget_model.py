@@ -156,7 +156,7 @@ class ExcessModel:
         return [sum(w * self.lagged[LAGS.index(lag)] for lag, w in k) for k in KERNELS]
 
     def _fit(self, i: int) -> Fit:
-        """Weighted ridge least squares of ``log x`` on ``(1, s_i, t)``."""
+        """Weighted ridge least squares of ``log x`` on ``(1, z_i, t)``."""
         matrix = [[0.0] * 3 for _ in range(3)]
         rhs = [0.0] * 3
         rows = []
@@ -196,11 +196,6 @@ class ExcessModel:
             if span >= EVIDENCE * longest and fits[i].residual < SLACK * fits[pick].residual:
                 pick = i
         self.kernel, self.fit = pick, fits[pick]
-
-    @property
-    def lag(self) -> float:
-        """The chosen kernel's longest lag, in batches."""
-        return max(lag for lag, _ in KERNELS[self.kernel])
 
     def wanted(self, log_budget: float, batches: int) -> float:
         """The log KL to ask for: the one that brings the excess to the budget's in time.
