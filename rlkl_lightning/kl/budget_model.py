@@ -56,6 +56,13 @@ STEP_ELASTICITY = 1.0
 #: Batches the KL law takes to follow a new target: a drift is anticipated by this many
 #: batches plus half the evaluation interval (the mean of the coming interval).
 AHEAD = 20.0
+#: The drift carried ahead is the slope of the chosen kernel's offsets (``log x - a z``) over
+#: the evaluations of the last ``max(TREND_BATCHES, TREND_EVALUATIONS x interval)`` batches,
+#: once they span :data:`TREND_SPAN`: the fit's own drift, over its memory, stayed at 0
+#: through the start-up and saw a creep at a constant KL only after 125-200 batches.
+TREND_BATCHES = 80.0
+TREND_EVALUATIONS = 8
+TREND_SPAN = 40.0
 
 
 def horizon(kernel: tuple[tuple[float, float], ...]) -> float:
@@ -119,6 +126,7 @@ class ExcessModel:
         self.kernel = 0  # the kernel chosen
         self.fit = Fit(0.0, 1.0, 0.0, 0.0)
         self.fits: list[Fit] = []
+        self.trend = 0.0  # the drift carried ahead, per DRIFT_UNIT batches (>= 0)
 
     def update(self, log_kl: float, batches: int, excess: float, floor: float) -> None:
         """Take one evaluation: the mean log KL of its ``batches`` and its excess ``x``.
@@ -196,12 +204,37 @@ class ExcessModel:
             if span >= EVIDENCE * longest and fits[i].residual < SLACK * fits[pick].residual:
                 pick = i
         self.kernel, self.fit = pick, fits[pick]
+        self.trend = self._trend()
+
+    def _trend(self) -> float:
+        """The slope of the chosen kernel's offsets ``log x - a z`` over the recent evaluations.
+
+        Least squares on the batch, unweighted, over :data:`TREND_BATCHES` (or
+        :data:`TREND_EVALUATIONS` intervals, where that is longer); 0 until they span
+        :data:`TREND_SPAN` batches, and where it falls (the perplexity does not recover at a
+        constant KL). With the model's ``a`` off by a factor, the slope in closed loop is off
+        by the same factor, and the step, which divides by ``a``, asks for the right KL.
+        """
+        if len(self.history) < 3:
+            return 0.0
+        interval = self.history[-1][0] - self.history[-2][0]
+        window = max(TREND_BATCHES, TREND_EVALUATIONS * interval)
+        i, a = self.kernel, self.fit.elasticity
+        rows = [(t, lx - a * s[i]) for t, lx, s in self.history if self.t - t < window]
+        if len(rows) < 3 or rows[-1][0] - rows[0][0] < TREND_SPAN:
+            return 0.0
+        mean_t = sum(t for t, _ in rows) / len(rows)
+        mean_o = sum(o for _, o in rows) / len(rows)
+        sxx = sum((t - mean_t) ** 2 for t, _ in rows)
+        slope = sum((t - mean_t) * (o - mean_o) for t, o in rows) / sxx
+        return max(slope, 0.0) * DRIFT_UNIT
 
     def wanted(self, log_budget: float, batches: int) -> float:
         """The log KL to ask for: the one that brings the excess to the budget's in time.
 
         From the chosen kernel's fit: the excess now is ``level + a z``, the level an average
-        of the evaluations' offsets from the line over :data:`LEVEL` batches; a rising drift is
+        of the evaluations' offsets from the line over :data:`LEVEL` batches; a rising drift
+        (:meth:`_trend`) is
         anticipated by :data:`LEVEL` + :data:`AHEAD` + ``batches`` / 2 batches (the level's lag,
         the KL law's, the coming interval's mean). ``z* = z + (log b - log x) / max(a, 1)`` is
         the ``z`` that gives the budget's excess (the step divides by at least
@@ -214,7 +247,7 @@ class ExcessModel:
         z, fit, level = self.seen[i], self.fit, self.levels[i]
         assert level is not None
         ahead = LEVEL + AHEAD + batches / 2
-        log_x = level + fit.elasticity * z + max(fit.drift, 0.0) * ahead / DRIFT_UNIT
+        log_x = level + fit.elasticity * z + self.trend * ahead / DRIFT_UNIT
         z_star = z + (log_budget - log_x) / max(fit.elasticity, STEP_ELASTICITY)
         kept = sum(
             w * math.exp(-HORIZONS[i] / lag) * self.lagged[LAGS.index(lag)] for lag, w in KERNELS[i]
