@@ -925,4 +925,5 @@ def test_a_model_saved_before_0_10_starts_afresh_and_a_saved_one_round_trips():
     again = ExcessModel()
     again.load_state_dict(model.state_dict())
     assert again.state_dict() == model.state_dict()
+    assert model.trend > 0 and again.trend == model.trend  # rebuilt from the history
     assert again.wanted(math.log(0.14), 5) == model.wanted(math.log(0.14), 5)
