@@ -113,22 +113,22 @@ class CapabilityBudget(Callback):
         u      = max(u, log target)  if kl_mean > target / follow, not falling  # law stuck
         target = clip(exp(u), min_target, max_target)
 
-    a feed-forward law on the KL the run has measured, not on the target it asked for
-    (``model``, :class:`~rlkl_lightning.kl.budget_model.ExcessModel`: ``log x`` fitted as
-    ``c + a z + d t`` over the run's evaluations, ``z`` the log KL seen through a lag kernel
-    chosen from a bank, by default half a 5-batch and half a 50-batch lag, ``d`` a slow
-    drift; a rise of the offsets ``log x - a z`` over the last 80 batches is carried ahead, as
-    a perplexity that creeps at a constant KL). It answers the KL that, held, brings the excess to the budget's within the
-    kernel's horizon (12 batches for the default kernel), from the lags the KL has already
-    charged: more than the KL that holds the budget while the slow lag is still catching up,
-    that KL once it has. The KL law's own lag in following the target therefore winds nothing
-    up, and the horizon is in batches, not evaluations (docs/budget.md, "Stability").
-    The target moves by at most ``raise_per_batch`` up and ``fall_per_batch`` down per batch.
-    Two holds keep the outer loop from winding up against the KL law: the target does not
-    rise while the KL has not reached ``follow`` x the target (it is still climbing), and it
-    does not fall while the KL stays above target / ``follow`` and does not fall (the law
-    cannot bring it lower; a lower target would only raise beta without end). Where the
-    evaluations scatter by more than half the budget's excess, the callback warns once, naming
+    a feed-forward law on the KL the run has measured, not on the target it asked for (``model``,
+    :class:`~rlkl_lightning.kl.budget_model.ExcessModel`: ``log x`` fitted as ``c + a z + d t`` over
+    the run's evaluations, ``z`` the log KL seen through a lag kernel chosen from a bank, by default
+    half a 5-batch and half a 50-batch lag, ``d`` a slow drift; a rise of the offsets
+    ``log x - a z`` over the last 80 batches is carried ahead, as a perplexity that creeps at a
+    constant KL). It
+    answers the KL that, held, brings the excess to the budget's within the kernel's horizon (12
+    batches for the default kernel), from the lags the KL has already charged: more than the KL that
+    holds the budget while the slow lag is still catching up, that KL once it has. The KL law's own
+    lag in following the target therefore winds nothing up, and the horizon is in batches, not
+    evaluations (docs/budget.md, "Stability"). The target moves by at most ``raise_per_batch`` up
+    and ``fall_per_batch`` down per batch. Two holds keep the outer loop from winding up against the
+    KL law: the target does not rise while the KL has not reached ``follow`` x the target (it is
+    still climbing), and it does not fall while the KL stays above target / ``follow`` and does not
+    fall (the law cannot bring it lower; a lower target would only raise beta without end). Where
+    the evaluations scatter by more than half the budget's excess, the callback warns once, naming
     the smallest budget it can hold. docs/budget.md derives the law.
 
     The new target is handed to the controller callback
