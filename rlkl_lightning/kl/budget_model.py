@@ -233,14 +233,14 @@ class ExcessModel:
         """The log KL to ask for: the one that brings the excess to the budget's in time.
 
         From the chosen kernel's fit: the excess now is ``level + a z``, the level an average
-        of the evaluations' offsets from the line over :data:`LEVEL` batches; a rising drift
-        (:meth:`_trend`) is
-        anticipated by :data:`LEVEL` + :data:`AHEAD` + ``batches`` / 2 batches (the level's lag,
-        the KL law's, the coming interval's mean). ``z* = z + (log b - log x) / max(a, 1)`` is
-        the ``z`` that gives the budget's excess (the step divides by at least
-        :data:`STEP_ELASTICITY`); a log KL ``u`` held from now on brings each lag ``s_j`` to
-        ``u + (s_j - u) e_j`` within the kernel's horizon ``H`` (``e_j = exp(-H / L_j)``), so
-        ``z`` to ``z*`` when ``u = (z* - sum_j w_j e_j s_j) / (1 - LEAD)``.
+        of the evaluations' offsets from the line over :data:`LEVEL` batches; their rising
+        trend (:meth:`_trend`) is anticipated by :data:`LEVEL` + :data:`AHEAD` + ``batches`` / 2
+        batches (the level's lag, the KL law's, the coming interval's mean).
+        ``z* = z + (log b - log x) / max(a, 1)`` is the ``z`` that gives the budget's excess
+        (the step divides by at least :data:`STEP_ELASTICITY`); a log KL ``u`` held from now
+        on brings each lag ``s_j`` to ``u + (s_j - u) e_j`` within the kernel's horizon ``H``
+        (``e_j = exp(-H / L_j)``), so ``z`` to ``z*`` when
+        ``u = (z* - sum_j w_j e_j s_j) / (1 - LEAD)``.
         """
         assert self.seen is not None and self.lagged is not None, "update() first"
         i = self.kernel

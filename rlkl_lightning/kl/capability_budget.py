@@ -118,10 +118,10 @@ class CapabilityBudget(Callback):
     the run's evaluations, ``z`` the log KL seen through a lag kernel chosen from a bank, by default
     half a 5-batch and half a 50-batch lag, ``d`` a slow drift; a rise of the offsets
     ``log x - a z`` over the last 80 batches is carried ahead, as a perplexity that creeps at a
-    constant KL). It
-    answers the KL that, held, brings the excess to the budget's within the kernel's horizon (12
-    batches for the default kernel), from the lags the KL has already charged: more than the KL that
-    holds the budget while the slow lag is still catching up, that KL once it has. The KL law's own
+    constant KL). It answers the KL that, held, brings the excess to the budget's within the
+    kernel's horizon (12 batches for the default kernel), from the lags the KL has already
+    charged: more than the KL that holds the budget while the slow lag is still catching up,
+    that KL once it has. The KL law's own
     lag in following the target therefore winds nothing up, and the horizon is in batches, not
     evaluations (docs/budget.md, "Stability"). The target moves by at most ``raise_per_batch`` up
     and ``fall_per_batch`` down per batch. Two holds keep the outer loop from winding up against the

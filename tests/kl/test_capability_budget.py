@@ -117,7 +117,7 @@ def test_the_fit_finds_a_noise_free_plants_elasticity_and_drift_and_wants_its_kl
     assert model.kernel == 0
     assert 0.8 < fit.elasticity < 0.95  # the ridge draws it toward 1
     assert fit.drift == pytest.approx(0.2, rel=0.25)  # per 100 batches
-    # The drift carried ahead: the offsets' least-squares slope over the last 75 batches,
+    # The drift carried ahead: the offsets' least-squares slope over the last 80 batches,
     # computed a second way (numpy's polyfit), and close to the plant's.
     zs = _kernel(log_kls, KERNELS[0])
     recent = [k for k in range(30) if 5 * 29 - 5 * k < budget_model.TREND_BATCHES]
