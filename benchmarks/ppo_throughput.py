@@ -117,8 +117,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--compiled-update",
         action="store_true",
         help="also run each of our sides with optimization.compile (sides *_compiled; the "
-        "value model's thread off, as the option needs); the first warm-up iteration includes "
-        "the compilation",
+        "separate value model's thread as on the eager side, each thread its own graph); the "
+        "first warm-up iteration includes the compilation",
     )
     parser.add_argument(
         "--no-separate-value",

@@ -207,10 +207,7 @@ def ours(world: Path, settings: dict, separate_value: bool, iterations: int, cal
     module = PPOModule(
         ppo={
             "value_model": str(world / "policy") if separate_value else None,
-            # compiled: the library's default (off with optimization.compile)
-            "value_model_thread": settings.get("value_model_thread")
-            if separate_value and not settings.get("compile")
-            else None,
+            "value_model_thread": settings.get("value_model_thread") if separate_value else None,
         },
         reward=SpacedPairReward(reward),
         **options,

@@ -26,9 +26,11 @@ rows (:func:`~rlkl_lightning.models.packing.pad_rows`); the graph takes the pack
 inputs. A run then compiles once per (width bucket, packed-row bucket) it meets.
 
 Where it runs: with ``models.cpu_matmul: onednn`` (its products stay oneDNN's, opaque operators
-of the graph), with LoRA adapters, under DDP. Refused by name at fit start (:func:`check`):
-FSDP (its units gather their weights in hooks the graph cannot hold), ``ppo.value_model_thread``
-(the value model's passes run in another thread), and on a CPU without a C++ compiler.
+of the graph), with LoRA adapters, under DDP, and with ``ppo.value_model_thread``: then the
+policy's loss and the value model's term are two graphs, each compiled and run in its own
+thread (:meth:`CompiledUpdate._in_two_threads`). Refused by name at fit start (:func:`check`):
+FSDP (its units gather their weights in hooks the graph cannot hold), and on a CPU without a
+C++ compiler.
 
 The compiled code is kept on disk (inductor's FX graph cache) under the library's cache,
 ``$RLKL_CACHE/inductor`` (:func:`use_inductor_cache`), so a resumed run or the next run of a
@@ -37,6 +39,7 @@ study finds it instead of compiling again.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -45,6 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.models.forward import plain_lm_head_weight
 from rlkl_lightning.models.packing import check_packable, pack, pad_rows
 from rlkl_lightning.trajectory import Trajectory
@@ -158,6 +162,14 @@ def _loss(module: Any, part: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
     return module.loss(part)
 
 
+def _policy_loss(module: Any, part: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
+    return module.policy_objective(module.policy, part, module.kl_coef)
+
+
+def _helper_loss(module: Any, part: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
+    return module.helper_loss(part)
+
+
 class CompiledUpdate:
     """A module's ``loss`` of a micro-batch, compiled with its backward pass for padded shapes.
 
@@ -175,6 +187,10 @@ class CompiledUpdate:
         from rlkl_lightning.algorithms.compiled_decode import compile_fixed
 
         self._compiled = compile_fixed(_loss, RECOMPILE_LIMIT)
+        #: With a helper thread (``ppo.value_model_thread``): the policy's graph, and the
+        #: helper network's, each run and compiled in its own thread.
+        self._compiled_policy = compile_fixed(_policy_loss, RECOMPILE_LIMIT)
+        self._compiled_helper = compile_fixed(_helper_loss, RECOMPILE_LIMIT)
 
     def shape(self, part: Trajectory, rows: int) -> tuple[int, int, int]:
         """The padded ``(rows, prompt, response)`` of ``part``; ``rows``: its update's largest."""
@@ -206,6 +222,8 @@ class CompiledUpdate:
         self._beta.fill_(beta)
         module.kl_coef = self._beta  # read by the graph as an input, not a constant
         try:
+            if module.threads.has_helper:
+                return self._in_two_threads(module, padded)
             return self._compiled(module, padded)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as err:  # a graph break
             first = (str(err).strip().splitlines() or [""])[0]
@@ -221,3 +239,21 @@ class CompiledUpdate:
         finally:
             module.kl_coef = beta
             objective.given_rows = None
+
+    def _in_two_threads(self, module: Any, padded: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
+        """The helper network's graph in the helper thread, beside the policy's in this one.
+
+        Its term joins the loss as the helper's leaf (``ValueThread.handoff``), added last, so
+        its backward pass runs in the helper too; ``loss/total`` is the sum's.
+        """
+        threads = module.threads
+        side = threads.submit(self._compiled_helper, module, padded)
+        try:
+            loss, stats = self._compiled_policy(module, padded)
+        except BaseException:  # the helper reads the packed rows until it is done: wait
+            with contextlib.suppress(Exception):
+                side.result()
+            raise
+        term, extra = side.result()
+        loss = loss + threads.handoff(term)
+        return loss, {**stats, **extra, keys.LOSS_TOTAL: loss.detach()}

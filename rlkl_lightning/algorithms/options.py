@@ -146,8 +146,9 @@ class Optimization:
         compile: run each micro-batch's forward and backward passes, the loss included, as one
             ``torch.compile``d graph, its shapes padded to a few buckets
             (:mod:`~rlkl_lightning.algorithms.compiled_update`; docs/benchmarks.md). The
-            gradients are the eager pass's to float rounding. Refused under FSDP and with
-            ``ppo.value_model_thread``; compiled code is kept in the library's cache.
+            gradients are the eager pass's to float rounding. With
+            ``ppo.value_model_thread`` the policy and the value model are two graphs, one per
+            thread. Refused under FSDP; compiled code is kept in the library's cache.
     """
 
     group: ClassVar[str] = "optimization"

@@ -301,21 +301,22 @@ class RLPipeline(LightningModule):
         """
         return None
 
+    def helper_loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss term of :meth:`helper_thread_parameters`' network alone, and its statistics.
+
+        What the compiled update runs as a graph of its own in the helper thread
+        (:class:`~rlkl_lightning.algorithms.compiled_update.CompiledUpdate`); the policy's
+        graph is :meth:`loss` without it. Only a module with a helper network has one.
+        """
+        raise NotImplementedError(f"{self.owner} has no network that runs in a helper thread")
+
     def value_thread_on(self, setting: bool | None, separate_model: bool) -> bool:
         """Whether a separate value model runs in a helper thread in this run (at fit start).
 
         ``setting`` (``ppo.value_model_thread``), or where it helps if None: the speed-up
         decides (:func:`~rlkl_lightning.perf.value_thread.value_thread_on`) from this run's
-        strategy and device.
+        strategy and device. With ``optimization.compile`` each thread runs a compiled graph.
         """
-        if self.optimization.compile:  # the helper thread's passes cannot join the graph
-            if setting:
-                raise ValueError(
-                    f"{self.owner}: `ppo.value_model_thread`=True does not run with "
-                    "`optimization.compile`=True (the value model's passes would run in another "
-                    "thread, outside the compiled graph); set one of them False"
-                )
-            return False
         strategy = self.trainer.strategy
         return value_thread_on(setting, separate_model, strategy, self.device.type, self.owner)
 

@@ -185,13 +185,20 @@ class PPOModule(RLPipeline):
         value_side = threads.beside(self._value_loss, minibatch)  # now, if in a thread
 
         def value_term(new: TokenScores) -> tuple[Tensor, dict[str, Tensor]]:
-            vf_loss, vf_clipfrac = value_side(new.hidden)
-            stats = {keys.LOSS_VALUE: vf_loss.detach(), keys.VALUE_CLIPFRAC: vf_clipfrac}
-            return self.ppo.vf_coef * vf_loss, stats
+            return self._value_term(*value_side(new.hidden))
 
         return self.policy_objective(
             self.policy, minibatch, self.kl_coef, threads.defer, value_term
         )
+
+    @override
+    def helper_loss(self, minibatch: Trajectory) -> tuple[Tensor, dict[str, Tensor]]:
+        """The separate value model's term alone: ``vf_coef`` x its value loss, and statistics."""
+        return self._value_term(*self._value_loss(minibatch))
+
+    def _value_term(self, vf_loss: Tensor, vf_clipfrac: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        stats = {keys.LOSS_VALUE: vf_loss.detach(), keys.VALUE_CLIPFRAC: vf_clipfrac}
+        return self.ppo.vf_coef * vf_loss, stats
 
     def _value_loss(
         self, mb: Trajectory, policy_hidden: Tensor | None = None

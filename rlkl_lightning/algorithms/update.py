@@ -33,6 +33,8 @@ class OneThread:
 
     #: Where the fused head hands its weight gradient off (``models.logprobs.Defer``): nowhere.
     defer = None
+    #: Whether a helper thread runs a second network's part (``ValueThread``: True).
+    has_helper = False
 
     def __enter__(self) -> OneThread:
         return self

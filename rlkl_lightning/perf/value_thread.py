@@ -67,6 +67,9 @@ class ValueThread:
             optimizer step runs in the helper.
     """
 
+    #: A helper thread runs the second network's part (``update.OneThread``: False).
+    has_helper = True
+
     def __init__(self, device_type: str, params: Iterable[Tensor] = ()):
         self.device_type = device_type
         self.params = set(params)

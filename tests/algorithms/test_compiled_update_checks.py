@@ -150,18 +150,6 @@ def test_fsdp_is_refused_by_name_and_packing_runs_compiled():
     check(stub(single))  # one process, padded rows: runs
 
 
-def test_the_value_thread_is_refused_or_off_with_the_compiled_update(tiny_lm_dir):
-    module = PPOModule(
-        policy=str(tiny_lm_dir),
-        sampling={"max_prompt_tokens": 16, "max_new_tokens": 16},
-        ppo={"value_model": str(tiny_lm_dir)},
-    )
-    module.optimization = dataclasses.replace(module.optimization, compile=True)
-    with pytest.raises(ValueError, match="value_model_thread`=True does not run with `optimizati"):
-        module.value_thread_on(True, separate_model=True)
-    assert module.value_thread_on(None, separate_model=True) is False  # where it would help
-
-
 def test_inductors_cache_goes_under_the_librarys_unless_the_user_named_one(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir as inductor_default
 

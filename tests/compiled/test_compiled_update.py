@@ -34,6 +34,7 @@ from rlkl_lightning.algorithms.compiled_update import (
 )
 from rlkl_lightning.models.packing import pack
 from rlkl_lightning.perf.onednn import available as onednn_available
+from rlkl_lightning.perf.value_thread import ValueThread
 from rlkl_lightning.rewards import FunctionReward
 from rlkl_lightning.trajectory import Trajectory
 
@@ -130,6 +131,39 @@ def test_onednn_products_are_compiled_with_the_eager_passes_gradients(tiny_lm_di
 def test_lora_adapters_are_compiled_with_the_eager_passes_gradients(tiny_lm_dir):
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn", "c_fc"], "fan_in_fan_out": True}
     _assert_close_gradients(PPOModule, tiny_lm_dir, PROMPTS, models={"peft": lora})
+
+
+def test_the_value_thread_runs_the_value_models_graph_beside_the_policys(tiny_lm_dir, monkeypatch):
+    # a separate value model in the helper thread: two graphs, each compiled in its own thread
+    helper_graphs = []
+    submit = ValueThread.submit
+
+    def counting(self, fn, *args):
+        if fn.__name__ == "_helper_loss":  # the compiled helper graph, not the eager thread's work
+            helper_graphs.append(fn)
+        return submit(self, fn, *args)
+
+    monkeypatch.setattr(ValueThread, "submit", counting)
+    ppo = {"value_model": str(tiny_lm_dir)}
+    eager = _step_gradients(
+        PPOModule, tiny_lm_dir, False, PROMPTS, ppo={**ppo, "value_model_thread": False}
+    )
+    threads_eager = _step_gradients(
+        PPOModule, tiny_lm_dir, False, PROMPTS, ppo={**ppo, "value_model_thread": True}
+    )
+    assert not helper_graphs
+    for g_e, g_t in zip(eager, threads_eager, strict=True):  # the eager thread: the same numbers
+        assert torch.equal(g_e, g_t)
+    before = counters["stats"]["unique_graphs"]
+    compiled = _step_gradients(
+        PPOModule, tiny_lm_dir, True, PROMPTS, ppo={**ppo, "value_model_thread": True}
+    )
+    assert counters["stats"]["unique_graphs"] >= before + 2  # the policy's and the value model's
+    assert len(helper_graphs) == 4  # 2 minibatches x 2 micro-batches, each in the helper
+    assert len(eager) == len(compiled) == 2
+    for g_e, g_c in zip(eager, compiled, strict=True):
+        assert float(g_e.norm()) > 0
+        assert float((g_c - g_e).norm() / g_e.norm()) < GRAD_TOL
 
 
 def _ragged(generator, vocab: int, rows: int, prompt: int, response: int) -> Trajectory:
