@@ -8,7 +8,6 @@ pass itself is tested in tests/compiled/test_compiled_update.py.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from types import SimpleNamespace
 

@@ -1,17 +1,16 @@
 """``optimization.compile`` under DDP: two processes equal one on the global batches.
 
-The DDP test of :mod:`system.test_ddp_ppo` (the same assertions: both ranks bit for bit, the
-1-process run to float32 rounding, the skipped batch, the checkpoint), with the update compiled
-in every process: each rank compiles its own graph, and DDP's gradient hooks still fire in the
-compiled backward pass. Packed as well, as the option packs outside the graph.
+The assertions of the DDP test of :mod:`system.test_ddp_ppo`
+(:func:`helpers.ddp_runs.assert_two_processes_equal_one`: both ranks bit for bit, the 1-process
+run to float32 rounding, the skipped batch, the checkpoint), with the update compiled in every
+process: each rank compiles its own graph, and DDP's gradient hooks still fire in the compiled
+backward pass. Packed as well, as the option packs outside the graph.
 """
 
 from __future__ import annotations
 
 import pytest
-from system.test_ddp_ppo import (
-    test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch as ddp_equals_one,
-)
+from helpers.ddp_runs import assert_two_processes_equal_one
 
 pytestmark = pytest.mark.dist
 
@@ -28,6 +27,6 @@ def test_compiled_update_under_ddp_equals_one_process(
     # own inductor cache: its FX graphs show that the option compiled the pass.
     cache = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
-    ddp_equals_one(tmp_path, tiny_lm_dir, optimization)
+    assert_two_processes_equal_one(tmp_path, tiny_lm_dir, optimization)
     graphs = [f for f in (cache / "fxgraph").rglob("*") if f.is_file()]
     assert len(graphs) >= 2  # a forward and a backward graph at least

@@ -43,19 +43,18 @@ The test asserts:
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-import torch
-from helpers.ddp_runs import PER_RANK, PROMPTS, SEED, STEPS, TESTS, config, records, train_py
-
-from rlkl_lightning.data.samplers import EpochShuffleSampler
+from helpers.ddp_runs import (
+    PROMPTS,
+    STEPS,
+    assert_two_processes_equal_one,
+    close,
+    config,
+    records,
+    train_py,
+)
 
 pytestmark = pytest.mark.dist  # several processes: make test-dist
-
-
-def close(a, b, rel=1e-5, abs=1e-6):
-    return a == pytest.approx(b, rel=rel, abs=abs)
 
 
 # packed: padding-free updates; tests/compiled/test_compiled_ddp.py runs it compiled too.
@@ -63,120 +62,7 @@ def close(a, b, rel=1e-5, abs=1e-6):
 def test_ppo_module_two_process_ddp_equals_one_process_on_the_global_batch(
     tmp_path, tiny_lm_dir, optimization
 ):
-    from helpers.tiny_models import make_tiny_lm
-
-    from rlkl_lightning.cli import main
-    from rlkl_lightning.models.loading import load_causal_lm
-
-    lms = (tiny_lm_dir, make_tiny_lm(tmp_path / "reference", seed=1))
-    prompts_file = tmp_path / "prompts.txt"
-    prompts_file.write_text("\n".join(PROMPTS) + "\n")
-    global_batch = 2 * PER_RANK
-    order = [PROMPTS[i] for i in EpochShuffleSampler(len(PROMPTS), SEED)]
-    batches = [order[i * global_batch : (i + 1) * global_batch] for i in range(STEPS)]
-    poison = batches[1][1]  # position 5 of the epoch: dealt to rank 1 only
-
-    ddp_cfg = config(tmp_path, lms, prompts_file, "ddp", poison, PER_RANK)
-    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
-    options = ["--model.init_args.optimization", optimization] if optimization else []
-    train_py(ddp_cfg, tmp_path, *ddp, *options)
-
-    sys.path.insert(0, str(TESTS))
-    try:
-        single_cfg = config(tmp_path, lms, prompts_file, "single", poison, global_batch)
-        main(["fit", "--config", str(single_cfg), *options])
-    finally:
-        sys.path.remove(str(TESTS))
-
-    (rank0, rank1), (w0, w1) = records(tmp_path / "ddp", 2)
-    (single,), (w_single,) = records(tmp_path / "single", 1)
-    assert rank0["world_size"] == 2 and single["world_size"] == 1
-
-    # ---- both ranks agree, bit for bit
-    assert len(rank0["batches"]) == len(rank1["batches"]) == STEPS
-    for b0, b1, expected in zip(rank0["batches"], rank1["batches"], batches, strict=True):
-        assert b0["beta_used"] == b1["beta_used"]
-        assert b0["metrics"] == b1["metrics"]  # logged metrics are global (sync_dist)
-        for r in (0, 1):  # each rank's phase peaks, gathered: in both ranks' records
-            assert b0["metrics"].get(f"perf/peak_mem_gb/update/rank{r}", 0) > 0.05
-        # Each rank takes every second prompt of the one shared order (RankShardSampler).
-        assert (b0["prompts"], b1["prompts"]) == (expected[0::2], expected[1::2])
-    assert rank0["controller"] == rank1["controller"]
-    assert rank0["kl_coef"] == rank1["kl_coef"]
-    assert w0["final"].keys() == w1["final"].keys()
-    assert all(torch.equal(w0["final"][k], w1["final"][k]) for k in w0["final"])
-
-    # ---- the controller saw the global batch: 4 samples in each of the 3 batches (the
-    # skipped one included; it updated beta on 2); the module counts the 8 it trained on.
-    assert rank0["controller"]["n_samples"] == single["controller"]["n_samples"] == 12
-    assert rank0["controller"]["n_skipped"] == single["controller"]["n_skipped"] == 1
-    assert rank0["samples_seen"] == single["samples_seen"] == 8
-    assert rank0["skipped_batches"] == rank1["skipped_batches"] == single["skipped_batches"] == 1
-
-    # ---- the 2-process run equals the 1-process run on the same global batches
-    def by_prompt(batch_records, key):
-        return {
-            p: v
-            for rec in batch_records
-            if key in rec
-            for p, v in zip(rec["prompts"], rec[key], strict=True)
-        }
-
-    compared = ["objective/kl", "objective/kl_per_token", "objective/entropy", "objective/score"]
-    for step in range(STEPS):
-        ranks = [rank0["batches"][step], rank1["batches"][step]]
-        one = single["batches"][step]
-        assert one["prompts"] == batches[step]
-        assert close(ranks[0]["beta_used"], one["beta_used"])
-        if step == 1:  # the poisoned batch: skipped everywhere, nothing scored
-            assert all("kl_seq" not in r for r in ranks + [one])
-            assert ranks[0]["metrics"]["progress/skipped_batches"] == 1.0
-            assert ranks[0]["beta_used"] == rank0["batches"][2]["beta_used"]
-            continue
-        for key in ("responses", "tokens", "kl_seq", "scores", "advantages"):
-            got, want = by_prompt(ranks, key), by_prompt([one], key)
-            assert got.keys() == want.keys() == set(batches[step])
-            if key in ("responses", "tokens"):
-                assert got == want
-            else:
-                # Whitened advantages have unit spread: their absolute error is relative to
-                # it (float32 rounding through the whitening reached 1.5e-6 with oneDNN's
-                # products, cpu_matmul="auto" on an AMD processor).
-                tol = {"abs": 1e-5} if key == "advantages" else {}
-                assert all(close(got[p], want[p], **tol) for p in want), key
-        # Whitening each rank's rows on their own gives clearly different numbers.
-        for r in ranks:
-            flat = torch.tensor(sum(r["advantages_raw"], []))
-            local = (flat - flat.mean()) / flat.std()
-            assert (local - torch.tensor(sum(r["advantages"], []))).abs().max() > 0.05
-        for key in compared + ["objective/kl_coef"] + (["loss/policy"] if step == 0 else []):
-            assert close(ranks[0]["metrics"][key], one["metrics"][key]), key
-        # Per-token KL over the tokens of the global batch.
-        kl = [sum(r["kl_seq"]) for r in ranks]
-        tokens = [sum(r["tokens"]) for r in ranks]
-        pooled = sum(kl) / sum(tokens)
-        assert close(ranks[0]["metrics"]["objective/kl_per_token"], pooled)
-        if step == STEPS - 1:
-            assert tokens[0] != tokens[1]
-            mean_of_means = (kl[0] / tokens[0] + kl[1] / tokens[1]) / 2
-            assert abs(mean_of_means - pooled) > 1e-3 * abs(pooled)
-    assert abs(single["batches"][0]["metrics"]["objective/kl"]) > 0.1  # reference != policy
-    betas = [b["beta_used"] for b in rank0["batches"]] + [rank0["kl_coef"]]
-    assert len(set(betas)) == 3  # beta moved after batches 1 and 3, not after the skipped one
-    assert close(rank0["kl_coef"], single["kl_coef"])
-    before = w0["before_cut"]
-    assert max(float((before[k] - w_single["before_cut"][k]).abs().max()) for k in before) < 1e-5
-    initial = load_causal_lm(str(tiny_lm_dir)).state_dict()
-    moved = max(float((before[f"policy.{k}"] - v).abs().max()) for k, v in initial.items())
-    assert moved > 1e-3  # the weights did change: the comparison above is not vacuous
-
-    # ---- the DDP checkpoint: one RNG state per rank, and the controller state
-    ckpt = torch.load(tmp_path / "ddp" / "ckpt" / "last.ckpt", weights_only=True)
-    rng = ckpt["rlkl_rng"]["cpu"]
-    assert len(rng) == 2
-    assert not torch.equal(rng[0], rng[1])  # each rank has its own random stream
-    controller = next(v for k, v in ckpt["callbacks"].items() if k.startswith("KLController"))
-    assert controller == rank0["controller"]
+    assert_two_processes_equal_one(tmp_path, tiny_lm_dir, optimization)
 
 
 def test_uneven_per_rank_batches_give_the_kl_callbacks_the_sample_weighted_kl(
