@@ -14,7 +14,6 @@ import math
 import random
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import yaml
 from torch.utils.tensorboard import SummaryWriter
@@ -33,16 +32,11 @@ STEPS_PER_BATCH = 4  # optimizer steps per batch: the logged step is not the bat
 ARGS = {"budget": 1.3, "raise_per_batch": 0.04, "fall_per_batch": 0.04, "follow": 0.7}
 
 
-class _Controller(SimpleNamespace):
-    def set_target(self, target):
-        self.target = target
-
-
 def _closed_loop(batches: int = 150, interval: int = 5, seed: int = 0):
     """What the run logs: per batch ``(KL, target logged)``, per evaluation ``(batch, ppl)``."""
     rng = random.Random(seed)
     budget = CapabilityBudget(**ARGS)
-    ctl = _Controller(n_batches=0, kl_sum=0.0, kl_count=0, target=1.0)
+    ctl = budget_replay._Controller(n_batches=0, kl_sum=0.0, kl_count=0, target=1.0)
     budget._controller, budget.target, budget.reference = ctl, 1.0, REF
     kl, slow, creep = 0.3, 0.3, 0.0
     per_batch, evaluations = [], []
