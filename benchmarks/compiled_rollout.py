@@ -15,7 +15,10 @@ flip a draw): the script prints the share of tokens that differ. Shapes (``--sha
 The policy gets the pipeline's speed-ups (``RLPipeline.speed_up``: the fused tanh GELU, and
 oneDNN products where ``cpu_matmul="auto"`` picks them). Prints per shape the median seconds per
 rollout of each side, the ratio, sampled tokens per second, the compilation's seconds and, for
-a preset, the rollout's FLOPs as a fraction of the device's measured matmul peak.
+a preset, the rollout's FLOPs as a fraction of the device's measured matmul peak. With
+``--profile``, one more compiled rollout runs under ``torch.profiler``: its wall time against
+the time the device was busy (on CUDA) and the operators that took the most time, which say
+whether the compiled loop is bound by the device or by what the host does between steps.
 
 Usage::
 
@@ -58,6 +61,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--world", type=Path, help="where to build the preset (default: temp)")
     parser.add_argument("--json", type=Path, help="write the results to this file")
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one more compiled rollout per shape"
+    )
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 1 or args.threads < 1:
         parser.error("--iters, --warmup and --threads must be >= 1 (the warm-up compiles)")
@@ -184,6 +190,8 @@ def measure(name: str, args) -> dict:
         "first_compiled_rollout_s": first_compiled,
         "token_mismatch_fraction": max(mismatch),
     }
+    if args.profile:
+        summary["profile"] = profile_compiled(policy, ids, mask, kw, device, autocast, sync)
     if shape is not None and not args.tiny:  # a smoke test's MFU would mean nothing
         dtype = torch.bfloat16 if autocast else torch.float32
         peak = flops.matmul_peak(args.threads, device=args.device, dtype=dtype)
@@ -193,6 +201,46 @@ def measure(name: str, args) -> dict:
         summary["eager_mfu"] = gflop / median["eager"] / peak
         summary["compiled_mfu"] = gflop / median["compiled"] / peak
     return summary
+
+
+def profile_compiled(policy, ids, mask, kw: dict, device, autocast: bool, sync) -> dict:
+    """One compiled rollout under ``torch.profiler``: wall, device-busy time, top operators."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlkl_lightning.algorithms.rollout import sample_and_score
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    context = torch.autocast(device.type, torch.bfloat16, cache_enabled=False)
+    torch.manual_seed(0)
+    sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        with context if autocast else nullcontext():
+            sample_and_score(policy, ids, mask, compiled=True, **kw)
+        sync()
+        wall = time.perf_counter() - start
+
+    def device_us(event) -> float:  # the attribute's name changed in torch 2.4
+        return getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
+
+    events = prof.key_averages()
+    busy = sum(device_us(e) for e in events) / 1e6
+    key = device_us if device.type == "cuda" else (lambda e: e.self_cpu_time_total)
+    top = sorted(events, key=key, reverse=True)[:12]
+    ops = [
+        {
+            "name": e.key,
+            "calls": e.count,
+            "self_cpu_ms": e.self_cpu_time_total / 1e3,
+            "self_device_ms": device_us(e) / 1e3,
+        }
+        for e in top
+    ]
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaGraphLaunch"))
+    return {"wall_s": wall, "device_busy_s": busy, "launches": launches, "top": ops}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -231,6 +279,17 @@ def main(argv: list[str] | None = None) -> dict:
         if "compiled_mfu" in r:
             line += f"; MFU {r['eager_mfu']:.1%} -> {r['compiled_mfu']:.1%}"
         print(line)
+        if "profile" in r:
+            p = r["profile"]
+            print(
+                f"  profiled compiled rollout: wall {p['wall_s']:.3f} s, device busy "
+                f"{p['device_busy_s']:.3f} s, {p['launches']} kernel or graph launches; top:"
+            )
+            for op in p["top"]:
+                print(
+                    f"    {op['name'][:60]:60s} calls {op['calls']:6d}  self cpu "
+                    f"{op['self_cpu_ms']:9.2f} ms  self device {op['self_device_ms']:9.2f} ms"
+                )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results

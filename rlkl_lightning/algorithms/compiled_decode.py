@@ -10,7 +10,8 @@ function (the forward of one token, the logits, the filtering and the softmax) i
 (``P`` rounded up to :data:`CAPACITY_STEP`, plus ``R``), never per token. On CUDA it is
 compiled with ``mode="reduce-overhead"``, so every token replays one CUDA graph. The
 inverse-CDF draw runs eagerly after it (a float64 scan over the vocabulary, which torch 2.11's
-inductor failed to generate for CUDA).
+inductor failed to generate for CUDA). After a rollout's first step, dynamo checks only the
+guards that tell compiled steps apart (:func:`guards_checked`).
 
 What stays as in the eager loop, so a run samples what it would have sampled:
 
@@ -36,7 +37,9 @@ with layers other than full attention; on a CPU, inductor needs a C++ compiler.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import weakref
 
 import torch
@@ -133,6 +136,19 @@ def _step(
 
 
 _COMPILED: dict[str | None, object] = {}
+
+
+def guards_checked() -> contextlib.AbstractContextManager:
+    """For a rollout's later steps: dynamo checks only the guards telling compiled steps apart.
+
+    Each later step's inputs have the first step's shapes, dtypes and devices. Why: checking
+    every guard on the policy's parameters at every token can take longer than a replayed CUDA
+    graph of the step. Where torch lacks the stance, every guard is checked.
+    """
+    stance = getattr(torch.compiler, "set_stance", None)
+    if stance is None or "skip_guard_eval_unsafe" not in inspect.signature(stance).parameters:
+        return contextlib.nullcontext()
+    return stance("default", skip_guard_eval_unsafe=True)
 
 
 def compile_fixed(fn, limit: int, mode: str | None = None):
@@ -256,28 +272,31 @@ def decode(
     picked: list[Tensor] = []
     hidden_steps: list[Tensor] = []
     states: list[Tensor] = []
-    for step in range(max_new_tokens):
-        if step > 0:
-            uniform = torch.rand(batch, 1, dtype=torch.float64, device=device)
-            torch.compiler.cudagraph_mark_step_begin()
-            logits, hidden, probs = step_fn(
-                policy, cache, tokens[-1], columns[step - 1], shift, allowed,
-                (temperature, top_k, top_p),
-            )  # fmt: skip
-            token = invert_cdf(probs, uniform)
-            picked_now = picked_scores(logits, token, eos, pad) if not keep_logits else None
-            # A CUDA graph's outputs are overwritten by its next replay: keep a copy.
-            hidden = hidden.clone()
-        if all_logits is not None:
-            all_logits[:, step] = logits
-        hidden_steps.append(hidden)
-        tokens.append(token)
-        if picked_now is not None:
-            picked.append(picked_now)
-        if eos is not None:
-            finished |= token[:, 0] == eos
-            if generator is not None:
-                states.append(generator.get_state())
-            if (step + 1) % every == 0 and bool(finished.all()):
-                break
+    with contextlib.ExitStack() as later_steps:
+        for step in range(max_new_tokens):
+            if step > 0:
+                uniform = torch.rand(batch, 1, dtype=torch.float64, device=device)
+                torch.compiler.cudagraph_mark_step_begin()
+                logits, hidden, probs = step_fn(
+                    policy, cache, tokens[-1], columns[step - 1], shift, allowed,
+                    (temperature, top_k, top_p),
+                )  # fmt: skip
+                if step == 1:  # every guard was checked for this step: the next ones match it
+                    later_steps.enter_context(guards_checked())
+                token = invert_cdf(probs, uniform)
+                picked_now = picked_scores(logits, token, eos, pad) if not keep_logits else None
+                # A CUDA graph's outputs are overwritten by its next replay: keep a copy.
+                hidden = hidden.clone()
+            if all_logits is not None:
+                all_logits[:, step] = logits
+            hidden_steps.append(hidden)
+            tokens.append(token)
+            if picked_now is not None:
+                picked.append(picked_now)
+            if eos is not None:
+                finished |= token[:, 0] == eos
+                if generator is not None:
+                    states.append(generator.get_state())
+                if (step + 1) % every == 0 and bool(finished.all()):
+                    break
     return steps_kept(tokens, all_logits, hidden_steps, picked, states, every, eos, generator)

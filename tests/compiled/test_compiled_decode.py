@@ -9,6 +9,7 @@ GPT-2 and Qwen2 models.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -234,6 +235,36 @@ def test_compiled_once_per_shape_never_per_token(tiny):
     assert graphs() == start + 1
 
 
+def test_only_the_first_step_of_a_rollout_checks_every_guard(tiny, monkeypatch):
+    """Later steps run under the stance that checks only the guards telling compiled steps
+    apart; each rollout's first step, and everything after the rollout, under the full check.
+    The tokens are the eager loop's (the tests above) and those of a loop checking every guard.
+    """
+    from torch._dynamo import eval_frame
+
+    if "skip_guard_eval_unsafe" not in str(eval_frame._stance):
+        pytest.skip("this torch has no stance that skips guards")
+    policy, tokenizer, ids, mask = tiny
+    real = compiled_decode._compiled_step(torch.device("cpu"))
+    seen = []
+
+    def spy(*args):
+        seen.append(eval_frame._stance.skip_guard_eval_unsafe)
+        return real(*args)
+
+    monkeypatch.setattr(compiled_decode, "_compiled_step", lambda device: spy)
+    kw = dict(max_new_tokens=6, stop_at_eos=False)
+    skipped = _rollout(policy, tokenizer, ids, mask, compiled=True, **kw)
+    _rollout(policy, tokenizer, ids, mask, compiled=True, **kw)
+    assert seen == [False, True, True, True, True] * 2  # step 0 is the prefill's draw
+    assert eval_frame._stance.skip_guard_eval_unsafe is False
+    monkeypatch.setattr(compiled_decode, "guards_checked", contextlib.nullcontext)
+    every = _rollout(policy, tokenizer, ids, mask, compiled=True, **kw)
+    assert seen[10:] == [False] * 5
+    assert torch.equal(every[0][0].response_ids, skipped[0][0].response_ids)
+    torch.testing.assert_close(every[0][0].logprobs, skipped[0][0].logprobs, rtol=0, atol=0)
+
+
 def test_benchmark_runs_tiny_with_the_gpu_tables_qwen2_architecture(tmp_path, monkeypatch, capsys):
     """benchmarks/compiled_rollout.py, as benchmarks/gpu_table.sh runs it, at smoke-test size."""
     from pathlib import Path
@@ -242,12 +273,19 @@ def test_benchmark_runs_tiny_with_the_gpu_tables_qwen2_architecture(tmp_path, mo
     import compiled_rollout
 
     args = ["--shape", "grpo", "--preset", "qwen2-0.5b", "--tiny", "--iters", "1"]
-    results = compiled_rollout.main(args + ["--warmup", "1", "--threads", "1"])
+    results = compiled_rollout.main(args + ["--warmup", "1", "--threads", "1", "--profile"])
     grpo = results["grpo"]
     assert grpo["rows"] == 4 and grpo["median_steps"] == 8  # the tiny preset, no early stop
     assert grpo["token_mismatch_fraction"] == 0.0
     assert grpo["compiled_median_s"] > 0 and grpo["eager_median_s"] > 0
-    assert "grpo qwen2-0.5b tiny (4 rows, 8 of 8 tokens)" in capsys.readouterr().out
+    profiled = grpo["profile"]  # on a CPU: no device time, no launches
+    assert profiled["wall_s"] > 0 and profiled["device_busy_s"] == 0 and profiled["launches"] == 0
+    cpu = [op["self_cpu_ms"] for op in profiled["top"]]
+    assert len(cpu) == 12 and cpu == sorted(cpu, reverse=True) and cpu[0] > 0
+    assert cpu[0] <= profiled["wall_s"] * 1e3  # one thread: no operator's own time exceeds it
+    out = capsys.readouterr().out
+    assert "grpo qwen2-0.5b tiny (4 rows, 8 of 8 tokens)" in out
+    assert "profiled compiled rollout: wall" in out
 
 
 def test_engine_compiled_decode_trains_through_the_cli(tiny_lm_dir, tmp_path, monkeypatch):
