@@ -143,10 +143,14 @@ def guards_checked() -> contextlib.AbstractContextManager:
 
     Each later step's inputs have the first step's shapes, dtypes and devices. Why: checking
     every guard on the policy's parameters at every token can take longer than a replayed CUDA
-    graph of the step. Where torch lacks the stance, every guard is checked.
+    graph of the step. Where torch lacks the stance, or the user has set another stance
+    (``force_eager``, say), every guard is checked and the user's stance is kept.
     """
     stance = getattr(torch.compiler, "set_stance", None)
     if stance is None or "skip_guard_eval_unsafe" not in inspect.signature(stance).parameters:
+        return contextlib.nullcontext()
+    current = getattr(torch._dynamo.eval_frame, "_stance", None)
+    if getattr(current, "stance", None) != "default" or current.backend is not None:
         return contextlib.nullcontext()
     return stance("default", skip_guard_eval_unsafe=True)
 

@@ -238,7 +238,8 @@ def test_compiled_once_per_shape_never_per_token(tiny):
 def test_only_the_first_step_of_a_rollout_checks_every_guard(tiny, monkeypatch):
     """Later steps run under the stance that checks only the guards telling compiled steps
     apart; each rollout's first step, and everything after the rollout, under the full check.
-    The tokens are the eager loop's (the tests above) and those of a loop checking every guard.
+    The tokens are the eager loop's (the tests above) and those of a loop checking every guard;
+    a stance the user set (``force_eager``) is kept for every step.
     """
     from torch._dynamo import eval_frame
 
@@ -249,18 +250,22 @@ def test_only_the_first_step_of_a_rollout_checks_every_guard(tiny, monkeypatch):
     seen = []
 
     def spy(*args):
-        seen.append(eval_frame._stance.skip_guard_eval_unsafe)
+        seen.append((eval_frame._stance.stance, eval_frame._stance.skip_guard_eval_unsafe))
         return real(*args)
 
     monkeypatch.setattr(compiled_decode, "_compiled_step", lambda device: spy)
     kw = dict(max_new_tokens=6, stop_at_eos=False)
     skipped = _rollout(policy, tokenizer, ids, mask, compiled=True, **kw)
     _rollout(policy, tokenizer, ids, mask, compiled=True, **kw)
-    assert seen == [False, True, True, True, True] * 2  # step 0 is the prefill's draw
+    first, later = ("default", False), ("default", True)
+    assert seen == [first, later, later, later, later] * 2  # step 0 is the prefill's draw
     assert eval_frame._stance.skip_guard_eval_unsafe is False
+    with torch.compiler.set_stance("force_eager"):
+        _rollout(policy, tokenizer, ids, mask, compiled=True, **kw)
+    assert seen[10:] == [("force_eager", False)] * 5
     monkeypatch.setattr(compiled_decode, "guards_checked", contextlib.nullcontext)
     every = _rollout(policy, tokenizer, ids, mask, compiled=True, **kw)
-    assert seen[10:] == [False] * 5
+    assert seen[15:] == [first] * 5
     assert torch.equal(every[0][0].response_ids, skipped[0][0].response_ids)
     torch.testing.assert_close(every[0][0].logprobs, skipped[0][0].logprobs, rtol=0, atol=0)
 
