@@ -19,6 +19,8 @@ a preset, the rollout's FLOPs as a fraction of the device's measured matmul peak
 ``--profile``, one more compiled rollout runs under ``torch.profiler``: its wall time against
 the time the device was busy (on CUDA) and the operators that took the most time, which say
 whether the compiled loop is bound by the device or by what the host does between steps.
+``--every-guard`` adds a third side: the compiled loop with dynamo's guards checked at every
+step, as before they were checked once per rollout (the tokens must be the compiled side's).
 
 Usage::
 
@@ -36,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -63,6 +65,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the results to this file")
     parser.add_argument(
         "--profile", action="store_true", help="profile one more compiled rollout per shape"
+    )
+    parser.add_argument(
+        "--every-guard",
+        action="store_true",
+        help="a third side: the compiled loop checking every guard at every step",
     )
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 1 or args.threads < 1:
@@ -128,7 +135,8 @@ def measure(name: str, args) -> dict:
     )
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     autocast = args.precision == "bf16-mixed"
-    seconds: dict[str, list[float]] = {"eager": [], "compiled": []}
+    sides = ["eager", "compiled"] + (["every_guard"] if args.every_guard else [])
+    seconds: dict[str, list[float]] = {side: [] for side in sides}
     steps, mismatch, first_compiled = [], [], None
     for i, texts in enumerate(batches):
         ids, mask = encode(tokenizer, texts, "left", sampling["max_prompt_tokens"])
@@ -146,13 +154,14 @@ def measure(name: str, args) -> dict:
             ),
         )
         tokens = {}
-        for side in ("eager", "compiled") if i % 2 == 0 else ("compiled", "eager"):
+        for side in sides if i % 2 == 0 else sides[::-1]:
             torch.manual_seed(i)
             context = torch.autocast(device.type, torch.bfloat16, cache_enabled=False)
             sync()
             start = time.perf_counter()
-            with context if autocast else nullcontext():
-                traj, _ = sample_and_score(policy, ids, mask, compiled=side == "compiled", **kw)
+            guards = every_guard() if side == "every_guard" else nullcontext()
+            with context if autocast else nullcontext(), guards:
+                traj, _ = sample_and_score(policy, ids, mask, compiled=side != "eager", **kw)
             sync()
             took = time.perf_counter() - start
             tokens[side] = traj.response_ids.cpu()
@@ -163,6 +172,8 @@ def measure(name: str, args) -> dict:
         same = tokens["eager"].shape == tokens["compiled"].shape
         differ = (tokens["eager"] != tokens["compiled"]).float().mean() if same else 1.0
         mismatch.append(float(differ))
+        if args.every_guard and not torch.equal(tokens["every_guard"], tokens["compiled"]):
+            raise SystemExit("compiled_rollout: checking every guard changed the tokens")
         print(
             f"{name} iteration {i + 1}/{len(batches)} "
             f"({'warm-up' if i < args.warmup else 'timed'}): "
@@ -190,6 +201,12 @@ def measure(name: str, args) -> dict:
         "first_compiled_rollout_s": first_compiled,
         "token_mismatch_fraction": max(mismatch),
     }
+    if args.every_guard:
+        summary["every_guard_median_s"] = median["every_guard"]
+        summary["every_guard_min_max_s"] = [
+            min(seconds["every_guard"]),
+            max(seconds["every_guard"]),
+        ]
     if args.profile:
         summary["profile"] = profile_compiled(policy, ids, mask, kw, device, autocast, sync)
     if shape is not None and not args.tiny:  # a smoke test's MFU would mean nothing
@@ -201,6 +218,19 @@ def measure(name: str, args) -> dict:
         summary["eager_mfu"] = gflop / median["eager"] / peak
         summary["compiled_mfu"] = gflop / median["compiled"] / peak
     return summary
+
+
+@contextmanager
+def every_guard():
+    """The compiled loop as before its guards were checked once per rollout: at every step."""
+    from rlkl_lightning.algorithms import compiled_decode
+
+    once = compiled_decode.guards_checked
+    compiled_decode.guards_checked = nullcontext
+    try:
+        yield
+    finally:
+        compiled_decode.guards_checked = once
 
 
 def profile_compiled(policy, ids, mask, kw: dict, device, autocast: bool, sync) -> dict:
@@ -279,6 +309,12 @@ def main(argv: list[str] | None = None) -> dict:
         if "compiled_mfu" in r:
             line += f"; MFU {r['eager_mfu']:.1%} -> {r['compiled_mfu']:.1%}"
         print(line)
+        if "every_guard_median_s" in r:
+            every = r["every_guard_median_s"]
+            print(
+                f"  compiled, every guard checked at every step: {every:.3f} s (guards once per "
+                f"rollout: x{every / r['compiled_median_s']:.2f}; the same tokens)"
+            )
         if "profile" in r:
             p = r["profile"]
             print(

@@ -3,8 +3,9 @@
 # its own time limit (together 570 s), so one failure does not cost the others:
 #   1. the FSDP tests on CUDA, one process (90 s);
 #   2. the rollout alone, eager loop against engine.compiled_decode (static KV cache, CUDA
-#      graphs), at the 124M and 0.5B presets (60 + 90 s), one compiled rollout profiled, and
-#      inductor's hints (a CUDA graph it skips, say) in the log;
+#      graphs), at the 124M and 0.5B presets (60 + 90 s), the compiled loop also with every
+#      guard checked at every step, one compiled rollout profiled, and inductor's hints (a
+#      CUDA graph it skips, say) in the log;
 #   3. the training pass, eager against optimization.compile, GRPO at 124M (90 s);
 #   4. GRPO end to end against TRL 1.16's GRPOTrainer at 124M and 0.5B in bf16, our side also
 #      with both compiled options, MFU per phase and peak memory (100 + 140 s).
@@ -45,9 +46,10 @@ compiled() {  # NAME LIMIT ARGS...: the rollout alone, eager against compiled
   shift 2
   TORCH_LOGS=perf_hints timeout "$limit" python3 benchmarks/compiled_rollout.py --shape grpo \
     --device cuda --precision bf16-mixed --threads 4 --iters 3 --warmup 2 --profile \
+    --every-guard \
     --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
   echo "== $name: exit $? $(elapsed)"
-  grep -E "^(machine|  grpo|  profiled|    )|cudagraph" "$OUT/$name.log" || tail -8 "$OUT/$name.log"
+  grep -E "^(machine|  grpo|  compiled|  profiled|    )|cudagraph" "$OUT/$name.log" || tail -8 "$OUT/$name.log"
 }
 compiled rollout_124m 60 --preset gpt2-124m --world "$WORLDS/gpt2-124m"
 compiled rollout_0.5b 90 --preset qwen2-0.5b --world "$WORLDS/qwen2-0.5b"

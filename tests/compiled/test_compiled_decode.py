@@ -278,7 +278,8 @@ def test_benchmark_runs_tiny_with_the_gpu_tables_qwen2_architecture(tmp_path, mo
     import compiled_rollout
 
     args = ["--shape", "grpo", "--preset", "qwen2-0.5b", "--tiny", "--iters", "1"]
-    results = compiled_rollout.main(args + ["--warmup", "1", "--threads", "1", "--profile"])
+    extra = ["--warmup", "1", "--threads", "1", "--profile", "--every-guard"]
+    results = compiled_rollout.main(args + extra)
     grpo = results["grpo"]
     assert grpo["rows"] == 4 and grpo["median_steps"] == 8  # the tiny preset, no early stop
     assert grpo["token_mismatch_fraction"] == 0.0
@@ -291,6 +292,8 @@ def test_benchmark_runs_tiny_with_the_gpu_tables_qwen2_architecture(tmp_path, mo
     out = capsys.readouterr().out
     assert "grpo qwen2-0.5b tiny (4 rows, 8 of 8 tokens)" in out
     assert "profiled compiled rollout: wall" in out
+    assert grpo["every_guard_median_s"] > 0  # its tokens equal the compiled side's, or it exits
+    assert "compiled, every guard checked at every step" in out
 
 
 def test_engine_compiled_decode_trains_through_the_cli(tiny_lm_dir, tmp_path, monkeypatch):
