@@ -20,7 +20,9 @@ What stays as in the eager loop, so a run samples what it would have sampled:
 - every uniform number is drawn by ``torch.rand`` outside the compiled code, in the eager
   loop's order and from the same generator, so the random stream is the same; the stopping
   rule (a row stops at EOS, every row checked every ``every`` tokens, the generator put back
-  after the last row's stop) is :func:`~rlkl_lightning.algorithms.decoding.steps_kept`;
+  after the last row's stop) is the eager loop's own
+  (:func:`~rlkl_lightning.algorithms.decoding.all_stopped` and
+  :func:`~rlkl_lightning.algorithms.decoding.steps_kept`);
 - the log-probs, logits and hidden states are those of the same model on the same tokens:
   they differ from the eager loop's by float rounding only (the compiled kernels add in
   another order), which can flip a draw only where a uniform number falls within rounding of
@@ -46,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from rlkl_lightning.algorithms.decoding import (
+    all_stopped,
     draw,
     filter_logits,
     invert_cdf,
@@ -297,10 +300,6 @@ def decode(
             tokens.append(token)
             if picked_now is not None:
                 picked.append(picked_now)
-            if eos is not None:
-                finished |= token[:, 0] == eos
-                if generator is not None:
-                    states.append(generator.get_state())
-                if (step + 1) % every == 0 and bool(finished.all()):
-                    break
+            if all_stopped(finished, token, step, every, eos, generator, states):
+                break
     return steps_kept(tokens, all_logits, hidden_steps, picked, states, every, eos, generator)

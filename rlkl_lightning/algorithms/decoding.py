@@ -102,6 +102,28 @@ def picked_scores(logits: Tensor, token: Tensor, eos: int | None, pad: int) -> T
     return torch.cat([chosen, torch.logsumexp(logits, dim=-1, keepdim=True)], 1)
 
 
+def all_stopped(
+    finished: Tensor,
+    token: Tensor,
+    step: int,
+    every: int,
+    eos: int | None,
+    generator: torch.Generator | None,
+    states: list[Tensor],
+) -> bool:
+    """One step's token for the stopping rule: True once every row has drawn ``eos``.
+
+    Marks the rows that drew it in ``finished`` (in place), keeps the generator's state in
+    ``states`` and checks every ``every`` steps only (a check reads the device).
+    """
+    if eos is None:
+        return False
+    finished |= token[:, 0] == eos
+    if generator is not None:
+        states.append(generator.get_state())
+    return (step + 1) % every == 0 and bool(finished.all())
+
+
 def steps_kept(
     tokens: list[Tensor],
     all_logits: Tensor | None,

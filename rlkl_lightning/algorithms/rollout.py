@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from rlkl_lightning.algorithms.decoding import (
+    all_stopped,
     draw,
     filter_logits,
     kv_cache,
@@ -250,12 +251,8 @@ def _decode(
         tokens.append(token)
         if not keep_logits:
             picked.append(picked_scores(logits, token, eos, pad))
-        if eos is not None:
-            finished |= token[:, 0] == eos
-            if generator is not None:
-                states.append(generator.get_state())
-            if (step + 1) % every == 0 and bool(finished.all()):
-                break
+        if all_stopped(finished, token, step, every, eos, generator, states):
+            break
         if step + 1 == max_new_tokens:
             break  # the last token's own logits are never needed
         out = forward(token, decode_mask(prompt_len + step + 1), next_position)
