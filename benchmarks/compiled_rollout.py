@@ -126,7 +126,6 @@ def measure(name: str, args) -> dict:
     import torch
 
     from rlkl_lightning.algorithms.pipeline import keep_rollout_logits
-    from rlkl_lightning.algorithms.rollout import sample_and_score
     from rlkl_lightning.models.loading import encode
 
     device = torch.device(args.device)
@@ -155,15 +154,11 @@ def measure(name: str, args) -> dict:
         )
         tokens = {}
         for side in sides if i % 2 == 0 else sides[::-1]:
-            torch.manual_seed(i)
-            context = torch.autocast(device.type, torch.bfloat16, cache_enabled=False)
-            sync()
-            start = time.perf_counter()
             guards = every_guard() if side == "every_guard" else nullcontext()
-            with context if autocast else nullcontext(), guards:
-                traj, _ = sample_and_score(policy, ids, mask, compiled=side != "eager", **kw)
-            sync()
-            took = time.perf_counter() - start
+            with guards:
+                traj, took = timed_rollout(
+                    policy, ids, mask, kw, device, autocast, sync, i, side != "eager"
+                )
             tokens[side] = traj.response_ids.cpu()
             if i >= args.warmup:
                 seconds[side].append(took)
@@ -220,6 +215,22 @@ def measure(name: str, args) -> dict:
     return summary
 
 
+def timed_rollout(policy, ids, mask, kw: dict, device, autocast: bool, sync, seed, compiled):
+    """One rollout from ``seed``, eager or compiled: (trajectory, seconds, device included)."""
+    import torch
+
+    from rlkl_lightning.algorithms.rollout import sample_and_score
+
+    torch.manual_seed(seed)
+    context = torch.autocast(device.type, torch.bfloat16, cache_enabled=False)
+    sync()
+    start = time.perf_counter()
+    with context if autocast else nullcontext():
+        traj, _ = sample_and_score(policy, ids, mask, compiled=compiled, **kw)
+    sync()
+    return traj, time.perf_counter() - start
+
+
 @contextmanager
 def every_guard():
     """The compiled loop as before its guards were checked once per rollout: at every step."""
@@ -235,23 +246,14 @@ def every_guard():
 
 def profile_compiled(policy, ids, mask, kw: dict, device, autocast: bool, sync) -> dict:
     """One compiled rollout under ``torch.profiler``: wall, device-busy time, top operators."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
-
-    from rlkl_lightning.algorithms.rollout import sample_and_score
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    context = torch.autocast(device.type, torch.bfloat16, cache_enabled=False)
-    torch.manual_seed(0)
     sync()
     with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        with context if autocast else nullcontext():
-            sample_and_score(policy, ids, mask, compiled=True, **kw)
-        sync()
-        wall = time.perf_counter() - start
+        _, wall = timed_rollout(policy, ids, mask, kw, device, autocast, sync, 0, True)
 
     def device_us(event) -> float:  # the attribute's name changed in torch 2.4
         return getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
