@@ -82,8 +82,15 @@ def replay(
             controller.kl_count += 1
         done = batch
         target = budget.step(ratio)
+        carried = budget.model.reached(math.log(budget.budget_excess))
         records.append(
-            {"batch": batch, "ratio": ratio, "target": target, "trend": budget.model.trend}
+            {
+                "batch": batch,
+                "ratio": ratio,
+                "target": target,
+                "trend": budget.model.trend,
+                "carried": carried,
+            }
         )
     return records
 
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             line = (
                 f"batch {rec['batch']:4d}  ratio {rec['ratio']:.4f}  target {rec['target']:.3f}"
                 f"  logged {'-' if after is None else f'{after:.3f}'}"
-                f"  trend {rec['trend']:.3f}"
+                f"  trend {rec['trend']:.3f}{'' if rec['carried'] else ' (not carried)'}"
             )
             if plain is not None:
                 line += f"  without the trend {plain[i]['target']:.3f}"

@@ -63,6 +63,11 @@ AHEAD = 20.0
 TREND_BATCHES = 80.0
 TREND_EVALUATIONS = 8
 TREND_SPAN = 40.0
+#: The trend is carried only once the excess, as the trailing mean of :data:`REACHED_MEAN`
+#: evaluations, has reached this share of the budget's: on the way up, a fit whose elasticity
+#: has not caught up with a slow lag reads the lag's answer as a creep and slows the approach.
+REACHED = 0.8
+REACHED_MEAN = 3
 
 
 def horizon(kernel: tuple[tuple[float, float], ...]) -> float:
@@ -247,12 +252,24 @@ class ExcessModel:
         z, fit, level = self.seen[i], self.fit, self.levels[i]
         assert level is not None
         ahead = LEVEL + AHEAD + batches / 2
-        log_x = level + fit.elasticity * z + self.trend * ahead / DRIFT_UNIT
+        trend = self.trend if self.reached(log_budget) else 0.0
+        log_x = level + fit.elasticity * z + trend * ahead / DRIFT_UNIT
         z_star = z + (log_budget - log_x) / max(fit.elasticity, STEP_ELASTICITY)
         kept = sum(
             w * math.exp(-HORIZONS[i] / lag) * self.lagged[LAGS.index(lag)] for lag, w in KERNELS[i]
         )
         return (z_star - kept) / (1.0 - LEAD)
+
+    def reached(self, log_budget: float) -> bool:
+        """Whether the smoothed excess has reached the budget's ``exp(log_budget)``.
+
+        Smoothed as the trailing mean of :data:`REACHED_MEAN` evaluations, reached at
+        :data:`REACHED` of the budget's, in any of the evaluations the model keeps.
+        """
+        xs = [math.exp(lx) for _, lx, _ in self.history]
+        goal = REACHED * math.exp(log_budget) * REACHED_MEAN
+        n = REACHED_MEAN
+        return any(sum(xs[k - n : k]) >= goal for k in range(n, len(xs) + 1))
 
     @property
     def noise_sd(self) -> float:

@@ -551,6 +551,30 @@ def test_a_perplexity_drifting_at_a_constant_kl_is_followed_and_anticipated():
     assert budget.target < 1.5 * math.exp(-1.5)
 
 
+def test_the_trend_is_carried_only_once_the_smoothed_excess_has_reached_its_band():
+    # At a constant KL the excess rises from 0.3 to 0.75 of the budget's: the model measures a
+    # trend but asks as without it until the trailing mean of 3 evaluations reaches 0.8 of it.
+    import copy
+
+    b = math.log(1.3)
+    model = ExcessModel()
+    shares = [0.3 + 0.45 * k / 20 for k in range(21)] + [0.9, 0.9, 0.9, 0.5, 0.5]
+    carried = []
+    for share in shares:
+        model.update(math.log(2.0), 5, share * b, 0.1 * b)
+        untrended = copy.deepcopy(model)
+        untrended.trend = 0.0
+        want, plain = model.wanted(math.log(b), 5), untrended.wanted(math.log(b), 5)
+        assert model.trend >= 0.0
+        assert want == plain if model.trend == 0.0 else (want < plain) == model.reached(math.log(b))
+        carried.append(model.reached(math.log(b)))
+    means = np.convolve(shares, np.ones(3) / 3, mode="valid")  # a second way: numpy's mean
+    expected = [bool((means[: max(k - 2, 0)] >= 0.8 - 1e-12).any()) for k in range(1, 27)]
+    assert carried == expected
+    assert carried.index(True) == 22  # one evaluation at 0.9 does not open it; two do
+    assert model.trend > 0.0 and all(carried[23:])  # it stays open when the excess falls back
+
+
 @pytest.mark.parametrize("metric", [math.nan, math.inf, -1.0, 0.0])
 def test_an_unusable_metric_leaves_the_target_and_warns_once(metric):
     budget = CapabilityBudget(1.15)
