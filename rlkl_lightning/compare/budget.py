@@ -49,6 +49,66 @@ GAP_MARGIN = 0.02
 #: A run whose settled KL exceeds this many times its target diverged: it is listed, flagged,
 #: and left out of the frontier (a policy that collapsed is no point of a trade-off).
 DIVERGED = 5.0
+#: How a budget run **settles**: its ratio, smoothed as the trailing mean of ``SMOOTHING``
+#: evaluations, inside ``EXCESS_TOLERANCE`` of the budget's excess by batch :func:`settle_by`,
+#: inside ``SETTLED_TOLERANCE`` from then on, and the last third's mean inside
+#: ``LAST_TOLERANCE`` of it.
+SMOOTHING = 3
+SETTLED_TOLERANCE = 0.25
+LAST_TOLERANCE = 0.1
+
+
+def settle_by(interval: int) -> int:
+    """The batch by which a run validating every ``interval`` batches must be in its band.
+
+    120 at an interval of 5, 200 at 25, on the line through them (a slower loop is given the
+    time its extra evaluations take), never before 120.
+    """
+    return 120 + 4 * max(0, interval - 5)
+
+
+def settling(curve: list[tuple[int, float]], budget: float, by: int) -> dict[str, Any]:
+    """Whether a budget run settled, from its ``(batch, ratio)`` evaluations in order.
+
+    Returns the first batch at which the smoothed ratio is inside ±``EXCESS_TOLERANCE`` of the
+    excess, the smoothed ratio at ``by``, its range and the evaluations outside
+    ±``SETTLED_TOLERANCE`` from ``by`` on, the last third's mean (evaluations after two thirds
+    of the last one's batch) and the criteria it fails, named (none: it settled).
+    """
+    excess = budget - 1
+    batches = [t for t, _ in curve]
+    ratios = [r for _, r in curve]
+    smooth = []
+    for i in range(len(ratios)):
+        window = ratios[max(0, i - SMOOTHING + 1) : i + 1]
+        smooth.append(sum(window) / len(window))
+    first = next(
+        (t for t, m in zip(batches, smooth) if abs(m - budget) <= EXCESS_TOLERANCE * excess),
+        None,
+    )
+    until = [m for t, m in zip(batches, smooth) if t <= by]
+    after = [m for t, m in zip(batches, smooth) if t >= by]
+    last = [r for t, r in curve if t > batches[-1] * 2 / 3]
+    last_mean = sum(last) / len(last)
+    failures = []
+    if not after:
+        failures.append(f"the run ended before batch {by}")
+    elif abs(until[-1] - budget) > EXCESS_TOLERANCE * excess:
+        failures.append(f"at batch {by}: {until[-1]:.4f}")
+    if after and max(abs(m - budget) for m in after) > SETTLED_TOLERANCE * excess:
+        failures.append(f"after batch {by}: {min(after):.4f}-{max(after):.4f}")
+    if abs(last_mean - budget) > LAST_TOLERANCE * excess:
+        failures.append(f"last third: {last_mean:.4f}")
+    return {
+        "by": by,
+        "first_in_band": first,
+        "at_by": until[-1] if until else None,
+        "after": [min(after), max(after)] if after else None,
+        "outside": sum(abs(m - budget) > SETTLED_TOLERANCE * excess for m in after),
+        "last_third": last_mean,
+        "failures": failures,
+        "settled": not failures,
+    }
 
 
 def run_budget(run: Run) -> float | None:
@@ -137,6 +197,12 @@ def write_budget_report(runs: list[Run], study: StudyConfig, out: Path, elapsed:
             }
         )
     for r in rows:
+        r["settling"] = {}
+        for name in ("test", "val"):
+            curve = [(t, v) for t, v in r.get(f"{name}_curve", []) if t is not None]
+            if r["budget"] is not None and len(curve) >= 2:
+                by = settle_by(curve[1][0] - curve[0][0])
+                r["settling"][name] = settling(curve, r["budget"], by)
         r["diverged"] = bool(
             r["kl"] is not None and r["target"] is not None and r["kl"] > DIVERGED * r["target"]
         )
@@ -256,6 +322,36 @@ def _markdown(summary: dict[str, Any]) -> list[str]:
             f"{b['interval'][1]:.3f} | {'yes' if b['holds_every_seed'] else 'no'} | "
             f"{gap_text} | {on} |"
         )
+    settled = [r for r in summary["runs"] if r.get("settling", {}).get("test")]
+    if settled:
+        lines += [
+            "",
+            "## Settling",
+            "",
+            "Each budget run's ratio, smoothed as the trailing mean of "
+            f"{SMOOTHING} evaluations: the first batch inside ±{EXCESS_TOLERANCE:.0%} of the "
+            "budget's excess, its range from the batch by which it must be there (120 at a "
+            "validation every 5 batches, 200 at 25) and the evaluations outside "
+            f"±{SETTLED_TOLERANCE:.0%} from then on, the last third's mean (within "
+            f"±{LAST_TOLERANCE:.0%} allowed); settled: all three.",
+            "",
+            "| run | seed | test: inside ±20% from batch | smoothed from batch *by* | outside "
+            "±25% | last third (allowed) | settled | val: last third, settled |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in settled:
+            t, v = r["settling"]["test"], r["settling"].get("val")
+            excess = r["budget"] - 1
+            lo, hi = 1 + excess * (1 - LAST_TOLERANCE), 1 + excess * (1 + LAST_TOLERANCE)
+            after = "n/a" if t["after"] is None else f"{t['after'][0]:.3f}-{t['after'][1]:.3f}"
+            val = (
+                "n/a" if v is None else f"{v['last_third']:.3f}, {'yes' if v['settled'] else 'no'}"
+            )
+            lines.append(
+                f"| {r['group']} | {r['seed']} | {t['first_in_band'] or 'never'} | {after} "
+                f"(from {t['by']}) | {t['outside']} | {t['last_third']:.3f} ({lo:.3f}-{hi:.3f}) "
+                f"| {'yes' if t['settled'] else 'no: ' + '; '.join(t['failures'])} | {val} |"
+            )
     lines += [
         "",
         "`frontier.png`: score and gold score against the test ratio for every run, with the "

@@ -19,6 +19,7 @@ from helpers.kl_callbacks import fit
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
+from rlkl_lightning.compare.budget import settling
 from rlkl_lightning.kl import budget_model
 from rlkl_lightning.kl.budget_model import HORIZONS, KERNELS, LAGS, LEAD, ExcessModel
 from rlkl_lightning.kl.capability_budget import CapabilityBudget
@@ -355,27 +356,9 @@ def test_on_the_worlds_shapes_the_ratio_is_in_its_band_by_batch_120_and_stays(
 
 
 def _meets_the_criteria(out, budget_ratio, by):
-    """Issue 47's criteria on (batch, ratio) rows: the trailing mean of 3 evaluations within
-    20% of the excess by batch ``by`` and within 25% after it; the last third's mean within
-    10%. Returns the failures, named."""
-    excess = budget_ratio - 1
-    batches = [t for t, _ in out]
-    ratios = [r for _, r in out]
-    smooth = [
-        sum(ratios[max(0, i - 2) : i + 1]) / len(ratios[max(0, i - 2) : i + 1])
-        for i in range(len(ratios))
-    ]
-    at_by = [m for t, m in zip(batches, smooth, strict=True) if t <= by][-1]
-    after = [m for t, m in zip(batches, smooth, strict=True) if t >= by]
-    last = [r for t, r in out if t > batches[-1] * 2 / 3]
-    failures = []
-    if abs(at_by - budget_ratio) > 0.2 * excess:
-        failures.append(f"at batch {by}: {at_by:.4f}")
-    if max(abs(m - budget_ratio) for m in after) > 0.25 * excess:
-        failures.append(f"after batch {by}: {min(after):.4f}-{max(after):.4f}")
-    if abs(sum(last) / len(last) - budget_ratio) > 0.1 * excess:
-        failures.append(f"last third: {sum(last) / len(last):.4f}")
-    return failures
+    """Issue 47's criteria on (batch, ratio) rows, as the budget study reports them: the
+    failures, named (:func:`rlkl_lightning.compare.budget.settling`)."""
+    return settling(out, budget_ratio, by)["failures"]
 
 
 # Two-lag plants of 16 logged budget runs of 0.10.x's law (default world 12, Python docstrings
