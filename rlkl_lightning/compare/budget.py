@@ -335,8 +335,9 @@ def _markdown(summary: dict[str, Any]) -> list[str]:
             f"±{SETTLED_TOLERANCE:.0%} from then on, the last third's mean (within "
             f"±{LAST_TOLERANCE:.0%} allowed); settled: all three.",
             "",
-            "| run | seed | test: inside ±20% from batch | smoothed from batch *by* | outside "
-            "±25% | last third (allowed) | settled | val: last third, settled |",
+            f"| run | seed | test: inside ±{EXCESS_TOLERANCE:.0%} from batch | smoothed from batch "
+            f"*by* | outside ±{SETTLED_TOLERANCE:.0%} | last third (allowed) | settled | val: "
+            "last third, settled |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in settled:
