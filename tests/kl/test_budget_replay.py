@@ -15,6 +15,7 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from torch.utils.tensorboard import SummaryWriter
 
@@ -90,3 +91,33 @@ def test_a_replayed_run_gives_every_logged_target_back(tmp_path, capsys):
     assert all(r["trend"] == 0 for r in without)
     lower = [a["target"] < b["target"] for a, b in zip(with_trend, without, strict=True)]
     assert any(lower)  # a rising trend asks for less KL than the same data without it
+
+
+def test_a_study_is_surveyed_run_by_run_naming_the_first_target_that_differs(tmp_path, capsys):
+    study = tmp_path / "study"
+    per_batch, evaluations = _closed_loop(batches=60)
+    _write_run(study / "runs" / "budget_1.3" / "seed0", per_batch, evaluations)
+    # a run whose law asked otherwise from batch 30 on (batch i + 1 ran at per_batch[i])
+    changed = [
+        (kl, target * 1.1 if i >= 30 else target) for i, (kl, target) in enumerate(per_batch)
+    ]
+    _write_run(study / "runs" / "budget_1.3" / "seed1", changed, evaluations)
+    fixed = study / "runs" / "target_1" / "seed0"  # a fixed-target run: not the budget's
+    fixed.mkdir(parents=True)
+    (fixed / "config.yaml").write_text(yaml.safe_dump({"trainer": {"callbacks": []}}))
+
+    assert budget_replay.budget_runs(study) == [
+        study / "runs" / "budget_1.3" / "seed0",
+        study / "runs" / "budget_1.3" / "seed1",
+    ]
+    assert budget_replay.main([str(study)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("seed0: 11 of 11 targets given back")
+    # the target logged at batch 31's end is the one the evaluation after batch 30 set
+    assert "seed1: 5 of 11 targets given back; first differs after batch 30 (logged" in lines[1]
+    assert lines[-1] == "runs whose every target comes back: 1 of 2"
+
+    assert budget_replay.main([str(study / "runs" / "budget_1.3" / "seed0"), str(study)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "runs whose every target comes back: 2 of 3"
+    with pytest.raises(SystemExit, match="no budget run in"):
+        budget_replay.main([str(tmp_path / "empty")])
