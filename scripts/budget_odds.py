@@ -14,7 +14,8 @@ run's logged scalars alone:
   the test ratio's steps follow the validation ratio's, correlation 0.9-0.98), and the test
   split's own part: the mean and sd of ``log test ratio - log validation ratio``;
 - its **KL law**: the lag with which the batch KL follows the logged target (the best of
-  :data:`FOLLOW_LAGS`), the batch KL's scatter about it, and its mean over the first 5 batches.
+  :data:`FOLLOW_LAGS`), the batch KL's scatter about it, and its mean over batches 2-6, where
+  the simulated KL starts (the first batch samples the reference itself, at a KL of 0).
 
 It then runs this checkout's ``CapabilityBudget`` on that plant in closed loop, ``--seeds``
 times, with the run's own budget arguments, evaluation interval and length, and a perfect law
@@ -74,7 +75,7 @@ class Plant:
     split_sd: float  # each split's own noise, in log ratio
     follow: int  # the KL's lag behind the target, in batches
     kl_sd: float  # the batch KL's scatter about it, in log
-    kl_start: float  # the mean KL of the first 5 batches
+    kl_start: float  # the mean KL of batches 2-6
 
 
 def lagged(values: list[float], lag: float, start: float = START_KL) -> np.ndarray:
@@ -201,6 +202,11 @@ def simulate(
 def odds(run: Path, seeds: int, creep: float) -> tuple[Plant, float, float]:
     """``(plant, share of the law's loops that meet the criteria, the perfect law's share)``."""
     plant, law, start, interval, batches = fit_run(run)
+    if law.get("mode", "min") != "min":
+        raise SystemExit(
+            f"budget_odds: {run} steers a score (mode {law['mode']!r}); the plants"
+            " are perplexity ratios, mode 'min'"
+        )
     ratio = law.get("budget", 1.15)
     by = settle_by(interval)
     met = {False: 0, True: 0}

@@ -174,3 +174,9 @@ def test_a_studys_runs_are_fitted_and_their_odds_printed(tmp_path, capsys):
     )
     with pytest.raises(SystemExit):
         budget_odds.main([str(study), "--seeds", "0"])
+    config = study / "runs/budget_1.3/seed0/config.yaml"
+    settings = yaml.safe_load(config.read_text())
+    settings["trainer"]["callbacks"][0]["init_args"] = {"budget": 0.9, "mode": "max"}
+    config.write_text(yaml.safe_dump(settings))
+    with pytest.raises(SystemExit, match="mode 'max'"):
+        budget_odds.main([str(study), "--seeds", "1"])
