@@ -44,12 +44,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from budget_replay import _Controller, batches_of, budget_runs, ratio_curve, read_run  # noqa: E402
+from budget_replay import batches_of, budget_runs, ratio_curve, read_run, wired  # noqa: E402
 
 from rlkl_lightning import metric_keys as keys  # noqa: E402
 from rlkl_lightning.compare.budget import settle_by, settling  # noqa: E402
 from rlkl_lightning.compare.events import read_scalars  # noqa: E402
-from rlkl_lightning.kl.capability_budget import CapabilityBudget  # noqa: E402
 
 #: The slow lags a plant may have, in batches (the tests' logged plants: 30-200).
 SLOW_LAGS = (30, 50, 80, 120, 200)
@@ -121,11 +120,11 @@ def fit_follow(kls: list[float], targets: dict[int, float]) -> tuple[int, float]
 
 def fit_run(run: Path) -> tuple[Plant, dict, float, int, int]:
     """The run's plant, its budget arguments, starting target, interval and length."""
-    kls, evaluations, law, logged = read_run(run)
+    scalars = read_scalars(run)
+    kls, evaluations, law, logged = read_run(run, scalars)
     c, fast, slow, lag, residuals = fit_plant(kls, evaluations)
     tail = residuals[len(residuals) // 4 :]
     rho = max(0.0, float(np.corrcoef(tail[:-1], tail[1:])[0, 1]))
-    scalars = read_scalars(run)
     test = dict(
         ratio_curve(scalars, batches_of(scalars), keys.TEST_PERPLEXITY, keys.TEST_PERPLEXITY_REF)
     )
@@ -165,9 +164,7 @@ def simulate(
     list that receives each batch's KL (the plant's, before the scatter of its measurement).
     """
     rng = random.Random(seed)
-    budget = CapabilityBudget(**law)
-    controller = _Controller(n_batches=0, kl_sum=0.0, kl_count=0, target=start_target)
-    budget._controller, budget.target, budget.reference = controller, start_target, 1.0
+    budget, controller = wired(law, start_target)
     shared = math.sqrt(max(plant.sd**2 - plant.split_sd**2, 0.0))
     step_sd = shared * math.sqrt(1.0 - plant.rho**2)
     kl_sd = math.sqrt(max(plant.kl_sd**2 - KL_WANDER**2, 0.0))

@@ -65,6 +65,14 @@ class _Controller(SimpleNamespace):
         self.target = target
 
 
+def wired(init_args: dict, start_target: float) -> tuple[CapabilityBudget, _Controller]:
+    """A budget with the law of ``init_args``, wired to a stand-in controller at the target."""
+    budget = CapabilityBudget(**init_args)
+    controller = _Controller(n_batches=0, kl_sum=0.0, kl_count=0, target=start_target)
+    budget._controller, budget.target, budget.reference = controller, start_target, 1.0
+    return budget, controller
+
+
 def replay(
     kls: list[float],
     evaluations: list[tuple[int, float]],
@@ -77,11 +85,9 @@ def replay(
     ``kls``: the KL of batches 1, 2, ... ``evaluations``: ``(batch, metric / reference)``
     after that batch, in order.
     """
-    budget = CapabilityBudget(**init_args)
+    budget, controller = wired(init_args, start_target)
     if not trend:
         budget.model = NoTrend()
-    controller = _Controller(n_batches=0, kl_sum=0.0, kl_count=0, target=start_target)
-    budget._controller, budget.target, budget.reference = controller, start_target, 1.0
     records, done = [], 0
     for batch, ratio in evaluations:
         for kl in kls[done:batch]:
@@ -117,15 +123,25 @@ def ratio_curve(
     return sorted((batch[s], v / reference) for s, v in scalars[key].items() if s in batch)
 
 
-def read_run(run: Path) -> tuple[list[float], list[tuple[int, float]], dict, dict[int, float]]:
-    """A run's batch KLs, evaluations, budget arguments and logged targets (by batch)."""
+def budget_args(run: Path) -> dict | None:
+    """The init arguments of the run's budget callback (``config.yaml``); None: it has none."""
     config = yaml.safe_load((run / "config.yaml").read_text())
     callbacks = config.get("trainer", {}).get("callbacks") or []
     found = [c for c in callbacks if isinstance(c, dict) and c.get("class_path") == BUDGET_CLASS]
-    if not found:
+    return (found[0].get("init_args") or {}) if found else None
+
+
+def read_run(
+    run: Path, scalars: dict[str, dict[int, float]] | None = None
+) -> tuple[list[float], list[tuple[int, float]], dict, dict[int, float]]:
+    """A run's batch KLs, evaluations, budget arguments and logged targets (by batch).
+
+    ``scalars``: the run's, where the caller has read them already.
+    """
+    args = budget_args(run)
+    if args is None:
         raise SystemExit(f"budget_replay: {run}/config.yaml has no {BUDGET_CLASS} callback")
-    args = found[0].get("init_args") or {}
-    scalars = read_scalars(run)
+    scalars = read_scalars(run) if scalars is None else scalars
     batch = batches_of(scalars)
     kls = [scalars[keys.KL][step] for step in sorted(batch)]
     monitor = args.get("monitor", keys.PERPLEXITY)
@@ -141,13 +157,11 @@ def budget_runs(path: Path) -> list[Path]:
     """The budget runs under ``path``: itself if it is a run, else ``runs/*/*`` of a study."""
     if (path / "config.yaml").is_file():
         return [path]
-    found = []
-    for run in sorted(path.glob("runs/*/*")):
-        if (run / "config.yaml").is_file():
-            config = yaml.safe_load((run / "config.yaml").read_text())
-            callbacks = config.get("trainer", {}).get("callbacks") or []
-            if any(isinstance(c, dict) and c.get("class_path") == BUDGET_CLASS for c in callbacks):
-                found.append(run)
+    found = [
+        run
+        for run in sorted(path.glob("runs/*/*"))
+        if (run / "config.yaml").is_file() and budget_args(run) is not None
+    ]
     if not found:
         raise SystemExit(f"budget_replay: no budget run in {path} (neither a run nor a study)")
     return found

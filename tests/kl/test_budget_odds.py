@@ -123,12 +123,8 @@ def test_the_law_meets_the_criteria_on_a_quiet_plant_and_a_perfect_law_not_in_lo
 
 def _write_run(run: Path, batches=200, seed=0) -> None:
     """A run of the law on PLANT, logged as a study's run: KL, target, both ratios, config."""
-    from budget_replay import _Controller
-
     rng = random.Random(seed)
-    budget = budget_odds.CapabilityBudget(budget=1.3)
-    ctl = _Controller(n_batches=0, kl_sum=0.0, kl_count=0, target=1.0)
-    budget._controller, budget.target, budget.reference = ctl, 1.0, 1.0
+    budget, ctl = budget_odds.wired({"budget": 1.3}, 1.0)
     run.mkdir(parents=True)
     callback = {"class_path": "rlkl_lightning.CapabilityBudget", "init_args": {"budget": 1.3}}
     (run / "config.yaml").write_text(yaml.safe_dump({"trainer": {"callbacks": [callback]}}))
