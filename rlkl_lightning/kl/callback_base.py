@@ -197,11 +197,11 @@ class KLCallbackBase(Callback, ABC):
                 self._check_unit(trainer)
         else:
             self.n_skipped += 1
-            self._warn_skip(kl)
+            self._warn_skip(kl, n_samples)
         self.after_batch(trainer, pl_module)
 
-    def _warn_skip(self, kl: float) -> None:
-        """Warn at the first stale batch and at the first non-finite KL, each saying which."""
+    def _warn_skip(self, kl: float, n_samples: int) -> None:
+        """Warn at the first stale batch and at the first unusable KL, each saying which."""
         owner = type(self).__name__
         if getattr(self, "_stale", False):
             if self._warned_stale:
@@ -218,8 +218,14 @@ class KLCallbackBase(Callback, ABC):
         if self._warned_nonfinite:
             return
         self._warned_nonfinite = True
+        why = (
+            f"no finite KL for batch {self.n_batches} ({kl})"
+            if n_samples > 0
+            else f"no samples in batch {self.n_batches} (the batch size is 0 on every rank: "
+            "`batch_size_fn` or the batch's leading size), so no KL to weigh"
+        )
         rank_zero_warn(
-            f"{owner}: no finite KL for batch {self.n_batches} ({kl}); {self.skip_effect()}. "
+            f"{owner}: {why}; {self.skip_effect()}. "
             "Further skipped batches are counted in `n_skipped` without a warning.",
             category=RuntimeWarning,
         )

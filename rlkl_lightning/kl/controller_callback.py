@@ -172,6 +172,12 @@ class KLControllerCallback(KLCallbackBase):
                 f"{owner}: hold_after_refresh must be an int >= 0 (batches), got "
                 f"{hold_after_refresh!r}"
             )
+        if isinstance(controller, type):
+            raise TypeError(
+                f"{owner}: controller must be a KL law instance, got the class "
+                f"{controller.__name__}; construct it first, e.g. {controller.__name__}("
+                "init_kl_coef=..., ...)"
+            )
         missing = [
             name
             for name in ("value", "update", "state_dict", "load_state_dict")
@@ -300,7 +306,12 @@ class KLControllerCallback(KLCallbackBase):
         self._count_bound(kl)
 
     def _count_bound(self, kl: float) -> None:
-        """Count an update that left beta at a bound; warn once after ``bound_patience``."""
+        """Count an update that left beta at a bound; warn once after ``bound_patience``.
+
+        A law without a target (the fixed law) has nothing to reach: its beta is never counted.
+        """
+        if self.target is None:
+            return
         beta = self.value
         lo = getattr(self.controller, "min_kl_coef", None)
         hi = getattr(self.controller, "max_kl_coef", None)

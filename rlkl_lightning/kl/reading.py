@@ -8,6 +8,7 @@ sample-weighted mean over ranks, and a check that a KL target is written in the 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -103,6 +104,8 @@ def batch_size_of(batch: Any, batch_size_fn: Callable[[Any], int] | None, owner:
     n = batch_size_fn(batch) if batch_size_fn is not None else infer_batch_size(batch)
     if isinstance(n, torch.Tensor) and n.numel() == 1 and not n.is_floating_point():
         n = int(n.item())
+    elif not isinstance(n, (bool, int)) and hasattr(n, "__index__"):
+        n = operator.index(n)  # an integer of another library's, such as numpy's int64
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"{owner}: the batch size must be a non-negative int, got {n!r}")
     return n

@@ -9,6 +9,7 @@ import warnings
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from helpers.kl_callbacks import fake_trainer, fit
@@ -305,6 +306,38 @@ def test_batch_size_fn_overrides_the_inferred_count():
     bad = KLControllerCallback(adaptive(), log_key=None, batch_size_fn=lambda batch: -1)
     with pytest.raises(ValueError, match="batch size must be a non-negative int"):
         bad.on_train_batch_end(trainer, module, None, {"prompt": ["p"]}, 0)
+    for count, wrong in ((4.0, "4.0"), (True, "True"), (np.int64(-2), "-2")):
+        bad = KLControllerCallback(adaptive(), log_key=None, batch_size_fn=lambda b, c=count: c)
+        with pytest.raises(ValueError, match=f"non-negative int, got {wrong}"):
+            bad.on_train_batch_end(trainer, module, None, {"prompt": ["p"]}, 0)
+
+
+def test_an_integer_of_numpy_counts_as_the_batch_size():
+    trainer = fake_trainer([], {"objective/kl": torch.tensor(3.0)})
+    module = SimpleNamespace(kl_coef=0.0)
+    callback = KLControllerCallback(adaptive(), log_key=None, batch_size_fn=lambda b: np.int64(4))
+    callback.on_train_batch_end(trainer, module, None, {"prompt": ["p"]}, 0)
+    assert callback.n_samples == 4 and type(callback.n_samples) is int
+    assert module.kl_coef == pytest.approx(expected_betas([3.0], [4])[-1], rel=1e-12)
+
+
+def test_a_batch_without_samples_is_skipped_saying_so():
+    """A batch of 0 counted samples has no KL to weigh: the warning says that, not that the
+    (finite) logged KL is not finite."""
+    trainer = fake_trainer([], {"objective/kl": torch.tensor(1.0)})
+    module = SimpleNamespace(kl_coef=0.5)
+    callback = KLControllerCallback(adaptive(), log_key=None, batch_size_fn=lambda b: 0)
+    with pytest.warns(RuntimeWarning) as record:
+        callback.on_train_batch_end(trainer, module, None, {"prompt": ["p"]}, 0)
+    said = [str(w.message) for w in record]
+    assert len(said) == 1 and "no finite KL" not in said[0]
+    assert said[0].startswith("KLControllerCallback: no samples in batch 1 (the batch size is 0")
+    assert callback.n_skipped == 1 and module.kl_coef == 0.5
+
+
+def test_a_law_class_in_place_of_a_law_is_refused_by_name():
+    with pytest.raises(TypeError, match="got the class AdaptiveKLController; construct it"):
+        KLControllerCallback(AdaptiveKLController)
 
 
 # ---- two real processes (gloo) ------------------------------------------------------------
@@ -399,3 +432,16 @@ def test_beta_at_a_bound_for_bound_patience_batches_warns_once_and_is_counted():
     assert quiet.n_at_bound == 40
     with pytest.raises(ValueError, match="bound_patience must be an int >= 0"):
         KLControllerCallback(law, bound_patience=-1)
+
+
+def test_a_fixed_beta_equal_to_its_bound_is_never_at_a_bound():
+    """The fixed law has no target to reach: its beta equal to ``max_kl_coef`` (the CLI's
+    ``kl.controller: fixed`` with ``kl.max_kl_coef`` = ``penalty.init_coef``) neither warns nor
+    counts, where the warning used to format the missing target and raise a TypeError."""
+    callback = KLControllerCallback(FixedKLController(0.1, max_kl_coef=0.1), bound_patience=3)
+    module = SimpleNamespace(kl_coef=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(10):
+            callback.on_kl(None, module, 5.0, 8)
+    assert callback.n_at_bound == 0 and module.kl_coef == 0.1
