@@ -149,10 +149,31 @@ def upgrade_settings_key(key: str) -> str:
 def upgrade_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """A run config of any older version as today's: its module options moved and renamed.
 
-    The rest (the data, the trainer, the top-level ``kl`` of the KL control) is kept as it is.
+    Nested (``model: {init_args: {kl: ...}}``) and dotted (``model.init_args.kl.init_coef``)
+    alike; where an old and a new dotted key are both given, the new one wins. The rest (the
+    data, the trainer, the top-level ``kl`` of the KL control) is kept as it is.
     """
-    upgraded = copy.deepcopy(dict(config))
+    upgraded: dict[str, Any] = {}
+    for key, value in copy.deepcopy(dict(config)).items():
+        new = upgrade_dotted_key(key, isinstance(value, Mapping))
+        if new == key or new not in config:
+            upgraded[new] = value
     model = upgraded.get("model")
     if isinstance(model, dict) and isinstance(model.get("init_args"), Mapping):
         model["init_args"] = upgrade_init_args(model["init_args"])
     return upgraded
+
+
+def upgrade_dotted_key(key: Any, whole_group: bool = False) -> Any:
+    """A config's dotted key under today's name (:func:`upgrade_settings_key`).
+
+    A renamed group given whole as a dotted key (``model.init_args.kl: {...}``,
+    ``whole_group``: its value is a mapping) is renamed too.
+    """
+    if not isinstance(key, str):
+        return key
+    new = upgrade_settings_key(key)
+    group = renamed_group(key.removeprefix(MODULE_PREFIX)) if whole_group else None
+    if new == key and key.startswith(MODULE_PREFIX) and group is not None:
+        return f"{MODULE_PREFIX}{group}"
+    return new

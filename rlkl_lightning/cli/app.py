@@ -12,6 +12,7 @@ taken from a checkpoint.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -185,14 +186,16 @@ class RLKLCLI(LightningCLI):
         kl = config.get("kl")
         if kl is None:
             return
-        settings = KLSettings(**(kl.as_dict() if hasattr(kl, "as_dict") else dict(kl)))
+        values = kl.as_dict() if hasattr(kl, "as_dict") else dict(kl)
+        # `kl: my_kl.yaml` adds the parser's `__path__` (the file) beside the group's fields
+        settings = KLSettings(**{k: v for k, v in values.items() if not k.startswith("__")})
         init = getattr(model, "init_args", None)
         penalty = None
         for group in ("penalty", "kl"):  # the module's KL group (its name since 0.5.0 first)
             penalty = penalty or (getattr(init, group, None) if init is not None else None)
         init_coef = getattr(penalty, "init_coef", None)
         if isinstance(init_coef, int | float) and not isinstance(init_coef, bool):
-            settings.kl_controller(float(init_coef))  # the law's own checks of its gains
+            settings.callbacks(float(init_coef))  # the law's checks, the callbacks' (monitor)
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         """Build the trainer, then put the KL callbacks first (checkpointing stays last).
@@ -433,13 +436,16 @@ def main(args: list[str] | None = None) -> RLKLCLI:
 
 
 def _law_classes(args: list[str]) -> list[str]:
-    """``--kl.controller=adaptive`` as the law's class, so that its ``init_args`` may follow.
+    """``--kl.controller=adaptive`` as the law's class where its ``init_args`` follow.
 
     The parser takes ``--kl.controller.init_args.horizon=2000`` after a class
-    (``--kl.controller=AdaptiveKLController``), not after a registered short name; the command
-    line's short name is written as its class, which is the same law.
+    (``--kl.controller=AdaptiveKLController``), not after a registered short name; there the
+    command line's short name is written as its class, which is the same law. Alone, the name
+    stays a name (a run's saved config says ``controller: pi``).
     """
     out = list(args)
+    if not any(str(a).startswith("--kl.controller.") for a in out):
+        return out
     for i, arg in enumerate(out):
         flag, eq, value = arg.partition("=")
         if flag != "--kl.controller":
@@ -475,12 +481,16 @@ def _cli(args: list[str] | None) -> RLKLCLI:
 
 # How the parser reports an option it does not know, in a config file or on the command line.
 _UNKNOWN_OPTION = (
-    re.compile(r"^`(?P<outer>model)` \([\w.]+\): Option '(?P<path>[\w.]+)' is not accepted"),
     re.compile(
-        r"^`(?P<outer>model)` \([\w.]+\): Group '(?P<group>\w+)' does not accept option "
+        r"^`(?P<outer>model)` \((?P<cls>[\w.]+)\): Option '(?P<path>[\w.]+)' is not accepted"
+    ),
+    re.compile(
+        r"^`(?P<outer>model)` \((?P<cls>[\w.]+)\): Group '(?P<group>\w+)' does not accept option "
         r"'(?P<path>[\w.]+)'"
     ),
-    re.compile(r"^(?:`(?P<outer>model)` \([\w.]+\): )?unrecognized arguments: --(?P<path>[\w.]+)"),
+    re.compile(
+        r"^(?:`(?P<outer>model)` \((?P<cls>[\w.]+)\): )?unrecognized arguments: --(?P<path>[\w.]+)"
+    ),
     re.compile(r"^Group '(?P<group>\w+)' does not accept option '(?P<path>[\w.]+)'"),
     re.compile(r"^Subcommand '\w+' does not accept option '(?P<path>[\w.]+)'"),
 )
@@ -551,7 +561,8 @@ def with_option_paths(message: str) -> str:
         if given:
             found = given.groupdict()
             parts = [found.get("outer") and "model.init_args", found.get("group"), found["path"]]
-            right = misplaced_option(".".join(p for p in parts if p))
+            path = ".".join(p for p in parts if p)
+            right = misplaced_option(path) or unknown_group_option(path, found.get("cls"))
             if right is not None:
                 return right
     found = _GROUP_FIELD.match(message)
@@ -559,6 +570,40 @@ def with_option_paths(message: str) -> str:
     if found and found["field"] in fields_:
         return f"`model.init_args.{found['field']}`" + message[found.end() :]
     return message
+
+
+def unknown_group_option(path: str, module: str | None = None) -> str | None:
+    """One line naming a module group's option that does not exist, with the group's options.
+
+    ``path`` is the option as given (``model.init_args.sampling.max_new_tokenz``); ``module``
+    the module's class path, where the parser named it (a group another module has).
+    """
+    if not path.startswith(MODULE_PREFIX):
+        return None
+    group, _, rest = path.removeprefix(MODULE_PREFIX).partition(".")
+    cls = MODULE_GROUPS.get(group)
+    if cls is None or not rest:
+        return None
+    name = rest.partition(".")[0]
+    options = [f.name for f in fields(cls)]
+    if name not in options:
+        close = difflib.get_close_matches(name, options, n=1)
+        hint = f" (did you mean `{close[0]}`?)" if close else ""
+        return (
+            f"`{MODULE_PREFIX}{group}` has no option `{name}`{hint}; its options: "
+            f"{', '.join(options)}"
+        )
+    try:
+        taken = inspect.signature(import_object(module)).parameters if module else {}
+    except (ImportError, AttributeError, ValueError):
+        taken = {}
+    if taken and group not in taken:
+        groups = [g for g in MODULE_GROUPS if g in taken]
+        return (
+            f"`{MODULE_PREFIX}{group}`: {module.rpartition('.')[2]} has no group `{group}`; "
+            f"its groups: {', '.join(groups)}"
+        )
+    return None
 
 
 def misplaced_option(path: str) -> str | None:

@@ -5,7 +5,8 @@ The modules' flat options of 0.1.0 go into their groups, the module's ``kl`` gro
 0.1.0-0.4.0 (``kl.horizon``, ``kl.k``, ``kl.kp``, ``kl.ki``) become the arguments of the law in
 ``kl.controller``; ``CapabilityBudget``'s steps per validation of 0.3.0-0.5.0 (``max_raise``,
 ``max_step``) become steps per batch and the gains of its older laws (``rate``, ``gain``,
-``tau``) are dropped (0.10.0's law has none); everything else is kept in its order. Where only
+``tau``) are dropped (0.10.0's law has none); everything else is kept in its order. Options
+nested or in dotted keys alike (``model.init_args.kl.init_coef: 0.3``). Where only
 a group is renamed the file is rewritten in place, comments and layout kept; where flat options
 move into groups it is written again from its values, and its comments are lost (the first line
 says so).
@@ -20,7 +21,12 @@ from typing import Any
 
 import yaml
 
-from rlkl_lightning.migrations import FLAT_KEYS, renamed_group, upgrade_config
+from rlkl_lightning.migrations import (
+    FLAT_KEYS,
+    renamed_group,
+    upgrade_config,
+    upgrade_dotted_key,
+)
 
 
 def migrate_text(text: str, name: str = "the config") -> str:
@@ -55,21 +61,41 @@ def _law_arguments(config: dict[str, Any]) -> dict[str, Any]:
     from rlkl_lightning.kl.laws import law_spec
     from rlkl_lightning.kl.settings import MOVED_GAINS
 
-    kl = config.get("kl")
-    if not isinstance(kl, dict) or not MOVED_GAINS.keys() & kl.keys():
-        return config
-    kl = dict(kl)
-    gains = {name: kl.pop(name) for name in MOVED_GAINS if name in kl}
-    law = kl.get("controller", "adaptive")  # 0.4.0's default law
-    if isinstance(law, str):
+    def with_gains(law: Any, gains: dict[str, Any]) -> Any:
+        """``law`` (a name) with the ``gains`` it reads, as a block; else ``law`` unchanged."""
+        if not isinstance(law, str):
+            return law
         spec = law_spec(law)
         taken = {name: value for name, value in gains.items() if name in spec["init_args"]}
-        if taken:
-            kl["controller"] = {
-                "class_path": spec["class_path"].rpartition(".")[2],
-                "init_args": taken,
-            }
-    return {**config, "kl": kl}
+        if not taken:
+            return law
+        return {"class_path": spec["class_path"].rpartition(".")[2], "init_args": taken}
+
+    kl = config.get("kl")
+    if isinstance(kl, dict) and MOVED_GAINS.keys() & kl.keys():
+        kl = dict(kl)
+        gains = {name: kl.pop(name) for name in MOVED_GAINS if name in kl}
+        law = with_gains(kl.get("controller", "adaptive"), gains)  # 0.4.0's default law
+        if law != kl.get("controller", "adaptive"):
+            kl["controller"] = law
+        config = {**config, "kl": kl}
+    dotted = {f"kl.{name}" for name in MOVED_GAINS} & config.keys()
+    if not dotted:
+        return config
+    gains = {key.removeprefix("kl."): config[key] for key in dotted}
+    nested = config.get("kl")
+    law = config.get(
+        "kl.controller",
+        nested.get("controller", "adaptive") if isinstance(nested, dict) else "adaptive",
+    )
+    block = with_gains(law, gains)
+    out: dict[str, Any] = {}
+    for key, value in config.items():  # the law's block where its name or its first gain stood
+        if key != "kl.controller" and key not in dotted:
+            out[key] = value
+        elif "kl.controller" not in out and (key == "kl.controller" or block != law):
+            out["kl.controller"] = block
+    return out
 
 
 #: CapabilityBudget's steps of 0.3.0-0.5.0 (per validation) and 0.6.0's (per batch).
@@ -118,13 +144,23 @@ def _renamed_in_place(text: str) -> str | None:
     None where more must change than a key's name: a flat option of 0.1.0 to move, or an old
     and a new group both given.
     """
-    init_args = _child(_child(yaml.compose(text), "model"), "init_args")
+    top = yaml.compose(text)
+    edits = []
+    if isinstance(top, yaml.MappingNode):  # dotted keys: `model.init_args.kl.init_coef: 0.3`
+        given = {key.value for key, _ in top.value}
+        for key, value in top.value:
+            new = upgrade_dotted_key(key.value, isinstance(value, yaml.MappingNode))
+            if new == key.value:
+                continue
+            if new in given or key.start_mark.line != key.end_mark.line:
+                return None  # an old and a new spelling, or a key over several lines
+            edits.append((key.start_mark.line, key.start_mark.column, key.end_mark.column, new))
+    init_args = _child(_child(top, "model"), "init_args")
     if not isinstance(init_args, yaml.MappingNode):
-        return None
+        init_args = yaml.MappingNode("tag:yaml.org,2002:map", [])
     keys = [key.value for key, _ in init_args.value]
     if any(key in FLAT_KEYS for key in keys):
         return None
-    edits = []
     for key, value in init_args.value:
         new = renamed_group(key.value)
         if new is None or not isinstance(value, yaml.MappingNode):

@@ -72,7 +72,8 @@ def _flatten(value: Any, prefix: str, out: dict[str, str], steered: bool = False
         value = value.as_dict()
     if isinstance(value, dict) and value:
         for key, item in value.items():
-            _flatten(item, f"{prefix}.{key}", out, steered)
+            if not str(key).startswith("__"):  # the parser's `__path__` of a group's file
+                _flatten(item, f"{prefix}.{key}", out, steered)
     elif _kept(prefix, steered):
         out[prefix] = repr(value)
 

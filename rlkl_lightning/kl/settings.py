@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from lightning.pytorch import Callback
 
@@ -14,10 +15,12 @@ from rlkl_lightning.kl.controllers import KLController, KLLaw
 from rlkl_lightning.kl.drift_monitor import KLDriftMonitor
 from rlkl_lightning.kl.laws import build_controller, law_spec
 
-#: A law as the parser reads it: a ``{class_path, init_args}`` block of a
-#: :class:`~rlkl_lightning.kl.controllers.KLLaw` subclass, built later as
-#: ``law(init_kl_coef, target)``; or a string, a registered name or a dotted path.
-LawComponent = Callable[[float, float], KLLaw] | str
+#: A law as the parser reads it: a string, a registered name or a dotted path; or a
+#: ``{class_path, init_args}`` block of a :class:`~rlkl_lightning.kl.controllers.KLLaw`
+#: subclass, built later as ``law(init_kl_coef, target)``. The string comes first: the parser
+#: writes a name out only through the first type that takes it, and the block's type cannot
+#: (a run's saved config read "Unable to serialize instance fixed").
+LawComponent = str | Callable[[float, float], KLLaw]
 
 #: The gains of 0.1.0-0.4.0's ``kl`` group, now the arguments of the law that reads them.
 MOVED_GAINS = {"horizon": "adaptive", "k": "exponential", "kp": "pi", "ki": "pi"}
@@ -100,23 +103,40 @@ class KLSettings:
         )
 
     def callbacks(self, init_kl_coef: float) -> list[Callback]:
-        """The controller callback and the drift monitor for a module starting at this beta."""
-        controller = KLControllerCallback(
-            self.kl_controller(init_kl_coef),
-            unit=self.unit,
-            hold_after_refresh=self.hold_after_refresh,
-            bound_patience=self.bound_patience,
-        )
-        monitor = KLDriftMonitor(
-            self.target,
-            window=self.window,
-            high=self.high,
-            low=self.low,
-            unit=self.unit,
-            strict=self.strict,
-            min_batches=self.min_batches,
-            hysteresis=self.hysteresis,
-        )
+        """The controller callback and the drift monitor for a module starting at this beta.
+
+        Raises:
+            ValueError: A callback's refusal of one of this group's values, naming it as the
+                group's option (``kl.window``).
+        """
+        law = self.kl_controller(init_kl_coef)
+        refused = None
+        try:
+            controller = KLControllerCallback(
+                law,
+                unit=self.unit,
+                hold_after_refresh=self.hold_after_refresh,
+                bound_patience=self.bound_patience,
+            )
+            monitor = KLDriftMonitor(
+                self.target,
+                window=self.window,
+                high=self.high,
+                low=self.low,
+                unit=self.unit,
+                strict=self.strict,
+                min_batches=self.min_batches,
+                hysteresis=self.hysteresis,
+            )
+        except ValueError as error:
+            said = re.match(
+                r"(?:KLControllerCallback|KLDriftMonitor): (\w+) (.*)", str(error), re.S
+            )
+            if said is None or said[1] not in {f.name for f in fields(self)}:
+                raise
+            refused = f"`kl.{said[1]}` {said[2]}"
+        if refused is not None:  # raised out here: not in the context of the callback's error
+            raise ValueError(refused)
         return [controller, monitor]
 
 

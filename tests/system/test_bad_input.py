@@ -125,10 +125,10 @@ def test_cli_kl_group_rejects_bad_values(kwargs, match):
         ),
         ({"min_kl_coef": 0.0}, r"`min_kl_coef` must be a finite number > 0"),
         ({"min_kl_coef": 0.5, "max_kl_coef": 0.1}, r"`min_kl_coef` must be <= `max_kl_coef`"),
-        ({"window": 0}, r"window must be an int >= 1"),
-        ({"high": 0.5}, r"high must be > 1"),
-        ({"min_batches": 0}, r"min_batches must be an int >= 1 \(None: window \+ min\(2 x"),
-        ({"hysteresis": 1.5}, r"hysteresis must lie in \[0, 1\), got 1.5"),
+        ({"window": 0}, r"`kl.window` must be an int >= 1"),
+        ({"high": 0.5}, r"`kl.high` must be > 1"),
+        ({"min_batches": 0}, r"`kl.min_batches` must be an int >= 1 \(None: window \+ min\(2 x"),
+        ({"hysteresis": 1.5}, r"`kl.hysteresis` must lie in \[0, 1\), got 1.5"),
     ],
 )
 def test_cli_kl_group_law_and_monitor_options_are_validated(kwargs, match):

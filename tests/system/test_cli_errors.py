@@ -133,6 +133,23 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
         (["--model.init_args.policy=/no/such/model"], "`policy`: model path '/no/such/model'"),
         (["--model.init_args.polcy=x"], "`model` (rlkl_lightning.PPOModule): Option 'polcy'"),
         (["--trainer.max_stepz=3"], "unrecognized arguments: --trainer.max_stepz=3"),
+        (  # a group's misspelt option: the group's options, the nearest first
+            ["--model.init_args.sampling.max_new_tokenz=5"],
+            "`model.init_args.sampling` has no option `max_new_tokenz` (did you mean "
+            "`max_new_tokens`?); its options: max_prompt_tokens, max_new_tokens, temperature, "
+            "top_k, top_p, stop_at_eos",
+        ),
+        (
+            ["--model.init_args.group.advantage=grpo"],
+            "`model.init_args.group`: PPOModule has no group `group`; its groups: sampling, "
+            "optimization, objective, penalty, models, safeguards, logging, engine, ppo",
+        ),
+        (  # the drift monitor's and the controller callback's options, before any model loads
+            ["--kl.min_batches=0", "--print_config"],
+            "`kl.min_batches` must be an int >= 1 (None: window + min(2 x window, 20)), got 0",
+        ),
+        (["--kl.window=0"], "`kl.window` must be an int >= 1, got 0"),
+        (["--kl.hold_after_refresh=-1"], "`kl.hold_after_refresh` must be an int >= 0 (batches)"),
         # A value of the wrong type names its full path and the type (was `Parser key "lr":`).
         (
             ["--model.init_args.optimization.lr=abc"],
@@ -195,6 +212,12 @@ def test_cli_errors_end_with_the_projects_message(args, message, tiny_lm_dir, tm
             {"model": {"init_args": {"kl": {"window": 5}}}},
             "`model.init_args.kl.window` is the run's KL control: `kl.window` (top level); "
             "the module's `penalty` is its KL penalty (docs/options.md)",
+        ),
+        (
+            {"model": {"init_args": {"sampling": {"max_new_tokenz": 5}}}},
+            "`model.init_args.sampling` has no option `max_new_tokenz` (did you mean "
+            "`max_new_tokens`?); its options: max_prompt_tokens, max_new_tokens, temperature, "
+            "top_k, top_p, stop_at_eos",
         ),
     ],
 )

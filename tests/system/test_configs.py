@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import inspect
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -416,3 +417,48 @@ def test_a_config_composed_with_its_bases_reads_as_the_parser_reads_the_file(tmp
         for namespace in seen:
             namespace.pop("config", None)
         assert seen[0] == seen[1], config.name
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["ppo_fixed.yaml", "ppo_pi.yaml", "ppo_logpid.yaml", "ppo_budget.yaml", "exact_ppo.yaml"],
+)
+def test_a_printed_config_runs_as_the_same_config(name, tmp_path, capsys):
+    """What ``--print_config`` writes (a run's saved ``config.yaml`` is the same dump) parses
+    back to itself: a law given by its short name (``kl.controller: fixed``) is written as that
+    name, where it was written as "Unable to serialize instance fixed" and refused on reuse."""
+
+    def printed(path: Path) -> str:
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as done:
+            warnings.simplefilter("always")
+            main(["fit", "--config", str(path), "--print_config"])
+        assert done.value.code in (0, None)
+        assert not [str(w.message) for w in caught if "serialize" in str(w.message)]
+        return capsys.readouterr().out
+
+    first = printed(ROOT / "configs" / name)
+    assert "Unable to serialize" not in first
+    (tmp_path / "printed.yaml").write_text(first)
+    assert printed(tmp_path / "printed.yaml") == first
+    law = yaml.safe_load(first)["kl"]["controller"]
+    if name in ("ppo_fixed.yaml", "ppo_logpid.yaml"):
+        assert law == name.removeprefix("ppo_").removesuffix(".yaml")
+
+
+def test_the_kl_group_as_a_file_of_its_own_trains(tiny_lm_dir, tmp_path):
+    """``kl: my_kl.yaml`` (docs/configs.md): the group's values come from the file, where the
+    parser's ``__path__`` beside them made the components' check fail with a TypeError."""
+    from helpers.cli_runs import tiny_cli_config
+
+    law = {"class_path": "PIKLController", "init_args": {"kp": 0.3}}
+    (tmp_path / "cli_configs").mkdir()
+    (tmp_path / "cli_configs" / "my_kl.yaml").write_text(
+        yaml.safe_dump({"controller": law, "target": 3.0, "window": 7})
+    )
+    config = tiny_cli_config(tiny_lm_dir, tmp_path)
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "kl": "my_kl.yaml"}))
+    cli = main(["fit", "--config", str(config)])
+    controller, monitor = cli.trainer.callbacks[:2]
+    assert type(controller.controller).__name__ == "PIKLController"
+    assert controller.controller.kp == 0.3 and controller.target == 3.0
+    assert monitor.window == 7 and controller.n_batches == 2

@@ -184,3 +184,43 @@ def test_the_budgets_steps_per_validation_become_steps_per_batch_and_old_gains_a
     old["trainer"]["val_check_interval"] = 0.5  # a share of an epoch: no whole-batch step
     new = yaml.safe_load(migrate_text(yaml.safe_dump(old)))
     assert new["trainer"]["callbacks"][0]["init_args"] == {"budget": 1.3}
+
+
+#: 0.4.0 in dotted keys over a base (the layout of today's shipped configs).
+DOTTED_040 = """\
+config: today.yaml  # the base
+model.init_args.kl.init_coef: 0.3  # beta
+model.init_args.top_p: 0.9
+kl.controller: pi
+kl.kp: 0.5
+kl.horizon: 100.0  # not read by pi
+"""
+
+DOTTED_TODAY = """\
+config: today.yaml
+model.init_args.penalty.init_coef: 0.3
+model.init_args.sampling.top_p: 0.9
+kl.controller:
+  class_path: PIKLController
+  init_args:
+    kp: 0.5
+"""
+
+
+def test_dotted_keys_are_migrated_as_nested_ones_are(tiny_lm_dir, tmp_path, capsys):
+    (tmp_path / "today.yaml").write_text(TODAY.format(policy=tiny_lm_dir))
+    (tmp_path / "old.yaml").write_text(DOTTED_040)
+    (tmp_path / "wanted.yaml").write_text(DOTTED_TODAY)
+    (tmp_path / "new.yaml").write_text(_migrate(tmp_path / "old.yaml"))
+    wanted = _printed(tmp_path / "wanted.yaml", capsys)
+    assert wanted["model"]["init_args"]["penalty"]["init_coef"] == 0.3
+    assert wanted["kl"]["controller"]["init_args"]["kp"] == 0.5
+    assert _printed(tmp_path / "new.yaml", capsys) == wanted
+    renamed = DOTTED_040[: DOTTED_040.index("kl.controller")]  # no law's gain: keys renamed
+    assert migrate_text(renamed) == renamed.replace(".kl.init_coef", ".penalty.init_coef").replace(
+        ".top_p", ".sampling.top_p"
+    )
+    both = "model.init_args.lr: 0.1\nmodel.init_args.optimization.lr: 0.2\n"
+    assert yaml.safe_load(migrate_text(both)) == {"model.init_args.optimization.lr": 0.2}
+    whole = "model.init_args.kl: {init_coef: 0.3}\n"
+    assert migrate_text(whole) == "model.init_args.penalty: {init_coef: 0.3}\n"
