@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if not isinstance(args.init_args, dict):
         raise SystemExit("error: `--init_args` must be a JSON object")
+    problem = _bad_number(args)
+    if problem is not None:
+        raise SystemExit(f"error: {problem}")
     if ls is None:
         raise SystemExit("error: the reward server needs LitServe: pip install -e '.[serve]'")
     try:
@@ -182,6 +185,34 @@ def main(argv: list[str] | None = None) -> None:
     print(f"serving {args.reward} at http://{args.host}:{args.port}/score", flush=True)
     signal.signal(signal.SIGTERM, _stop)  # `kill PID` stops LitServe's workers too
     server.run(host=args.host, port=args.port, generate_client_file=False)
+
+
+#: The numeric options, each with its least allowed value and whether it may equal it.
+_LIMITS = {
+    "port": (0, True),
+    "max_pairs": (1, True),
+    "max_request_mb": (0, False),
+    "max_batch_size": (1, True),
+    "batch_timeout": (0, True),
+    "timeout": (0, False),
+}
+
+
+def _bad_number(args: argparse.Namespace) -> str | None:
+    """One line naming a numeric option out of its range, or None.
+
+    Out of range, the server would refuse every request, or LitServe stop with a traceback.
+    """
+    for name, (least, equal) in _LIMITS.items():
+        value = getattr(args, name)
+        ok = math.isfinite(value) and (value >= least if equal else value > least)
+        if name == "port":
+            ok = ok and value <= 65535
+        if not ok:
+            bound = f">= {least}" if equal else f"> {least}"
+            where = " and <= 65535" if name == "port" else ""
+            return f"`--{name}` must be {bound}{where}, got {value:g}"
+    return None
 
 
 def _stop(signum: int, frame: Any) -> None:

@@ -93,6 +93,42 @@ def test_a_nan_score_fails_its_own_sample_only():
     assert math.isnan(scores[0]) and torch.equal(scores[1:], EXPECTED[1:])
 
 
+@pytest.mark.parametrize("fault", ["huge", "string"])
+def test_a_score_that_is_not_a_float_fails_its_own_sample_only(fault):
+    """An integer too large for a float (it raised OverflowError through the run) and a
+    string (not a number, however it reads) fail their sample, not the batch."""
+    with FaultServer([fault]) as server:
+        scores = client(server)(PROMPTS, RESPONSES)
+    assert math.isnan(scores[0]) and torch.equal(scores[1:], EXPECTED[1:])
+
+
+def test_vllm_rows_that_are_not_one_per_sample_fail_the_request_and_a_bad_probability_its_sample():
+    def probs(text):
+        return [1 - len(text) / 10, len(text) / 10]
+
+    with FaultServer(["same_index", "string"], probs=probs) as server:
+        reward = client(server, api="vllm")
+        assert reward(PROMPTS, RESPONSES).isnan().all()  # accepted as if right before
+        assert "the rows' `index` values are not 0..4" in reward.last_stats["errors"][0]
+        scores = reward(PROMPTS, RESPONSES)
+    assert math.isnan(scores[0]) and torch.allclose(scores[1:], EXPECTED[1:] / 10)
+
+
+def test_an_answer_that_arrives_slowly_ends_at_the_batchs_deadline():
+    """A byte every 0.3 s never trips the per-read timeout; the deadline still holds."""
+    with FaultServer(rule=lambda n, body: "drip") as server:
+        reward = client(server, timeout_s=1.0, deadline_s=1.5, max_retries=0)
+        start = time.monotonic()
+        with pytest.raises(RewardServerDown, match="deadline passed while the answer arrived"):
+            reward(PROMPTS, RESPONSES)
+        assert time.monotonic() - start < 2.5  # was the whole answer's 30 s
+
+
+def test_many_retries_wait_at_most_the_largest_backoff():
+    reward = RemoteReward("http://127.0.0.1:1", check_health=False, max_backoff_s=2.0)
+    assert 1.0 <= reward._backoff(5000, None) <= 2.0  # 2**5000 overflowed a float
+
+
 def test_a_server_silent_past_the_deadline_raises_naming_the_url():
     with FaultServer(rule=lambda n, body: "hang") as server:
         reward = client(server, timeout_s=0.2, deadline_s=0.6)
@@ -157,6 +193,8 @@ def test_vllm_classification_answers_give_the_probability_or_its_log_odds():
         ("max_in_flight", 0, "an integer >= 1"),
         ("max_retries", -1, "an integer >= 0"),
         ("url", "ftp://x", "http(s)://HOST[:PORT]"),
+        ("url", "http://127.0.0.1:99999", "a port in 0-65535), got 'http://127.0.0.1:99999'"),
+        ("url", "http://127.0.0.1:abc", "a port in 0-65535"),
     ],
 )
 def test_bad_options_are_refused_naming_them(option, value, allowed):

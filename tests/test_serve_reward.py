@@ -4,6 +4,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -114,3 +115,19 @@ def test_litserve_serves_vader_as_the_in_process_reward_scores_it(tmp_path):
             os.killpg(server.pid, signal.SIGKILL)
         server.wait(timeout=30)
         log.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max_pairs", "0"], "`--max_pairs` must be >= 1, got 0"),  # a 413 for every request
+        (["--max_request_mb", "-1"], "`--max_request_mb` must be > 0, got -1"),
+        (["--port", "70000"], "`--port` must be >= 0 and <= 65535, got 70000"),
+        (["--max_batch_size", "0"], "`--max_batch_size` must be >= 1, got 0"),
+        (["--batch_timeout", "-1"], "`--batch_timeout` must be >= 0, got -1"),
+        (["--timeout", "nan"], "`--timeout` must be > 0, got nan"),
+    ],
+)
+def test_a_numeric_option_out_of_range_is_refused_in_one_line(args, message):
+    with pytest.raises(SystemExit, match=re.escape(f"error: {message}")):
+        serve_reward.main(args)

@@ -406,6 +406,7 @@ class RLPipeline(LightningModule):
         """One batch of prompts through the five phases (module docstring)."""
         prompts = list(batch["prompt"])
         clock = [time.perf_counter()]
+        self._batch_failed = None  # a reward that marks failures: this batch's, once counted
         self.phase_peaks = memory = PhasePeaks(self.device)
         try:
             memory.enter("rollout")
@@ -742,7 +743,7 @@ class RLPipeline(LightningModule):
                 cause = f"{type(error).__name__}: {error}" if error else "on another rank"
                 raise RuntimeError(
                     f"{self.owner}: the reward model could not be reached at batch "
-                    f"{self.batches_seen + 1} ({cause}); the run stops (a skip would train on "
+                    f"{self.batch_number} ({cause}); the run stops (a skip would train on "
                     "nothing while it is down). The last checkpoint is kept: once the reward "
                     "answers, continue with the same command plus `--ckpt_path last`"
                 ) from error
@@ -760,6 +761,11 @@ class RLPipeline(LightningModule):
             scores = scores.clamp(-clip, clip)
         return scores, (None if failed is None else failed.to(self.device))
 
+    @property
+    def batch_number(self) -> int:
+        """The training batch under way, counted from 1: trained and skipped batches before it."""
+        return self.batches_seen + self.skipped_batches + 1
+
     def _mask_failed(self, failed: Tensor | None) -> Tensor | None:
         """The samples to train on where a reward failed on any rank (None: all of them).
 
@@ -770,6 +776,7 @@ class RLPipeline(LightningModule):
             return None
         counts = torch.stack([failed.sum(), torch.tensor(failed.numel(), device=failed.device)])
         n_failed, n = (int(x) for x in self.global_sum(counts.to(torch.float64)))
+        self._batch_failed = failed  # every rank gets here: a skip logs its reward/* too
         if not n_failed:
             return None
         share, limit = n_failed / n, self.safeguards.max_failed_fraction
@@ -790,7 +797,7 @@ class RLPipeline(LightningModule):
             self._warned_failed = True
             rank_zero_warn(
                 f"{self.owner}: the rewards of {n_failed} of {n} samples failed at batch "
-                f"{self.batches_seen + 1} ({why}); they are left out of the advantages, the "
+                f"{self.batch_number} ({why}); they are left out of the advantages, the "
                 "losses and the KL the controller reads (warned once; `reward/failed_fraction` "
                 "counts every batch's, `reward/failed_kl` their KL)",
                 category=RuntimeWarning,
@@ -826,7 +833,7 @@ class RLPipeline(LightningModule):
                 "beta are those of the last trained batch."
             )
         rank_zero_warn(
-            f"{self.owner}: skipping batch {self.batches_seen + 1}: {why}; kl_coef is unchanged "
+            f"{self.owner}: skipping batch {self.batch_number - 1}: {why}; kl_coef is unchanged "
             f"({self.skipped_batches} batches skipped so far)",
             category=RuntimeWarning,
         )
@@ -837,6 +844,11 @@ class RLPipeline(LightningModule):
         # different arguments within an epoch (a skip under DDP would end the run).
         metrics = {keys.KL: nan, keys.KL_PER_TOKEN: nan}
         metrics[keys.SKIPPED_BATCHES] = skipped
+        failed = getattr(self, "_batch_failed", None)
+        if failed is not None:  # the batches with the most failures log theirs too
+            client = getattr(self.reward, "last_stats", {}) or {}
+            reward = reward_metrics(failed, client, self.global_sum)
+            metrics.update({k: v.to(torch.float32).cpu() for k, v in reward.items()})
         sync = self.trainer.world_size > 1
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1, sync_dist=sync)
 

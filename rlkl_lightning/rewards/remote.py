@@ -126,8 +126,15 @@ class RemoteReward(RewardModel):
         check_health: bool = True,
     ) -> None:
         parts = urlsplit(str(url))
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"RemoteReward: `url` must be http(s)://HOST[:PORT], got {url!r}")
+        try:
+            parts.port  # noqa: B018 (urlsplit checks the port when it is read)
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"RemoteReward: `url` must be http(s)://HOST[:PORT] (a port in 0-65535), got "
+                f"{url!r}"
+            )
         for name, allowed in (("api", APIS), ("score", VLLM_SCORES), ("text", TEXTS)):
             if locals()[name] not in allowed:
                 value = locals()[name]
@@ -241,7 +248,7 @@ class RemoteReward(RewardModel):
             retry_after = None
             try:
                 status, headers, data = self._send(
-                    "POST", path, body, min(self.timeout_s, remaining)
+                    "POST", path, body, min(self.timeout_s, remaining), deadline
                 )
             except (
                 OSError,
@@ -272,7 +279,8 @@ class RemoteReward(RewardModel):
         """``backoff_s x 2^retries`` x jitter in [0.5, 1), ``Retry-After`` if longer, capped."""
         with self._rng_lock:
             jitter = 0.5 + 0.5 * self._rng.random()
-        delay = min(self.max_backoff_s, self.backoff_s * 2**retries) * jitter
+        doubled = self.backoff_s * 2.0 ** min(retries, 64)  # capped below: no float overflow
+        delay = min(self.max_backoff_s, doubled) * jitter
         if retry_after is not None:
             delay = max(delay, retry_after)
         return min(delay, self.max_backoff_s)
@@ -295,8 +303,8 @@ class RemoteReward(RewardModel):
         except (ValueError, UnicodeDecodeError):
             return failed, f"malformed JSON: {_first_line(data)}"
         try:
-            raw = self._raw_scores(answer)
-        except (KeyError, TypeError, IndexError, AttributeError) as err:
+            raw = self._raw_scores(answer, n)
+        except (KeyError, TypeError, IndexError, AttributeError, ValueError) as err:
             return failed, f"unexpected answer ({type(err).__name__}: {err})"
         if len(raw) != n:
             return failed, f"{len(raw)} scores for {n} samples"
@@ -304,25 +312,37 @@ class RemoteReward(RewardModel):
         bad = sum(not math.isfinite(s) for s in scores)
         return scores, (f"{bad} scores not finite numbers" if bad else None)
 
-    def _raw_scores(self, answer: Any) -> list[Any]:
+    def _raw_scores(self, answer: Any, n: int) -> list[Any]:
         if self.api == "rlkl":
             scores = answer["scores"]
             if not isinstance(scores, list):
                 raise TypeError("`scores` is not a list")
             return scores
         rows = sorted(answer["data"], key=lambda row: row["index"])
+        indices = [row["index"] for row in rows]
+        if len(rows) == n and indices != list(range(n)):
+            raise ValueError(f"the rows' `index` values are not 0..{n - 1}")
         return [self._from_probs(row["probs"]) for row in rows]
 
     def _from_probs(self, probs: list[float]) -> float:
-        p = float(probs[self.label])
+        p = _finite(probs[self.label])  # a value that is not a number: this sample fails
         if self.score == "prob":
             return p
         return math.log(p) - math.log1p(-p) if 0.0 < p < 1.0 else math.nan
 
     def _send(
-        self, method: str, path: str, body: bytes | None, timeout: float
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        timeout: float,
+        deadline: float | None = None,
     ) -> tuple[int, Any, bytes]:
-        """One HTTP exchange on a fresh connection: status, headers, body."""
+        """One HTTP exchange on a fresh connection: status, headers, body.
+
+        With a ``deadline`` (``time.monotonic()``) the body is read in pieces, each wait cut to
+        the time left: an answer that arrives slowly ends at the deadline (``TimeoutError``).
+        """
         parts = urlsplit(self.url)
         connection_class = (
             http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
@@ -334,7 +354,19 @@ class RemoteReward(RewardModel):
         try:
             connection.request(method, parts.path + path, body=body, headers=headers)
             response = connection.getresponse()
-            return response.status, response.headers, response.read()
+            if deadline is None:
+                return response.status, response.headers, response.read()
+            pieces = []
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the batch's deadline passed while the answer arrived")
+                if connection.sock is not None:
+                    connection.sock.settimeout(min(timeout, left))
+                piece = response.read1(1 << 16)
+                if not piece:
+                    return response.status, response.headers, b"".join(pieces)
+                pieces.append(piece)
         finally:
             connection.close()
 
@@ -345,7 +377,10 @@ class RemoteReward(RewardModel):
 def _finite(x: Any) -> float:
     if isinstance(x, bool) or not isinstance(x, int | float):
         return math.nan
-    x = float(x)
+    try:
+        x = float(x)
+    except OverflowError:  # a JSON integer too large for a float
+        return math.nan
     return x if math.isfinite(x) else math.nan
 
 

@@ -192,3 +192,30 @@ def test_a_rank_with_no_scored_sample_skips_the_batch_whatever_the_limit(tiny_lm
     with pytest.warns(RuntimeWarning, match=r"the rewards of every sample of a rank failed"):
         fit(module, batches=1, batch_size=4)
     assert module.skipped_batches == 1
+
+
+def test_a_skipped_batch_logs_its_reward_metrics_and_batches_count_from_the_skip(tiny_lm_dir):
+    """The batches with the most failures are the skipped ones: they log `reward/*` too, and
+    the next batch's warning names it batch 2 (skipped batches were not counted)."""
+    calls = []
+
+    def fails(i):
+        return i < 5 if len(calls) == 1 else i == 0  # batch 1: 5 of 8 fail; batch 2: 1 of 8
+
+    class Counting(FlakyReward):
+        def __call__(self, prompts, responses):
+            calls.append(len(prompts))
+            return super().__call__(prompts, responses)
+
+    seen = Seen()
+    module = PPOModule(**module_args(tiny_lm_dir, reward=Counting(fails)))
+    with pytest.warns(RuntimeWarning) as warned:
+        fit(module, batches=2, batch_size=8, callbacks=[seen])
+    said = [str(w.message) for w in warned]
+    assert any("skipping batch 1: the rewards of 5 of 8 samples failed" in m for m in said)
+    assert any("the rewards of 1 of 8 samples failed at batch 2 " in m for m in said), said
+    skipped, trained = seen.history
+    assert skipped["reward/failed_fraction"] == 5 / 8 and skipped["reward/retries"] == 3
+    assert skipped["reward/latency_ms_p50"] == 20.0 and math.isnan(skipped["objective/kl"])
+    assert trained["reward/failed_fraction"] == 1 / 8
+    assert module.skipped_batches == 1 and module.batches_seen == 1

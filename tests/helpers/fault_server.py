@@ -31,7 +31,10 @@ class FaultServer:
         script: Faults of the first scoring requests, in order: ``"ok"``, ``("sleep", s)``
             (then ok), ``("status", code)``, ``("status", code, retry_after)``, ``"drop"`` (close
             the connection unanswered), ``"malformed"``, ``"wrong_count"``, ``"nan"`` (the first
-            score NaN), ``"hang"`` (answer nothing for 30 s).
+            score NaN), ``"huge"`` (the first score an integer too large for a float),
+            ``"string"`` (the first score, or vLLM probability, a string), ``"same_index"``
+            (every vLLM row at index 0), ``"hang"`` (answer nothing for 30 s), ``"drip"`` (the
+            answer's headers at once, then its body a byte every 0.3 s).
         rule: Instead of the script, ``rule(n, body) -> fault`` for the ``n``-th request.
         score: ``score(prompt, response) -> float`` of an ok answer.
         probs: vLLM's format: ``probs(text) -> list of class probabilities``.
@@ -138,12 +141,33 @@ class FaultServer:
                     self._answer(200, b'{"scores": [1.0, ')
                     return
                 scores = self._scores(body)
+                vllm = self.path == "/classify"
                 if kind == "wrong_count":
                     scores = scores[:-1]
                 elif kind == "nan":
                     scores[0] = math.nan
-                key = "scores" if self.path == "/score" else "data"
-                self._answer(200, json.dumps({key: scores}).encode())
+                elif kind == "huge":
+                    scores[0] = 10**400
+                elif kind == "string" and vllm:
+                    scores[0]["probs"] = ["x", "0.5"]
+                elif kind == "string":
+                    scores[0] = "1.0"
+                elif kind == "same_index":
+                    scores = [{**row, "index": 0} for row in scores]
+                key = "data" if vllm else "scores"
+                answer = json.dumps({key: scores}).encode()
+                if kind == "drip":
+                    self._done()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    for i in range(len(answer)):  # bounded: the answer's bytes, or the stop
+                        self.wfile.write(answer[i : i + 1])
+                        self.wfile.flush()
+                        if server.stop_hanging.wait(0.3):
+                            return
+                    return
+                self._answer(200, answer)
 
             def _scores(self, body: dict) -> list[Any]:
                 if self.path == "/classify":
