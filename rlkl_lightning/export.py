@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
@@ -69,10 +67,9 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
     """:func:`export_policy` of a Lightning checkpoint file."""
     from rlkl_lightning.checkpoints import check_checkpoint
 
-    check_checkpoint(checkpoint, option="checkpoint", resuming=False)
-    ckpt = torch.load(
-        checkpoint, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(checkpoint)
-    )
+    # The checked load is the one used: loading the file again (with weights_only=False, as
+    # before) would build whatever another writer put there after the check.
+    ckpt = check_checkpoint(checkpoint, option="checkpoint", resuming=False)
     hparams = ckpt.get("hyper_parameters")
     if not isinstance(hparams, Mapping) or not hparams.get("policy"):
         raise ValueError(

@@ -318,6 +318,13 @@ def check_text_file(path: Path, owner: str, option: str) -> None:
     decoder = codecs.getincrementaldecoder("utf-8")()
     line, offset = 1, 0
     with open(path, "rb") as handle:
+        if handle.read(4).startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+            raise ValueError(
+                f"{owner}: `{option}` file {str(path)!r} is UTF-16 text (it starts with UTF-16's "
+                "byte-order mark); allowed: UTF-8 text (convert it, e.g. with "
+                "`iconv -f utf-16 -t utf-8`)"
+            )
+        handle.seek(0)
         while chunk := handle.read(_SCAN_BYTES):
             pending = len(decoder.getstate()[0])  # bytes of a character split by the last read
             nul = chunk.find(b"\0")

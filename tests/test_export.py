@@ -61,3 +61,23 @@ def test_a_checkpoint_without_a_policy_and_a_file_for_the_directory_are_named(tm
 def test_verbose_keeps_the_traceback(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         main([str(tmp_path / "no.ckpt"), str(tmp_path / "out"), "--verbose"])
+
+
+def test_the_checkpoint_is_read_once_and_only_as_weights(tmp_path, monkeypatch):
+    """The file checked is the file used: export read it again with ``weights_only=False``
+    after the check, so a file replaced in between was unpickled, code and all."""
+    from rlkl_lightning import export
+
+    path = tmp_path / "run.ckpt"
+    torch.save({"state_dict": {}, "pytorch-lightning_version": "2.6.0"}, path)
+    loads = []
+    load = torch.load
+
+    def spy(*args, **kwargs):
+        loads.append(kwargs.get("weights_only"))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    with pytest.raises(ValueError, match="names no policy"):
+        export.export_checkpoint(path, tmp_path / "out")
+    assert loads == [True]

@@ -51,11 +51,43 @@ def study_overrides(
         return value
 
     own = yaml.safe_load((world.root / STUDY_FILE).read_text()) or {}
+    problem = code_it_would_run(own)
+    if problem is not None:
+        raise ValueError(
+            f"{where}: {world.root / STUDY_FILE} {problem}; a world's study.yaml may name only "
+            "rlkl_lightning's own classes and never turn on `trust_remote_code` (a world from "
+            "elsewhere never runs code): set your own in the study config's `world_overrides`"
+        )
     overrides = resolve_paths(merge(own, extra or {}))
     model = overrides.get("model") or {}
     if isinstance(model.get("init_args"), dict):  # a world of an older version
         model["init_args"] = upgrade_init_args(model["init_args"])
     return overrides
+
+
+def code_it_would_run(value: Any, path: str = "") -> str | None:
+    """What in a world's ``study.yaml`` would run code from outside the library, or None.
+
+    A ``class_path`` outside ``rlkl_lightning`` (a dotted path imports and builds anything
+    importable) and a true ``trust_remote_code`` (a model directory's own code) both would.
+    """
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if key == "class_path" and isinstance(item, str):
+                if "." in item and not item.startswith("rlkl_lightning."):
+                    return f"sets `{where}: {item}`"
+            elif key == "trust_remote_code" and item:
+                return f"sets `{where}: {item}`"
+            found = code_it_would_run(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = code_it_would_run(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def without_replaced_options(config: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ Prints the world's directory and the command that runs the study on it. Every op
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -102,6 +103,10 @@ def describe(world) -> str:
     """What a custom world holds, and the command of a study on it."""
     stats, report, s = world.corpus.stats, world.report, world.config
     n = stats["num_texts"]
+    try:  # the tokenizer's own size: on a small corpus it stops short of `vocab_size`
+        vocab = int(json.loads((world.model_dir / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        vocab = s.vocab_size
     units = sorted(set(stats["units"].values()))
     not_utf8 = sum(stats.get("not_utf8_lines", {}).values())  # absent in worlds built before
     lines = [
@@ -113,7 +118,9 @@ def describe(world) -> str:
         + (f"; {not_utf8:,} lines not UTF-8 (read as Windows-1252 or Latin-1)" if not_utf8 else ""),
         f"  splits: train {n['train']:,}, validation {n['validation']:,}, test {n['test']:,}; "
         f"{stats['num_prompts']:,} prompts of up to {stats['max_prompt_tokens']} tokens",
-        f"  tokenizer {s.vocab_size:,} tokens; model {s.n_layer} layers x {s.n_embd} "
+        f"  tokenizer {vocab:,} tokens"
+        + (f" (of {s.vocab_size:,} asked)" if vocab < s.vocab_size else "")
+        + f"; model {s.n_layer} layers x {s.n_embd} "
         f"({report['parameters'] / 1e6:.2f}M parameters), {s.sft_steps} SFT steps "
         f"({report['sft_epochs']} epochs)",
         f"  held-out perplexity {report['test_perplexity']:.2f} (unigram "

@@ -308,7 +308,8 @@ def _make(
         "# What a study on this world changes in every run: python -m rlkl_lightning.compare "
         "--world DIR\n# merges it into each run's config after the study's `overrides` (a "
         "value starting with ./ is a\n# path in this directory). The reward stays the run's "
-        "own (VADER) unless set here, e.g.\n# model: {init_args: {reward: {class_path: ...}}}\n"
+        "own (VADER) unless set here (one of rlkl_lightning's own classes), e.g.\n"
+        "# model: {init_args: {reward: {class_path: ...}}}\n"
     )
     (out / STUDY_FILE).write_text(header + yaml_dump(study))
     world = {

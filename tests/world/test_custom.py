@@ -186,6 +186,43 @@ def test_world_holds_splits_prompts_tokenizer_model_and_study_settings(world, so
     assert 3 <= study["model"]["init_args"]["sampling"]["max_prompt_tokens"] <= 32
 
 
+@pytest.mark.parametrize(
+    ("reward", "said"),
+    [
+        (
+            {"class_path": "subprocess.Popen", "init_args": {"args": "true"}},
+            "sets `model.init_args.reward.class_path: subprocess.Popen`",
+        ),
+        (
+            {
+                "class_path": "rlkl_lightning.rewards.SequenceClassifierReward",
+                "init_args": {"model": "./rm", "trust_remote_code": True},
+            },
+            "sets `model.init_args.reward.init_args.trust_remote_code: True`",
+        ),
+    ],
+)
+def test_a_worlds_study_file_that_would_run_code_is_refused(world, tmp_path, reward, said):
+    """A world from elsewhere is data: its study.yaml may set a reward of the library's own,
+    not a class from anywhere or a model directory's own code (either ran at the study)."""
+    import shutil
+
+    from rlkl_lightning.compare.custom_world import study_overrides
+
+    copy = tmp_path / "shared_world"
+    shutil.copytree(world.root, copy)
+    study = yaml.safe_load((copy / "study.yaml").read_text())
+    study["model"]["init_args"]["reward"] = reward
+    (copy / "study.yaml").write_text(yaml.safe_dump(study))
+    with pytest.raises(ValueError, match="a world's study.yaml may name only") as err:
+        study_overrides(copy)
+    assert said in str(err.value) and str(copy / "study.yaml") in str(err.value)
+    own = {"class_path": "rlkl_lightning.rewards.VaderSentimentReward"}
+    study["model"]["init_args"]["reward"] = own
+    (copy / "study.yaml").write_text(yaml.safe_dump(study))
+    assert study_overrides(copy)["model"]["init_args"]["reward"] == own
+
+
 def test_second_build_is_a_cache_hit(world, sources, cache, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("rebuilt a cached world")
@@ -508,3 +545,19 @@ def test_the_progress_names_the_worlds_directory_and_ctrl_c_says_what_was_kept(
         "builds it again"
     )
     assert not out.exists() and not list(out.parent.glob(".tmp-*"))
+
+
+def test_the_summary_gives_the_tokenizers_own_size(world, tmp_path):
+    """On a small corpus the tokenizer stops short of `vocab_size`: the summary said the
+    setting, not the size the model and tokenizer have."""
+    from types import SimpleNamespace
+
+    from rlkl_lightning.world.__main__ import describe
+
+    assert "tokenizer 300 tokens; model" in describe(world)  # the setting, reached
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 251}))
+    short = SimpleNamespace(
+        **{k: getattr(world, k) for k in ("corpus", "report", "config", "root")}
+    )
+    short.model_dir = tmp_path
+    assert "tokenizer 251 tokens (of 300 asked); model" in describe(short)
