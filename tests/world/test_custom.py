@@ -561,3 +561,18 @@ def test_the_summary_gives_the_tokenizers_own_size(world, tmp_path):
     )
     short.model_dir = tmp_path
     assert "tokenizer 251 tokens (of 300 asked); model" in describe(short)
+
+
+def test_the_study_command_says_a_mistake_in_one_line(tmp_path, capsys):
+    """``python -m rlkl_lightning.compare --world DIR`` on a directory that is not a world: one
+    line and status 2 (it was a traceback); ``--verbose`` keeps the traceback."""
+    from rlkl_lightning.compare.__main__ import command
+
+    argv = ["--config", str(ROOT / "configs" / "compare.yaml"), "--world", str(tmp_path)]
+    with pytest.raises(SystemExit) as done:
+        command([*argv, "--quick", "--out", str(tmp_path / "out")])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: compare: `world` ")
+    with pytest.raises(ValueError, match="is not a world built by"):
+        command([*argv, "--verbose"])
