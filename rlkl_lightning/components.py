@@ -209,7 +209,8 @@ def check_arguments(target: Any, init_args: Mapping[str, Any], option: str, skip
     Args:
         target: A class (its ``__init__``) or a function.
         init_args: The arguments a config gives it.
-        option: The option, for the message.
+        option: The option, for the message: the component's (``kl.controller``), or the
+            arguments' own (``--init_args``).
         skip: Leading positional parameters the caller fills (``init_kl_coef, target``).
     """
     try:
@@ -221,8 +222,13 @@ def check_arguments(target: Any, init_args: Mapping[str, Any], option: str, skip
     takes = [p.name for p in parameters[skip:] if p.kind is not p.VAR_POSITIONAL]
     unknown = [name for name in init_args if name not in takes]
     if unknown:
+        where = (
+            option
+            if option.rpartition(".")[2].lstrip("-") == "init_args"
+            else option + ".init_args"
+        )
         raise ValueError(
-            f"`{option}.init_args` has no argument {unknown[0]!r}: "
+            f"`{where}` has no argument {unknown[0]!r}: "
             f"{getattr(target, '__name__', target)} takes {takes}"
         )
 

@@ -136,13 +136,26 @@ class RewardAPI(ls.LitAPI if ls is not None else object):
         return {"scores": [s if math.isfinite(s) else None for s in output]}
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """``--init_args``'s value: a JSON object, or an error that says so and shows one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"must be a JSON object such as '{{\"threshold\": 0.5}}' ({err.msg}), got {text!r}"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m rlkl_lightning.serve_reward``."""
     p = argparse.ArgumentParser(
         prog="python -m rlkl_lightning.serve_reward", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--reward", default="default", help="default, a class path or a model dir")
-    p.add_argument("--init_args", type=json.loads, default={}, help="JSON arguments of a class")
+    p.add_argument("--init_args", type=json_object, default={}, help="JSON arguments of a class")
     p.add_argument("--label", default="POSITIVE", help="a classifier's label (name or index)")
     p.add_argument("--score", default="logit", choices=("logit", "prob", "log_odds"))
     p.add_argument("--text", default="response", choices=("response", "prompt+response"))
@@ -161,8 +174,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line, check the reward builds, and serve it until interrupted."""
     args = parser().parse_args(argv)
-    if not isinstance(args.init_args, dict):
-        raise SystemExit("error: `--init_args` must be a JSON object")
     problem = _bad_number(args)
     if problem is not None:
         raise SystemExit(f"error: {problem}")

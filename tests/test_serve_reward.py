@@ -131,3 +131,14 @@ def test_litserve_serves_vader_as_the_in_process_reward_scores_it(tmp_path):
 def test_a_numeric_option_out_of_range_is_refused_in_one_line(args, message):
     with pytest.raises(SystemExit, match=re.escape(f"error: {message}")):
         serve_reward.main(args)
+
+
+def test_init_args_that_are_not_a_json_object_or_not_the_classs_are_named_once(capsys):
+    # Was `--init_args.init_args` for an unknown argument, and "invalid loads value" for bad JSON.
+    with pytest.raises(SystemExit, match=re.escape("error: `--init_args` has no argument 'x'")):
+        serve_reward.main(["--init_args", '{"x": 1}'])
+    for given, said in (("notjson", "must be a JSON object such as"), ("[1]", "must be a JSON")):
+        with pytest.raises(SystemExit):
+            serve_reward.main(["--init_args", given])
+        err = capsys.readouterr().err
+        assert f"argument --init_args: {said}" in err and repr(given) in err, err

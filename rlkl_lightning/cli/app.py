@@ -55,6 +55,7 @@ from rlkl_lightning.cli.run_end import ExtendFinishedEpoch, SaveLastAtEnd
 from rlkl_lightning.cli.run_settings import RunSettings, trajectory_settings
 from rlkl_lightning.components import import_object, plain_spec
 from rlkl_lightning.console import RunProgressBar, quiet_lightning_notes, quiet_resume_notes
+from rlkl_lightning.data.prompts import PromptDataModule, options_problem
 from rlkl_lightning.errors import VERBOSE_ENV, user_message
 from rlkl_lightning.kl.laws import LAWS
 from rlkl_lightning.kl.settings import KLSettings, moved_gain
@@ -182,6 +183,7 @@ class RLKLCLI(LightningCLI):
             config if config is not None else self.config.get(str(self.subcommand), self.config)
         )
         model = config.get("model")
+        _check_data(config.get("data"))
         _check_module_groups(model, config.get("data"))
         kl = config.get("kl")
         if kl is None:
@@ -291,6 +293,25 @@ class RLKLCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, RunSettings):
                 callback.compare(checkpoint)
+
+
+def _check_data(data: Any) -> None:
+    """Refuse a :class:`~rlkl_lightning.data.prompts.PromptDataModule` option it would refuse.
+
+    The data module is built after the model's weights load; its error named the class, not
+    the option (``data.init_args.batch_size``). A subclass checks its own arguments.
+    """
+    init = getattr(data, "init_args", None)
+    try:
+        cls = import_object(str(getattr(data, "class_path", "")))
+    except (ImportError, AttributeError, ValueError):
+        return  # the parser names a class that does not import
+    if init is None or cls is not PromptDataModule:
+        return
+    given = init.as_dict() if isinstance(init, Namespace) else dict(init)
+    problem = options_problem(given, "`data.init_args.{}`".format)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _check_module_groups(model: Any, data: Any) -> None:

@@ -20,7 +20,9 @@ batches are sharded by Lightning's ``DistributedSampler``.
 
 from __future__ import annotations
 
+import inspect
 import random
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningDataModule
@@ -39,6 +41,41 @@ if TYPE_CHECKING:
 def collate_dicts(rows: list[dict]) -> dict[str, list]:
     """Turn a list of rows (dicts) into a dict of lists; picklable for worker processes."""
     return {key: [row[key] for row in rows] for key in rows[0]} if rows else {}
+
+
+def options_problem(
+    options: Mapping[str, Any], name: Callable[[str], str] = "`{}`".format
+) -> str | None:
+    """The first of :class:`PromptDataModule`'s options that it refuses, in one line, or None.
+
+    Shared by the module and the command line, which checks a run's ``data`` block before the
+    model loads and names each option by its path there (``name``). An option left out is
+    taken at its default.
+    """
+    given = {**_DEFAULTS, **options}
+    counts = ("batch_size", "val_batch_size", "num_prompts", "num_heldout", "num_test")
+    for option in (*counts, "prompt_words", "heldout_words"):
+        value = given[option]
+        if value is not None and (isinstance(value, bool) or value < 1):
+            return f"{name(option)} must be >= 1 or None, got {value!r}"
+    if given["num_workers"] < 0:
+        return f"{name('num_workers')} must be >= 0, got {given['num_workers']}"
+    for option in ("prompt_column", "heldout_column"):
+        if not given[option]:
+            return f"{name(option)} must be a non-empty column name"
+    if given["test_heldout"] is not None and given["heldout"] is None:
+        return (  # the test text is read at validation, with the held-out text
+            f"{name('test_heldout')} needs {name('heldout')} (the test text is scored at "
+            f"validation, beside the held-out text); set {name('heldout')} or leave out "
+            f"{name('test_heldout')}"
+        )
+    chat = given["system_prompt"] is not None or given["chat_tokenizer"] is not None
+    if chat and not given["chat_template"]:
+        return (
+            f"{name('system_prompt')} and {name('chat_tokenizer')} need "
+            f"{name('chat_template')} set to true"
+        )
+    return None
 
 
 class PromptDataModule(LightningDataModule):
@@ -111,31 +148,27 @@ class PromptDataModule(LightningDataModule):
         chat_tokenizer: str | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("batch_size", batch_size),
-            ("val_batch_size", val_batch_size),
-            ("num_prompts", num_prompts),
-            ("num_heldout", num_heldout),
-            ("num_test", num_test),
-            ("prompt_words", prompt_words),
-            ("heldout_words", heldout_words),
-        ):
-            if value is not None and (isinstance(value, bool) or value < 1):
-                raise ValueError(f"PromptDataModule: `{name}` must be >= 1 or None, got {value!r}")
-        if num_workers < 0:
-            raise ValueError(f"PromptDataModule: `num_workers` must be >= 0, got {num_workers}")
-        for name, column in (("prompt_column", prompt_column), ("heldout_column", heldout_column)):
-            if not column:
-                raise ValueError(f"PromptDataModule: `{name}` must be a non-empty column name")
-        if test_heldout is not None and heldout is None:  # it is read at validation, with heldout
-            raise ValueError(
-                "PromptDataModule: `test_heldout` needs `heldout` (the test text is scored at "
-                "validation, beside the held-out text); set `heldout` or leave out `test_heldout`"
-            )
-        if (system_prompt is not None or chat_tokenizer is not None) and not chat_template:
-            raise ValueError(
-                "PromptDataModule: `system_prompt` and `chat_tokenizer` need `chat_template: true`"
-            )
+        problem = options_problem(
+            {
+                "batch_size": batch_size,
+                "val_batch_size": val_batch_size,
+                "num_prompts": num_prompts,
+                "num_heldout": num_heldout,
+                "num_test": num_test,
+                "prompt_words": prompt_words,
+                "heldout_words": heldout_words,
+                "num_workers": num_workers,
+                "prompt_column": prompt_column,
+                "heldout_column": heldout_column,
+                "heldout": heldout,
+                "test_heldout": test_heldout,
+                "chat_template": chat_template,
+                "system_prompt": system_prompt,
+                "chat_tokenizer": chat_tokenizer,
+            }
+        )
+        if problem is not None:
+            raise ValueError(f"PromptDataModule: {problem}")
         self.save_hyperparameters(ignore=["world"])
         self.hparams.update(plain(dict(self.hparams)))  # paths as str: see resumable.plain
         #: The settings of each registered source a source option names (:mod:`.sources`).
@@ -328,3 +361,11 @@ def _as_dataset(column: str, texts: list[str]) -> datasets.Dataset:
     import datasets
 
     return datasets.Dataset.from_dict({column: texts})
+
+
+#: PromptDataModule's defaults, for :func:`options_problem`'s options left out.
+_DEFAULTS = {
+    p.name: p.default
+    for p in inspect.signature(PromptDataModule.__init__).parameters.values()
+    if p.default is not p.empty
+}

@@ -98,9 +98,19 @@ class KLSettings:
             for name in ("min_kl_coef", "max_kl_coef")
             if (bound := getattr(self, name)) is not None  # None: the law's default
         }
-        return build_controller(
-            self.controller, init_kl_coef, self.target, "kl.controller", **bounds
-        )
+        refused = None
+        try:
+            return build_controller(
+                self.controller, init_kl_coef, self.target, "kl.controller", **bounds
+            )
+        except ValueError as error:  # the law's refusal of a bound or of the starting beta
+            said = re.match(
+                r"\w+: (.*`(?:min_kl_coef|max_kl_coef|init_kl_coef|kl_coef)`.*)", str(error), re.S
+            )
+            if said is None:
+                raise
+            refused = _BOUND_NAMES.sub(lambda m: _AS_OPTION[m[1]], said[1])
+        raise ValueError(refused)  # out here: not in the context of the law's error
 
     def callbacks(self, init_kl_coef: float) -> list[Callback]:
         """The controller callback and the drift monitor for a module starting at this beta.
@@ -138,6 +148,16 @@ class KLSettings:
         if refused is not None:  # raised out here: not in the context of the callback's error
             raise ValueError(refused)
         return [controller, monitor]
+
+
+#: A law's names for its bounds and starting beta, as the run's options name them.
+_AS_OPTION = {
+    "min_kl_coef": "`kl.min_kl_coef`",
+    "max_kl_coef": "`kl.max_kl_coef`",
+    "init_kl_coef": "the module's starting beta (`model.init_args.penalty.init_coef`)",
+    "kl_coef": "the module's starting beta (`model.init_args.penalty.init_coef`)",
+}
+_BOUND_NAMES = re.compile(r"`(min_kl_coef|max_kl_coef|init_kl_coef|kl_coef)`")
 
 
 def moved_gain(name: str, value: object) -> str:

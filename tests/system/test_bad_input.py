@@ -123,8 +123,16 @@ def test_cli_kl_group_rejects_bad_values(kwargs, match):
             r"`kl.controller` must be one of \('fixed', .*'logpid'\) or the dotted path "
             r".* got 'pid'",
         ),
-        ({"min_kl_coef": 0.0}, r"`min_kl_coef` must be a finite number > 0"),
-        ({"min_kl_coef": 0.5, "max_kl_coef": 0.1}, r"`min_kl_coef` must be <= `max_kl_coef`"),
+        ({"min_kl_coef": 0.0}, r"^`kl.min_kl_coef` must be a finite number > 0"),
+        (
+            {"min_kl_coef": 0.5},
+            r"^the module's starting beta \(`model.init_args.penalty.init_coef`\) "
+            r"must lie in \[`kl.min_kl_coef`, `kl.max_kl_coef`\] = \[0.5, None\], got 0.2",
+        ),
+        (
+            {"min_kl_coef": 0.5, "max_kl_coef": 0.1},
+            r"^`kl.min_kl_coef` must be <= `kl.max_kl_coef`",
+        ),
         ({"window": 0}, r"`kl.window` must be an int >= 1"),
         ({"high": 0.5}, r"`kl.high` must be > 1"),
         ({"min_batches": 0}, r"`kl.min_batches` must be an int >= 1 \(None: window \+ min\(2 x"),
@@ -144,7 +152,8 @@ def test_beta_out_of_range_or_nan_is_rejected(tiny_lm_dir):
     for law in ("adaptive", "exponential", "pi", "logpid"):
         with pytest.raises(
             ValueError,
-            match=r"`init_kl_coef` must be a finite number > 0, got 0.0: the .* law multiplies "
+            match=r"^the module's starting beta \(`model.init_args.penalty.init_coef`\) must be a "
+            r"finite number > 0, got 0.0: the .* law multiplies "
             r"beta, and from 0 it could never move; for no KL penalty use the fixed law",
         ):
             KLSettings(controller=law).callbacks(init_kl_coef=0.0)

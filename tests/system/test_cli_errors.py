@@ -129,7 +129,14 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
             ["--model.init_args.placement=loss"],
             "`model.init_args.placement` is `model.init_args.penalty.placement`",
         ),
-        (["--data.init_args.batch_size=0"], "PromptDataModule: `batch_size` must be >= 1 or None"),
+        (
+            ["--data.init_args.batch_size=0"],
+            "`data.init_args.batch_size` must be >= 1 or None, got 0",
+        ),
+        (
+            ["--data.init_args.test_heldout=x.txt", "--data.init_args.heldout=null"],
+            "`data.init_args.test_heldout` needs `data.init_args.heldout`",
+        ),
         (["--model.init_args.policy=/no/such/model"], "`policy`: model path '/no/such/model'"),
         (["--model.init_args.polcy=x"], "`model` (rlkl_lightning.PPOModule): Option 'polcy'"),
         (["--trainer.max_stepz=3"], "unrecognized arguments: --trainer.max_stepz=3"),
