@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,43 @@ def test_the_readme_lists_every_page_of_the_guide():
     pages = [p for p in nav_pages() if "/" not in p or p == "reference/index.md"]
     assert "extending.md" in pages
     assert [p for p in pages if f"](docs/{p})" not in listed] == []
+
+
+def test_the_install_sections_name_every_extra_and_what_make_setup_installs():
+    """README.md and docs/index.md name every extra of pyproject.toml, and their pinned install
+    line (`-c constraints.txt`) installs the extras `make setup` installs."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    section = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = re.findall(r"^([a-z][a-z0-9_-]*) = \[", section, re.MULTILINE)
+    assert {"dev", "docs", "serve"} <= set(extras)
+    setup = re.search(r"-e '(\.\[[a-z,]+\])'", (ROOT / "Makefile").read_text()).group(1)
+    for path in (ROOT / "README.md", ROOT / "docs" / "index.md"):
+        install = path.read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+        assert [e for e in extras if f"`{e}`" not in install] == [], path.name
+        pinned = [line for line in install.splitlines() if "-c constraints.txt" in line]
+        assert pinned and all(f"-e '{setup}'" in line for line in pinned), (path.name, setup)
+
+
+def test_the_package_maps_name_every_subpackage_and_every_file_listed_one_by_one():
+    """docs/index.md's "file by file" names every module of the folders it lists by file (the
+    package's top level, cli/, kl/, algorithms/); it and the README's map name every
+    subpackage."""
+    package = ROOT / "rlkl_lightning"
+    index = (ROOT / "docs" / "index.md").read_text()
+    by_file = index.split("## The package, file by file", 1)[1].split("\n## ", 1)[0]
+    readme_map = (ROOT / "README.md").read_text().split("## Map of the package", 1)[1]
+    readme_map = readme_map.split("\n## ", 1)[0]
+    subpackages = sorted(p.name for p in package.iterdir() if (p / "__init__.py").is_file())
+    assert [f"{d}/" for d in subpackages if f"{d}/" not in by_file] == []
+    assert [f"{d}/" for d in subpackages if f"{d}/" not in readme_map] == []
+    modules = [
+        f.relative_to(package).as_posix()
+        for folder in (package, package / "cli", package / "kl", package / "algorithms")
+        for f in sorted(folder.glob("*.py"))
+        if f.name not in {"__init__.py", "__main__.py"}
+    ]
+    unnamed = [m for m in modules if not re.search(rf"\b{re.escape(Path(m).name)}\b", by_file)]
+    assert unnamed == []
 
 
 def test_every_registered_component_is_named_on_its_page():
