@@ -146,7 +146,7 @@ def _type_reason(text: str) -> str:
     if expected:
         types, value = [expected["type"]], expected["value"]
     elif subtypes and given:
-        types = re.findall(r"<class '(\w+)'>|(\w[\w.\[\], ]*)", subtypes["types"])
+        types = re.findall(r"<class '([\w.]+)'>|(\w[\w.\[\], ]*)", subtypes["types"])
         types = [a or b for a, b in types]
         value = given["value"]
     else:
@@ -156,7 +156,14 @@ def _type_reason(text: str) -> str:
         names = ["a finite number" if t == "float" else _TYPE_NAMES.get(t, t) for t in types]
         return f"must be {' or '.join(names)} (NaN and inf are refused), got {value}"
     names = [_TYPE_NAMES.get(t, t) for t in types]
+    names = [_class_named(n) if "." in n else n for n in names]
     return f"must be {' or '.join(names)}, got {value}"
+
+
+def _class_named(path: str) -> str:
+    """A class the parser expects, as a user gives it: by its dotted path or in a block."""
+    name = path.rpartition(".")[2]
+    return f"a {name} (the dotted path of one, or a {{class_path, init_args}} block)"
 
 
 def user_message(error: BaseException) -> str | None:

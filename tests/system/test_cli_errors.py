@@ -184,6 +184,11 @@ def test_a_config_error_prints_a_few_lines_ending_with_the_message(tmp_path):
             ["--model.init_args.penalty.trust_region=abc"],
             "`model.init_args.penalty.trust_region` must be a number or null, got abc",
         ),
+        (  # a class the parser expects, named as a user gives one (was "must be class  or ...")
+            ["--model.init_args.reward=VaderSentimentReward"],
+            "`model.init_args.reward` must be a RewardModel (the dotted path of one, or a "
+            "{class_path, init_args} block) or null, got VaderSentimentReward",
+        ),
         (["--weights_only=false"], "`weights_only` must be true or unset"),
         (["--ckpt_path=last"], "`--ckpt_path last`: there is no checkpoint to resume"),
     ],
