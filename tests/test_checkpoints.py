@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers.cli_runs import cli_error
 from helpers.kill_runs import BATCHES, STEPS_PER_BATCH, write_config
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -119,6 +120,27 @@ def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version_directory(
     assert (task.total, task.completed, task.description.strip()) == (BATCHES, BATCHES, "Training")
 
 
+@pytest.mark.slow  # a resume case: make test-slow
+def test_ckpt_path_last_finds_the_run_of_the_first_of_several_loggers(
+    tiny_lm_dir, tmp_path, monkeypatch
+):
+    # With a list of loggers the checkpoints are under the first one's version directory; the
+    # CLI looked for none there and stopped with "there is no checkpoint to resume".
+    config = write_config(tmp_path, tiny_lm_dir, "run")
+    monkeypatch.chdir(config.parent)
+    run = yaml.safe_load(config.read_text())
+    csv = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "csv"}}
+    run["trainer"]["logger"] = [run["trainer"]["logger"], csv]
+    config.write_text(yaml.safe_dump(run))
+    cli(config, f"--trainer.max_steps={2 * STEPS_PER_BATCH}")  # last.ckpt after batch 2
+    resumed = cli(config, "--ckpt_path", "last", f"--trainer.max_steps={3 * STEPS_PER_BATCH}")
+    runs = config.parent / "runs" / "tiny"
+    assert sorted(p.name for p in runs.iterdir()) == ["version_0"]
+    assert resumed.trainer.loggers[0].version == 0
+    assert resumed.trainer.ckpt_path == str(runs / "version_0" / "checkpoints" / "last.ckpt")
+    assert resumed.model.batches_seen == 3
+
+
 def test_ckpt_path_last_with_nothing_to_resume_says_where_it_looked(
     tiny_lm_dir, tmp_path, monkeypatch, capfd
 ):
@@ -133,3 +155,17 @@ def test_ckpt_path_last_with_nothing_to_resume_says_where_it_looked(
     with pytest.raises(ValueError, match="this run saves no checkpoints"):
         cli(config, "--ckpt_path", "last", "--trainer.enable_checkpointing=false", "--verbose")
     assert not list(config.parent.rglob("*.ckpt"))  # stopped before training
+
+
+def test_ckpt_path_best_is_refused_in_one_line_before_the_model_loads(
+    tiny_lm_dir, tmp_path, monkeypatch, capfd
+):
+    # Lightning's `best` is the best checkpoint of a fit earlier in the same process: a new run
+    # has none, and Lightning stopped with a traceback saying `ModelCheckpoint` was not
+    # configured to save the best model (the config's is, `monitor: step`).
+    config = write_config(tmp_path, tiny_lm_dir, "run")
+    monkeypatch.chdir(config.parent)
+    message = cli_error(["fit", "--config", str(config), "--ckpt_path", "best"], capfd)
+    assert message.startswith("`--ckpt_path best` names the best checkpoint of an earlier `fit`")
+    assert "allowed: `last`" in message and "\n" not in message
+    assert not (config.parent / "runs").exists()  # stopped before the trainer and the model

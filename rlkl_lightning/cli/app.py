@@ -121,7 +121,8 @@ class RLKLCLI(LightningCLI):
         """With ``fit --ckpt_path last``, log into the version directory of the run resumed.
 
         Applies to a logger with ``save_dir``, ``name`` and ``version`` (``TensorBoardLogger``,
-        ``CSVLogger``) whose ``version`` is not set. The checkpoint is checked here, before any
+        ``CSVLogger``) whose ``version`` is not set; of a list of loggers, to the first, under
+        whose directory Lightning saves the checkpoints. The checkpoint is checked here, before any
         model loads. A logger whose package is missing stops the run first, naming the extra, and
         so does a component the config names that does not import or does not take its
         arguments (:meth:`_check_components`): before any weights load.
@@ -132,6 +133,8 @@ class RLKLCLI(LightningCLI):
         if self.subcommand != "fit" or self._get(self.config, "ckpt_path") != "last":
             return
         logger = self._get(self.config, "trainer").get("logger")
+        if isinstance(logger, list):  # checkpoints go under the first logger's directory
+            logger = logger[0] if logger else None
         init = getattr(logger, "init_args", None)
         if init is None or not {"save_dir", "name", "version"} <= set(vars(init)):
             return
@@ -266,6 +269,12 @@ class RLKLCLI(LightningCLI):
             )
         config["weights_only"] = True
         path = config.get("ckpt_path")
+        if subcommand == "fit" and path == "best":  # Lightning's error blamed the config
+            raise ValueError(
+                "`--ckpt_path best` names the best checkpoint of an earlier `fit` in the same "
+                "process, which a new run has not had; allowed: `last` (the latest run of this "
+                "config) or a checkpoint file (`--ckpt_path PATH`)"
+            )
         named = str(path).partition(":")[0] in ("last", "best", "hpc", "registry")
         if path is not None and not named:
             check_checkpoint(path)

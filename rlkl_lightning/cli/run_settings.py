@@ -6,7 +6,7 @@ target, unit, horizon, gains, bounds, monitor band), the model (its class and ev
 except logging ones), the data (the prompts, the batch size, the order), the precision and the
 callbacks that change the weights, the reference or the target (``ReferenceRefresh``: ``every``,
 ``alpha``, ...; ``CapabilityBudget``: ``budget``, its gains and bounds, and with it the held-out
-text it steers on). A
+text it steers on and when validation runs). A
 resume whose settings differ is refused with the differences listed, before any callback state
 is restored; with ``--resume_with_changes true`` the callbacks' states are
 carried over (the controller keeps its beta under the new target, the drift monitor its window)
@@ -58,6 +58,12 @@ STEERED = frozenset(
     f"data.init_args.{name}"
     for name in ("heldout", "heldout_column", "heldout_split", "heldout_words", "num_heldout")
 )
+#: With a ``CapabilityBudget`` each validation is a step of its loop: when it runs and on how
+#: much of that text shape the trajectory too (compared when both runs have a budget).
+STEERED_TRAINER = tuple(
+    f"trainer.{name}"
+    for name in ("val_check_interval", "check_val_every_n_epoch", "limit_val_batches")
+)
 
 
 def _kept(key: str, steered: bool = False) -> bool:
@@ -93,6 +99,8 @@ def trajectory_settings(config: Any) -> dict[str, str]:
             value = _with_law_spec(value)
         _flatten(value, group, out, steered)
     out["trainer.precision"] = repr(trainer.get("precision") if trainer is not None else None)
+    for key in STEERED_TRAINER if steered else ():
+        out[key] = repr(trainer.get(key.partition(".")[2]) if trainer is not None else None)
     names = []
     for callback in callbacks:
         name = str(getattr(callback, "class_path", "")).rpartition(".")[2]
@@ -250,6 +258,10 @@ class RunSettings(Callback):
         current = self.settings
         if CALLBACKS_KEY not in saved:  # written before callbacks were compared
             current = {k: v for k, v in current.items() if not k.startswith(CALLBACKS_KEY)}
+        # A budget added or removed is listed as such; a checkpoint of before this check has none.
+        unshared = {k for k in STEERED_TRAINER if (k in saved) != (k in current)}
+        saved = {k: v for k, v in saved.items() if k not in unshared}
+        current = {k: v for k, v in current.items() if k not in unshared}
         self.changes = differences(saved, current)
         budget = all("CapabilityBudget" in s.get(CALLBACKS_KEY, "") for s in (saved, current))
         # Under a budget `kl.target` only starts a run: a resume takes the budget's target.

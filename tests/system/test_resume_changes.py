@@ -254,14 +254,27 @@ def test_a_changed_budget_or_steering_text_is_refused_and_the_same_run_resumes(
 
     main(["fit", "--config", str(config("run.yaml", {"budget": 1.2}, 8))])
     last = str(tmp_path / "ckpt" / "last.ckpt")
-    for resumed, listed in [
+    for resumed, listed, *extra in [
         (
             config("budget.yaml", {"budget": 1.3}, 8),
             ["trainer.callbacks.CapabilityBudget.init_args.budget: 1.2 -> 1.3"],
         ),
         (config("steer.yaml", {"budget": 1.2}, 6), ["data.init_args.num_heldout: 8 -> 6"]),
+        # Each validation is a step of the budget's loop: it resumed with a validation every
+        # 2 batches, or on half the held-out text, without a word.
+        (
+            config("run.yaml", {"budget": 1.2}, 8),
+            ["trainer.val_check_interval: 1 -> 2"],
+            "--trainer.val_check_interval=2",
+        ),
+        (
+            config("run.yaml", {"budget": 1.2}, 8),
+            ["trainer.limit_val_batches: None -> 0.5"],
+            "--trainer.limit_val_batches=0.5",
+        ),
     ]:
         args = ["fit", "--config", str(resumed), "--ckpt_path", last, "--trainer.max_steps=3"]
+        args += extra
         message = cli_error(args, capfd)
         assert [line.strip() for line in message.splitlines()[1:-1]] == listed, message
     # The test text is reported, never steered on: another amount of it resumes.
