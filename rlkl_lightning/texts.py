@@ -416,11 +416,17 @@ def _one_object(path: Path) -> bool:
             return False
 
 
-def check_directory(directory: Path, owner: str, option: str) -> list[Path]:
+def check_directory(
+    directory: Path, owner: str, option: str, other_suffix_is_text: bool = False
+) -> list[Path]:
     """The data files of a directory: one supported type, each checked; else a clear error.
 
     Hidden files and folders and ``*.md`` files (a dataset card) are not data. ``datasets``
     would read only the most common type of a mixed directory and skip the rest silently.
+    ``other_suffix_is_text`` (a world's corpus, :mod:`rlkl_lightning.world.read`): a file of
+    a suffix that is no table type is plain text like ``.txt`` (rt-polarity's ``.pos`` and
+    ``.neg``) instead of refused, and plain text is left to the caller to check, as it checks
+    a file given alone (it reads a line that is not UTF-8 as Windows-1252, with a warning).
     """
     files = sorted(
         p
@@ -431,6 +437,7 @@ def check_directory(directory: Path, owner: str, option: str) -> list[Path]:
     )
     where = f"{owner}: `{option}` directory {str(directory)!r}"
     unknown = sorted({p.suffix.lower() or p.name for p in files} - FILE_BUILDERS.keys())
+    unknown = [] if other_suffix_is_text else unknown
     if unknown:
         example = next(p for p in files if (p.suffix.lower() or p.name) in unknown)
         raise ValueError(
@@ -438,12 +445,13 @@ def check_directory(directory: Path, owner: str, option: str) -> list[Path]:
             f"{str(example.relative_to(directory))!r}); allowed: {sorted(FILE_BUILDERS)}"
         )
     suffixes = sorted({p.suffix.lower() for p in files})
-    if len({FILE_BUILDERS[s] for s in suffixes}) > 1:
+    if len({FILE_BUILDERS.get(s, "text") for s in suffixes}) > 1:
         raise ValueError(f"{where} mixes file types {suffixes}; use one type")
     if not files:
         raise ValueError(f"{where} holds no data files; allowed: {sorted(FILE_BUILDERS)}")
     for path in files:
-        check_text_file(path, owner, option)
+        if not (other_suffix_is_text and FILE_BUILDERS.get(path.suffix.lower(), "text") == "text"):
+            check_text_file(path, owner, option)
     return files
 
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -286,9 +287,14 @@ def _markdown(
     if summary.get("frontier"):
         lines += [*_frontier_lines(summary["frontier"]), ""]
     lines += [*extra, "Repeat one run alone (the first seed of each):", "", "```"]
-    lines += [f"python train.py fit --config {r.config}" for r in first_runs]
+    lines += [rerun_command(r.config) for r in first_runs]
     lines += ["```", ""]
     return "\n".join(lines)
+
+
+def rerun_command(config: Path) -> str:
+    """The shell command that repeats a run alone: its config path quoted (it may hold spaces)."""
+    return f"python train.py fit --config {shlex.quote(str(config))}"
 
 
 def fixed_groups(groups: dict[str, dict[str, Any]]) -> list[str]:

@@ -178,7 +178,14 @@ def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
             for seed in range(min(study.sweep_seeds, study.seeds)):
                 plan.append((f"fixed_{beta:g}", seed, swept))
     for sub in ("configs", "logs", "progress"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
+        try:
+            (out / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # `out`, or a folder above it, is a file
+            found = next(p for p in (out, *out.parents) if p.exists())
+            why = f"{str(found)!r} is a file" if found.is_file() else error.strerror
+            raise ValueError(
+                f"compare: `out` {str(out)!r} cannot hold the study: {why}; name a directory"
+            ) from None
     return [_derive(group, seed, base, study, out) for group, seed, base in plan]
 
 

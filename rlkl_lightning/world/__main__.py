@@ -10,6 +10,7 @@ Prints the world's directory and the command that runs the study on it. Every op
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from typing import Any
 
@@ -126,7 +127,8 @@ def describe(world) -> str:
         f"  held-out perplexity {report['test_perplexity']:.2f} (unigram "
         f"{report['unigram_test_perplexity']:.2f}); built in {report['build_seconds']:.0f} s",
         "run the study on it:",
-        f"  python -m rlkl_lightning.compare --config configs/compare.yaml --world {world.root}",
+        f"  python -m rlkl_lightning.compare --config configs/compare.yaml --world "
+        f"{shlex.quote(str(world.root))}",
     ]
     return "\n".join(lines)
 

@@ -212,6 +212,16 @@ def build_custom_world(
             f"{OWNER}: `--out` {str(target)!r} exists and is not a world; name a new or "
             "empty directory"
         )
+    if out is not None:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a folder above it is a file
+            found = next(p for p in target.parents if p.exists())
+            why = f"{str(found)!r} is a file" if found.is_file() else error.strerror
+            raise ValueError(
+                f"{OWNER}: `--out` {str(target)!r} cannot be made: {why}; name a new or empty "
+                "directory"
+            ) from None
     stats |= {
         "sources": [str(s) for s in ([texts] if isinstance(texts, (str, Path)) else texts)],
         "num_texts": {name: len(rows) for name, rows in splits.items()},

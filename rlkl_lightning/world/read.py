@@ -149,7 +149,7 @@ def _expand(path: Path) -> list[Path]:
     if not path.exists():
         raise ValueError(f"{OWNER}: `--texts` file not found: {str(path)!r}")
     if path.is_dir() and not is_saved_dataset(path):
-        return check_directory(path, OWNER, "--texts")
+        return check_directory(path, OWNER, "--texts", other_suffix_is_text=True)
     return [path]  # a file of another suffix is read as plain text (_read_txt checks it is)
 
 

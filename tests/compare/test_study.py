@@ -185,6 +185,29 @@ def test_flags_win_over_quick_settings_and_missing_configs_are_named(tmp_path):
         plan_runs(StudyConfig(runs={"fixed": "nope.yaml"}), tmp_path)
 
 
+def test_an_out_that_is_a_file_or_under_one_is_named_in_one_line(tmp_path):
+    from rlkl_lightning.compare.runs import plan_runs
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    runs = {"fixed": str(ROOT / "configs" / "ppo_fixed.yaml")}
+    for out in (a_file, a_file / "study"):
+        with pytest.raises(
+            ValueError, match=rf"`out` '{out}' cannot hold the study: '{a_file}' is a file"
+        ):
+            plan_runs(StudyConfig(runs=runs, seeds=1, batches=1), out)
+    assert a_file.read_text() == "mine"
+
+
+def test_the_reports_command_to_repeat_a_run_quotes_a_path_with_spaces():
+    import shlex
+
+    from rlkl_lightning.compare.report import rerun_command
+
+    config = Path("my studies") / "configs" / "fixed-seed0.yaml"
+    assert shlex.split(rerun_command(config))[-2:] == ["--config", str(config)]
+
+
 def _group(scores, errors):
     from rlkl_lightning.compare.events import METRICS
     from rlkl_lightning.compare.report import aggregate

@@ -276,6 +276,27 @@ def test_the_command_prints_the_world_and_the_study_command(
     )
 
 
+def test_the_printed_study_command_quotes_a_world_path_with_spaces(world):
+    import dataclasses
+    import shlex
+
+    from rlkl_lightning.world.__main__ import describe
+
+    spaced = dataclasses.replace(world, root=Path("/data/my worlds/films"))
+    command = describe(spaced).splitlines()[-1]
+    assert shlex.split(command)[-2:] == ["--world", "/data/my worlds/films"]
+
+
+def test_an_out_under_a_file_is_named_in_one_line(tmp_path, sources):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    with pytest.raises(
+        ValueError, match=f"`--out` '{a_file}/world' cannot be made: '{a_file}' is a file"
+    ):
+        build_custom_world(sources, tiny(), out=a_file / "world", progress=False)
+    assert a_file.read_text() == "mine"
+
+
 # --- bad input -----------------------------------------------------------------------------
 
 
@@ -492,6 +513,21 @@ def test_single_byte_text_is_read_with_a_warning_and_binary_is_still_refused(tmp
     binary.write_bytes(b"\xe9\x00\x01\x02 weights")
     with pytest.raises(ValueError, match=r"model.pos' is not plain text"):
         read_corpus([str(binary)])
+
+
+def test_a_directory_of_plain_text_of_any_suffix_reads_as_its_files_alone(tmp_path):
+    """rt-polarity's directory: `rt-polarity.pos` and `.neg`, Latin-1, as they ship."""
+    rng = random.Random(2)
+    for name in ("rt-polarity.pos", "rt-polarity.neg"):
+        lines = [f"caf\xe9 {name[12:]} {i} {sentence(rng, 6)}" for i in range(20)]
+        (tmp_path / name).write_bytes("\n".join(lines).encode("latin-1"))
+    files = [str(tmp_path / "rt-polarity.neg"), str(tmp_path / "rt-polarity.pos")]
+    with pytest.warns(RuntimeWarning, match="not UTF-8 throughout"):
+        alone = read_corpus(files)
+    with pytest.warns(RuntimeWarning, match="not UTF-8 throughout"):
+        texts, stats = read_corpus(str(tmp_path))
+    assert texts == alone[0] and len(texts) == 40 and texts[0].startswith("café neg 0")
+    assert stats["not_utf8_lines"] == dict.fromkeys(files, 20)
 
 
 def test_one_latin1_line_in_a_utf8_file_costs_that_line_only(tmp_path):
