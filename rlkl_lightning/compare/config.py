@@ -32,7 +32,12 @@ class StudyConfig:
         workers: Runs in parallel, each its own process (two runs of one thread each finish
             sooner than one run on two threads).
         threads: torch threads per run.
-        out: Output directory (event files under ``runs/``, derived configs, logs, report).
+        out: Output directory (event files under ``runs/``, derived configs, logs, report): a
+            new or empty directory, or an earlier study's.
+        keep_finished: A run that finished in an earlier study in ``out`` with the same
+            derived config (and the same versions of this package and torch) is kept, not run
+            again: an interrupted study, run again, continues where it stopped. ``False``:
+            every run again.
         overrides: Nested settings merged into every run's config, e.g.
             ``{"model": {"init_args": {"policy": "path/to/model"}}}``.
         world: A world directory made by ``python -m rlkl_lightning.world --texts FILES``:
@@ -65,6 +70,7 @@ class StudyConfig:
     workers: int = 2
     threads: int = 1
     out: str = "study"
+    keep_finished: bool = True
     overrides: dict[str, Any] = field(default_factory=dict)
     world: str | None = None
     world_overrides: dict[str, Any] = field(default_factory=dict)

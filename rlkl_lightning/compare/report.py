@@ -244,8 +244,9 @@ def _markdown(
         f"{summary['seeds']}; {study.batches} PPO batches ({summary['samples_per_run']} samples) "
         f"per run; KL target {kl['target']:g} {unit}, band "
         f"[{kl['low']:g}x, {kl['high']:g}x]. {summary['elapsed_s'] / 60:.1f} minutes on "
-        f"{os.cpu_count()} CPU cores ({platform.machine()}), {study.workers} runs at a time "
-        f"with {study.threads} torch thread(s) each.",
+        f"{os.cpu_count()} CPU cores ({platform.machine()}), {study.workers} "
+        f"run{'s' if study.workers > 1 else ''} at a time with {study.threads} torch thread(s) "
+        "each.",
         "",
         "![curves](curves.png)",
         "",

@@ -12,6 +12,7 @@ the study's overrides merged in, the seed, the run length and a TensorBoard logg
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import math
@@ -100,6 +101,18 @@ class Run:
         """The run's CPU seconds, written by its process as it ends."""
         return self.out / "progress" / f"{self.name}.cpu"
 
+    @property
+    def done_file(self) -> Path:
+        """Written by the run's process when it ends successfully: :func:`run_key` of its config."""
+        return self.out / "progress" / f"{self.name}.done"
+
+    def finished_before(self) -> bool:
+        """Whether an earlier study in ``out`` finished this run with this config and code."""
+        try:
+            return self.done_file.read_text() == run_key(self) and self.log_dir.is_dir()
+        except (FileNotFoundError, OSError):
+            return False
+
     def cpu_s(self) -> float:
         """CPU seconds (user + system) the finished run took; NaN where not known."""
         try:
@@ -113,6 +126,16 @@ class Run:
             return int(self.progress_file.read_text() or 0)
         except (FileNotFoundError, ValueError):
             return 0
+
+
+def run_key(run: Run) -> str:
+    """What makes a run's result: its derived config and the versions of this package and torch."""
+    import torch
+
+    from rlkl_lightning import __version__
+
+    text = f"{__version__}\n{torch.__version__}\n{run.config.read_text()}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
@@ -146,6 +169,10 @@ def init_arg(config: dict[str, Any], group: str, name: str) -> Any:
     return default
 
 
+#: What a study writes in its ``out``: a directory holding one of them is a study's.
+STUDY_FILES = ("configs", "logs", "progress", "runs", "report.md", "summary.json")
+
+
 def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
     """Write the derived config of every run; seeds outermost, so early results are balanced."""
     from rlkl_lightning.compare.custom_world import study_overrides, without_replaced_options
@@ -177,6 +204,11 @@ def plan_runs(study: StudyConfig, out: Path) -> list[Run]:
             )
             for seed in range(min(study.sweep_seeds, study.seeds)):
                 plan.append((f"fixed_{beta:g}", seed, swept))
+    if out.is_dir() and any(out.iterdir()) and not any((out / n).exists() for n in STUDY_FILES):
+        raise ValueError(
+            f"compare: `out` {str(out)!r} holds other files and no study; name a new or empty "
+            "directory, or an earlier study's (whose files it replaces)"
+        )
     for sub in ("configs", "logs", "progress"):
         try:
             (out / sub).mkdir(parents=True, exist_ok=True)
@@ -242,8 +274,10 @@ def uses_default_world(config: dict[str, Any]) -> bool:
     return "default" in (init_arg(config, "data", "prompts"), init_arg(config, "data", "heldout"))
 
 
-def run_all(runs: list[Run], study: StudyConfig) -> None:
+def run_all(runs: list[Run], study: StudyConfig) -> list[Run]:
     """Run everything, ``study.workers`` at a time, showing progress (:mod:`.progress`).
+
+    Returns the runs kept from an earlier study (``study.keep_finished``), not run again.
 
     Raises:
         RuntimeError: If a run fails (the others are stopped; its log is quoted).
@@ -255,13 +289,23 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
         "MKL_NUM_THREADS": str(study.threads),
         "TOKENIZERS_PARALLELISM": "false",
     }
+    kept = [r for r in runs if r.finished_before()] if study.keep_finished else []
+    if kept:
+        print(
+            f"compare: kept {len(kept)} of {len(runs)} runs that an earlier study in "
+            f"{str(runs[0].out)!r} finished with the same config ({', '.join(r.name for r in kept)}"
+            "); `--keep_finished false` runs them again",
+            flush=True,
+        )
+    if len(kept) == len(runs):
+        return kept
     context = _run_context(env)  # its server imports while the world builds
-    if any(uses_default_world(yaml.safe_load(r.config.read_text())) for r in runs):
+    if any(uses_default_world(yaml.safe_load(r.config.read_text())) for r in runs if r not in kept):
         from rlkl_lightning.world import build_world
 
         build_world(num_threads=os.cpu_count())  # once, before the runs race for it
-    pending, running = list(runs), {}
-    with study_progress(len(runs), study.batches) as progress:
+    pending, running = [r for r in runs if r not in kept], {}
+    with study_progress(len(pending), study.batches) as progress:
         try:
             while pending or running:
                 while pending and len(running) < study.workers:
@@ -282,6 +326,7 @@ def run_all(runs: list[Run], study: StudyConfig) -> None:
                 proc.terminate()
             for proc in running.values():
                 proc.join()
+    return kept
 
 
 def _failure(run: Run, exitcode: int) -> str:
@@ -321,7 +366,7 @@ def _start(
     context: multiprocessing.context.BaseContext, run: Run, env: dict[str, str], threads: int
 ) -> multiprocessing.process.BaseProcess:
     shutil.rmtree(run.log_dir, ignore_errors=True)  # never mix event files of two studies
-    for stale in (run.progress_file, run.cpu_file, run.log_file):  # an earlier study's
+    for stale in (run.done_file, run.progress_file, run.cpu_file, run.log_file):  # earlier
         stale.unlink(missing_ok=True)
     proc = context.Process(
         target=_train,
@@ -348,6 +393,7 @@ def _train(run: Run, env: dict[str, str], threads: int) -> None:
     sys.argv[1:] = []  # the study's own flags are not this run's
     try:
         main(["fit", "--config", str(run.config)])
+        run.done_file.write_text(run_key(run))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import replace
@@ -52,18 +53,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from rlkl_lightning.world.exact import exact_model_dir
 
         exact_model_dir()  # once, before the runs race for it (a second)
-        run_all(runs, study)
+        kept = run_all(runs, study)
         summary = write_exact_report(runs, study, out, elapsed=time.perf_counter() - start)
-        print(f"study written to {out}/: frontier.png, report.md, summary.json")
-        return summary
-    if study.report == "budget":
+        files = "frontier.png, report.md, summary.json"
+    elif study.report == "budget":
         from rlkl_lightning.compare.budget import write_budget_report
 
-        run_all(runs, study)
+        kept = run_all(runs, study)
         summary = write_budget_report(runs, study, out, elapsed=time.perf_counter() - start)
-        print(f"study written to {out}/: frontier.png, curves.png, report.md, summary.json")
-        return summary
-    run_all(runs, study)
-    summary = write_report(runs, study, out, elapsed=time.perf_counter() - start)
-    print(f"study written to {out}/: curves.png, report.md, summary.json")
+        files = "frontier.png, curves.png, report.md, summary.json"
+    else:
+        kept = run_all(runs, study)
+        summary = write_report(runs, study, out, elapsed=time.perf_counter() - start)
+        files = "curves.png, report.md, summary.json"
+    if kept:
+        summary = _say_kept(summary, kept, len(runs), out)
+    print(f"study written to {out}/: {files}")
+    return summary
+
+
+def _say_kept(summary: dict[str, Any], kept: list, total: int, out: Path) -> dict[str, Any]:
+    """Name the runs an earlier study finished in the report and the summary: the time is ours."""
+    names = [run.name for run in kept]
+    summary = {**summary, "runs_kept": names}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    with open(out / "report.md", "a") as report:
+        report.write(
+            f"\n{len(kept)} of {total} runs were kept from an earlier study in this directory "
+            f"(the same configs and versions): {', '.join(names)}. The time above is this "
+            "study's alone.\n"
+        )
     return summary

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ def run_quick_study(tiny_lm_dir, tmp_path_factory):
     argv = ["--config", str(ROOT / "configs" / "compare.yaml"), "--config", str(extra)]
     argv += ["--quick", "--seeds", "2", "--batches", "3", "--val_every", "3", "--out", str(out)]
     summary = main(argv)
-    return out, summary
+    return out, summary, argv
 
 
 def events(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -59,7 +60,7 @@ def events(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 @pytest.mark.slow  # a study: make test-slow
 def test_quick_study_end_to_end(tiny_lm_dir, tmp_path_factory, capsys):
     """One study, several checks (one test, so `pytest -n` runs the study once)."""
-    study = run_quick_study(tiny_lm_dir, tmp_path_factory)
+    *study, argv = run_quick_study(tiny_lm_dir, tmp_path_factory)
     printed = capsys.readouterr().out  # not a terminal: a line per run as it starts and ends
     for run in ("fixed-seed0", "adaptive-seed0", "fixed-seed1", "adaptive-seed1"):
         assert f"] start {run} (run " in printed
@@ -70,6 +71,24 @@ def test_quick_study_end_to_end(tiny_lm_dir, tmp_path_factory, capsys):
     check_files_and_keys(*study)
     check_numbers_agree_with_the_event_files(*study)
     check_each_run_is_a_reproducible_train_config(*study)
+    check_the_same_study_again_keeps_its_finished_runs(*study, argv, capsys)
+
+
+def check_the_same_study_again_keeps_its_finished_runs(out, summary, argv, capsys):
+    """Run again into its `out`, the study trains nothing: the same runs, the same numbers."""
+    events_before = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("events.*")}
+    again = main(argv)
+    printed = capsys.readouterr().out
+    assert "compare: kept 4 of 4 runs that an earlier study" in printed
+    assert "] start " not in printed
+    assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("events.*")} == events_before
+    kept = sorted(again["runs_kept"])
+    assert kept == ["adaptive-seed0", "adaptive-seed1", "fixed-seed0", "fixed-seed1"]
+    drop = {"elapsed_s", "runs_kept"}
+    assert {k: v for k, v in again.items() if k not in drop} == {
+        k: v for k, v in summary.items() if k not in drop
+    }
+    assert "4 of 4 runs were kept from an earlier study" in (out / "report.md").read_text()
 
 
 def check_files_and_keys(out, summary):
@@ -197,6 +216,44 @@ def test_an_out_that_is_a_file_or_under_one_is_named_in_one_line(tmp_path):
         ):
             plan_runs(StudyConfig(runs=runs, seeds=1, batches=1), out)
     assert a_file.read_text() == "mine"
+
+
+def test_a_finished_run_is_kept_only_with_its_config_and_an_out_of_other_files_is_refused(
+    tmp_path, monkeypatch
+):
+    from rlkl_lightning.compare import runs as study_runs
+
+    started = []
+    monkeypatch.setattr(study_runs, "_start", lambda _c, run, *_: started.append(run.name) or 1 / 0)
+    monkeypatch.setattr(study_runs, "_run_context", lambda env: None)
+    monkeypatch.setattr(study_runs, "uses_default_world", lambda config: False)
+    study = StudyConfig(runs={"fixed": str(ROOT / "configs" / "ppo_fixed.yaml")}, seeds=2)
+    out = tmp_path / "out"
+    runs = study_runs.plan_runs(study, out)
+    for run in runs:  # as a run's process leaves it when it ends well
+        run.log_dir.mkdir(parents=True)
+        run.done_file.write_text(study_runs.run_key(run))
+    assert study_runs.run_all(runs, study) == runs and started == []
+    # Another config (more batches), a marker of other code, or keep_finished off: run again.
+    runs = study_runs.plan_runs(replace(study, batches=study.batches + 1), out)
+    runs[1].done_file.write_text(study_runs.run_key(runs[1]))
+    with pytest.raises(ZeroDivisionError):
+        study_runs.run_all(runs, study)
+    assert started == ["fixed-seed0"]
+    runs[0].done_file.write_text(study_runs.run_key(runs[0]).replace("a", "b", 1) + "0")
+    with pytest.raises(ZeroDivisionError):
+        study_runs.run_all(runs, study)
+    assert started == ["fixed-seed0"] * 2
+    with pytest.raises(ZeroDivisionError):
+        study_runs.run_all(runs[1:], replace(study, keep_finished=False))
+    assert started[-1] == "fixed-seed1"
+    # An out of other files, not a study's, is not written into.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("x")
+    with pytest.raises(ValueError, match=r"`out` '.*mine' holds other files and no study"):
+        study_runs.plan_runs(study, mine)
+    assert [p.name for p in mine.iterdir()] == ["thesis.tex"]
 
 
 def test_the_reports_command_to_repeat_a_run_quotes_a_path_with_spaces():
