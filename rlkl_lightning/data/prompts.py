@@ -175,6 +175,7 @@ class PromptDataModule(LightningDataModule):
         self.named = {name: text_source(name).settings(world) for name in self._named_sources()}
         self.world = world
         self.prompt_dataset: datasets.Dataset | None = None
+        self._warned_small = False
         self.heldout_dataset: datasets.Dataset | None = None
         self.test_dataset: datasets.Dataset | None = None
 
@@ -274,6 +275,17 @@ class PromptDataModule(LightningDataModule):
         shard = self._shard()
         if shard is not None:
             sampler = RankShardSampler(n, *shard, seed=hp.seed, shuffle=hp.shuffle)
+        per_process = n if shard is None else -(-n // shard[0])
+        if per_process < hp.batch_size and not self._warned_small:
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            self._warned_small = True
+            where = "" if shard is None else f" per process ({n} over {shard[0]})"
+            rank_zero_warn(
+                f"PromptDataModule: `batch_size` is {hp.batch_size} but there are "
+                f"{per_process} prompts{where}: every batch holds {per_process} (lower "
+                "`batch_size`, or give more prompts; a law's horizon counts samples)"
+            )
         return ResumableDataLoader(
             self.prompt_dataset,
             batch_size=hp.batch_size,

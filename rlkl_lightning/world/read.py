@@ -88,6 +88,7 @@ def read_corpus(
     raw: list[str] = []
     units: dict[str, str] = {}
     not_utf8: dict[str, int] = {}
+    tables = 0  # sources read by column
     for source in sources:
         for path in _expand(Path(source).expanduser()):
             suffix = path.suffix.lower()
@@ -96,6 +97,7 @@ def read_corpus(
                 if fallen:
                     not_utf8[str(path)] = fallen
             else:
+                tables += 1
                 texts = load_texts(
                     str(path),
                     column,
@@ -106,6 +108,12 @@ def read_corpus(
                     prose=True,
                 )
             raw += texts
+    if column is not None and not tables:  # a plain text file has no columns to pick from
+        raise ValueError(
+            f"{OWNER}: `--column` {column!r} picks a column of a table ("
+            f"{', '.join(s for s in FILE_BUILDERS if s != '.txt')}) or a dataset directory, "
+            "but `--texts` names plain text only; leave out `--column`"
+        )
     cleaned, truncated = [], 0
     for text in raw:
         text, cut = clean_text(text, max_chars)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
@@ -104,6 +105,18 @@ def test_shuffle_is_seeded_and_covers_every_prompt(tmp_path):
     assert sorted(first) == sorted(TEXTS) and first != TEXTS
     assert _all(_setup(prompts=str(path), heldout=None, seed=3).train_dataloader()) == first
     assert sorted(again) == sorted(TEXTS)
+
+
+def test_fewer_prompts_than_a_batch_are_said_once(tmp_path):
+    # 10 prompts, batches of 16: every batch held 10 without a word (a study on a small world).
+    dm = _setup(prompts=str(_write(tmp_path, "txt")), heldout=None, batch_size=16)
+    with pytest.warns(UserWarning, match=r"`batch_size` is 16 but there are 10 prompts: every"):
+        assert [len(b["prompt"]) for b in dm.train_dataloader()] == [10]
+    full = _setup(prompts=str(_write(tmp_path, "txt")), heldout=None, batch_size=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dm.train_dataloader()  # once
+        full.train_dataloader()
 
 
 def test_a_test_text_without_heldout_is_refused_naming_both_options():

@@ -460,6 +460,16 @@ def test_a_label_column_is_not_guessed_as_the_corpus(tmp_path):
     assert read_corpus([str(tmp_path / "labels.csv")], column="label")[0] == ["neg", "pos"]
 
 
+def test_a_column_for_plain_text_only_is_refused_naming_it(tmp_path):
+    # It was ignored, so a misspelt `--column` still built a world from every line.
+    (tmp_path / "a.txt").write_text("the quiet garden by the river\nthe loud street\n")
+    with pytest.raises(ValueError, match=r"`--column` 'txt' picks a column of a table \(.csv, "):
+        read_corpus([str(tmp_path / "a.txt")], column="txt")
+    (tmp_path / "b.csv").write_text("words\nthe small boat\n")
+    both = read_corpus([str(tmp_path / "a.txt"), str(tmp_path / "b.csv")], column="words")[0]
+    assert both == ["the quiet garden by the river", "the loud street", "the small boat"]
+
+
 def test_a_reference_no_better_than_unigram_warns():
     with pytest.warns(RuntimeWarning, match=r"does not beat the unigram baseline \(held-out "):
         warn_if_no_better_than_unigram(
