@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import glob
 import os
 import pickle
 import re
@@ -236,15 +237,18 @@ class AfterLoggingCheckpoint(ModelCheckpoint):
         super().on_exception(trainer, pl_module, exception)
 
 
-def newest_last_checkpoint(runs_root: str | os.PathLike) -> Path | None:
+def newest_last_checkpoint(runs_root: str | os.PathLike, version: str = "version_*") -> Path | None:
     """The newest ``last*.ckpt`` of the runs in ``runs_root`` (``<save_dir>/<name>``), or None.
 
-    Looks in ``runs_root/version_*/checkpoints``, where ``ModelCheckpoint`` writes when it is
-    given no ``dirpath``; "newest" is the latest modification time, as Lightning picks among
-    the ``last`` files of one directory.
+    Looks in ``runs_root/version_*/checkpoints`` (or one ``version``'s), where
+    ``ModelCheckpoint`` writes when it is given no ``dirpath``; "newest" is the latest
+    modification time, as Lightning picks among the ``last`` files of one directory.
     """
+    pattern = (
+        f"{glob.escape(version) if version != 'version_*' else version}/checkpoints/last*.ckpt"
+    )
     found = [  # ModelCheckpoint's "last" files: last.ckpt, last-v1.ckpt, ...
-        path for path in Path(runs_root).glob("version_*/checkpoints/last*.ckpt") if path.is_file()
+        path for path in Path(runs_root).glob(pattern) if path.is_file()
     ]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 

@@ -141,6 +141,35 @@ def test_ckpt_path_last_finds_the_run_of_the_first_of_several_loggers(
     assert resumed.model.batches_seen == 3
 
 
+@pytest.mark.slow  # a resume case: make test-slow
+def test_ckpt_path_last_drops_what_a_killed_run_logged_after_its_checkpoint_at_any_version(
+    tiny_lm_dir, tmp_path, monkeypatch
+):
+    # With the logger's version given (as a study's runs give it) TensorBoard's purge_step was
+    # left unset, so the events a killed run logged after its checkpoint stayed beside the
+    # resumed run's.
+    config = write_config(tmp_path, tiny_lm_dir, "run")
+    monkeypatch.chdir(config.parent)
+    half = f"--trainer.max_steps={BATCHES // 2 * STEPS_PER_BATCH}"
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    runs = config.parent / "runs" / "tiny"
+    for version, folder in (
+        ([], "version_0"),
+        (["--trainer.logger.init_args.version=mine"], "mine"),
+    ):
+        cli(config, half, *version)  # 3 batches, last.ckpt after batch 2: batch 3 is orphaned
+        cli(config, "--ckpt_path", "last", *version)
+        purges = [  # TensorBoard's mark: drop this directory's events from this step on
+            event.step
+            for path in sorted((runs / folder).glob("events.*"))
+            for event in EventFileLoader(str(path)).Load()
+            if event.HasField("session_log") and event.session_log.status == 1  # START
+        ]
+        assert purges == [3], (folder, purges)
+    assert sorted(p.name for p in runs.iterdir()) == ["mine", "version_0"]
+
+
 def test_ckpt_path_last_with_nothing_to_resume_says_where_it_looked(
     tiny_lm_dir, tmp_path, monkeypatch, capfd
 ):

@@ -122,7 +122,9 @@ class RLKLCLI(LightningCLI):
 
         Applies to a logger with ``save_dir``, ``name`` and ``version`` (``TensorBoardLogger``,
         ``CSVLogger``) whose ``version`` is not set; of a list of loggers, to the first, under
-        whose directory Lightning saves the checkpoints. The checkpoint is checked here, before any
+        whose directory Lightning saves the checkpoints. With its ``version`` set, only
+        TensorBoard's ``purge_step`` is set (the events a killed run logged after its
+        checkpoint are dropped). The checkpoint is checked here, before any
         model loads. A logger whose package is missing stops the run first, naming the extra, and
         so does a component the config names that does not import or does not take its
         arguments (:meth:`_check_components`): before any weights load.
@@ -138,17 +140,20 @@ class RLKLCLI(LightningCLI):
         init = getattr(logger, "init_args", None)
         if init is None or not {"save_dir", "name", "version"} <= set(vars(init)):
             return
-        if init.version is not None:
-            return  # Lightning looks in that version's directory itself
         root = Path(init.save_dir) / (init.name or "")
-        self._searched.append(str(root / "version_*" / "checkpoints"))
-        found = newest_last_checkpoint(root)
+        if init.version is not None:  # Lightning looks in that version's directory itself
+            named = init.version if isinstance(init.version, str) else f"version_{init.version}"
+            found = newest_last_checkpoint(root, named)
+        else:
+            self._searched.append(str(root / "version_*" / "checkpoints"))
+            found = newest_last_checkpoint(root)
         if found is None:
             return  # before_fit says where it looked
         checkpoint = check_checkpoint(found)
-        version = found.parent.parent.name
-        number = version.removeprefix("version_")
-        init.version = int(number) if number.isdigit() else version
+        if init.version is None:
+            version = found.parent.parent.name
+            number = version.removeprefix("version_")
+            init.version = int(number) if number.isdigit() else version
         step = first_resumed_step(checkpoint)
         if "purge_step" in vars(init) and step is not None:
             init.purge_step = step  # TensorBoard: drop events the killed run logged after it
