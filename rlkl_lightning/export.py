@@ -8,6 +8,10 @@ changed, which are taken from the checkpoint), the trained weights from the chec
 one of them checked (:func:`~rlkl_lightning.models.lora.load_trainable`), and the adapters are
 merged (``merge_and_unload``). The result, and the tokenizer, load with
 ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``, without ``peft``.
+
+A policy that ships its own modelling code loads only with ``--trust_remote_code`` (a checkpoint
+is not trusted: its ``models.trust_remote_code`` is not read); :func:`export_module` takes the
+module's own setting.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ from rlkl_lightning.migrations import upgrade_init_args
 
 
 def export_policy(
-    hparams: Mapping[str, Any], state_dict: Mapping[str, Tensor], directory: str | Path
+    hparams: Mapping[str, Any],
+    state_dict: Mapping[str, Tensor],
+    directory: str | Path,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Rebuild the policy from ``hparams``, load its trained weights, merge, save.
 
@@ -34,6 +41,8 @@ def export_policy(
         hparams: The module's hyperparameters (``policy``, ``tokenizer``, ``models.peft``).
         state_dict: The module's weights (keys ``policy.*``; frozen ones may be missing).
         directory: Where to write the model and tokenizer.
+        trust_remote_code: Run modelling and tokenizer code shipped with the policy (off:
+            such a policy is refused with an error).
 
     Returns:
         ``directory``.
@@ -43,7 +52,8 @@ def export_policy(
     from rlkl_lightning.models.tokenizer import pretrained_tokenizer
 
     hparams = upgrade_init_args(hparams)  # a checkpoint of an older version: today's names
-    model = load_causal_lm(hparams["policy"], option="policy")
+    trust = {"trust_remote_code": trust_remote_code}
+    model = load_causal_lm(hparams["policy"], option="policy", **trust)
     state = {k.removeprefix("policy."): v for k, v in state_dict.items() if k.startswith("policy.")}
     peft = (hparams.get("models") or {}).get("peft")
     wrapped = attach_adapters(model, peft) if peft is not None else None
@@ -53,18 +63,29 @@ def export_policy(
     out = Path(directory)
     model.save_pretrained(out)
     name = hparams.get("tokenizer") or hparams["policy"]
-    pretrained_tokenizer(resolve_model_path(name, "tokenizer"), "tokenizer").save_pretrained(out)
+    path = resolve_model_path(name, "tokenizer")
+    pretrained_tokenizer(path, "tokenizer", **trust).save_pretrained(out)
     return out
 
 
 def export_module(module: LightningModule, directory: str | Path) -> Path:
-    """:func:`export_policy` of a module in memory (its own weights are left untouched)."""
+    """:func:`export_policy` of a module in memory (its own weights are left untouched).
+
+    The module's ``models.trust_remote_code`` is used: it was built with it.
+    """
     state = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-    return export_policy(module.hparams, state, directory)
+    models = getattr(module, "models", None)
+    trust = bool(getattr(models, "trust_remote_code", False))
+    return export_policy(module.hparams, state, directory, trust_remote_code=trust)
 
 
-def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
-    """:func:`export_policy` of a Lightning checkpoint file."""
+def export_checkpoint(
+    checkpoint: str | Path, directory: str | Path, trust_remote_code: bool = False
+) -> Path:
+    """:func:`export_policy` of a Lightning checkpoint file.
+
+    ``trust_remote_code`` is the caller's: the checkpoint's own setting is not read.
+    """
     from rlkl_lightning.checkpoints import check_checkpoint
 
     # The checked load is the one used: loading the file again (with weights_only=False, as
@@ -78,7 +99,7 @@ def export_checkpoint(checkpoint: str | Path, directory: str | Path) -> Path:
         )
     # A refresh of a LoRA policy's reference moved part of the adapters into base weights.
     state = {**ckpt["state_dict"], **(ckpt.get("rlkl_reference") or {})}
-    return export_policy(hparams, state, directory)
+    return export_policy(hparams, state, directory, trust_remote_code=trust_remote_code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,6 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("checkpoint", help="a checkpoint written by a run of RLPipeline/PPOModule")
     parser.add_argument("directory", help="where to write the merged model and its tokenizer")
+    parser.add_argument(
+        "--trust_remote_code",
+        action="store_true",
+        help="run modelling code shipped with the policy (only for a model you trust)",
+    )
     parser.add_argument("--verbose", action="store_true", help="a mistake's traceback")
     args = parser.parse_args(argv)
     verbose = args.verbose or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
@@ -105,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"`directory` {args.directory!r} is a file; allowed: a directory (new or "
                 "existing) for the model and its tokenizer"
             )
-        out = export_checkpoint(args.checkpoint, args.directory)
+        out = export_checkpoint(args.checkpoint, args.directory, args.trust_remote_code)
     except Exception as error:
         message = None if verbose else user_message(error)
         if message is None:

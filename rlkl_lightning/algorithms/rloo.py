@@ -22,7 +22,7 @@ checkpoints) are :class:`RLPipeline`'s; RLOO has no value model and adds:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -84,6 +84,19 @@ def zero_std_groups(scores: Tensor, k: int) -> Tensor:
     """
     std = scores.view(-1, k).to(torch.float32).std(dim=1)
     return torch.isclose(std, torch.zeros_like(std))
+
+
+def zero_std_fraction(scores: Tensor, k: int, global_sum: Callable[[Tensor], Tensor]) -> Tensor:
+    """The fraction of the global batch's groups that :func:`zero_std_groups` finds flat.
+
+    Flat groups over groups, each summed over every rank by ``global_sum`` (a collective under
+    DDP; the identity on one process): ranks may hold different numbers of groups, and the mean
+    over ranks of each rank's fraction would weigh a rank's groups by its share of the ranks.
+    """
+    flat = zero_std_groups(scores, k)
+    counts = torch.stack([flat.sum(), torch.tensor(flat.numel(), device=flat.device)])
+    flat_groups, groups = global_sum(counts.to(torch.float32))
+    return flat_groups / groups
 
 
 class RLOOModule(RLPipeline):
@@ -231,6 +244,6 @@ class RLOOModule(RLPipeline):
         """
         hp = self.group
         if hp.advantage == "grpo" or hp.drop_zero_std_groups:
-            flat = zero_std_groups(traj.scores, hp.responses_per_prompt)
-            stats = {**stats, keys.FRAC_REWARD_ZERO_STD: flat.float().mean()}
+            flat = zero_std_fraction(traj.scores, hp.responses_per_prompt, self.global_sum)
+            stats = {**stats, keys.FRAC_REWARD_ZERO_STD: flat}
         super().log_batch(prompts, responses, traj, diagnostics, stats, clock, phase_peaks)

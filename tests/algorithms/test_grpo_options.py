@@ -15,7 +15,7 @@ from rlkl_lightning import AdaptiveKLController, KLControllerCallback, KLDriftMo
 from rlkl_lightning.algorithms.advantage_estimators import batch_std_of
 from rlkl_lightning.algorithms.advantages import group_advantages
 from rlkl_lightning.algorithms.losses import entropy_from_logits
-from rlkl_lightning.algorithms.rloo import ended_with_eos, zero_std_groups
+from rlkl_lightning.algorithms.rloo import ended_with_eos, zero_std_fraction, zero_std_groups
 from rlkl_lightning.masked import masked_mean
 from rlkl_lightning.models.loading import disable_dropout
 from rlkl_lightning.models.logprobs import score_tokens
@@ -58,6 +58,27 @@ def test_zero_std_groups_and_eos():
     traj.response_ids = torch.tensor([[5, 9, 9], [5, 5, 9], [9, 9, 9]])
     traj.response_mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0]])
     assert ended_with_eos(traj, 9).tolist() == [True, False, True]
+
+
+def test_frac_reward_zero_std_is_the_global_batch_fraction_of_groups():
+    """``objective/frac_reward_zero_std`` is flat groups over groups of the global batch.
+
+    Under DDP the ranks may hold different numbers of groups: this rank 1 flat group of 1, a
+    simulated other rank 0 of 3 (its counts added by ``global_sum``, as the all-reduce does).
+    The global fraction is 1/4; the mean of the two ranks' own fractions (what ``sync_dist``
+    makes of per-rank fractions) would be 1/2.
+    """
+    scores = torch.tensor([1.0, 1.0])  # one flat group of k = 2
+    other_rank = torch.tensor([0.0, 3.0])  # 0 flat of 3 groups
+
+    def two_ranks(values):
+        return values + other_rank
+
+    assert float(zero_std_fraction(scores, 2, two_ranks)) == 0.25
+    mixed = torch.tensor([0.0, 0.0, 0.0, 1.0, 2.0, 2.0])
+    one = zero_std_fraction(mixed, 2, lambda values: values)  # one process: its own fraction
+    assert one.dtype == torch.float32
+    assert float(one) == zero_std_groups(mixed, 2).float().mean().item()  # as before: 2/3
 
 
 @pytest.mark.parametrize(

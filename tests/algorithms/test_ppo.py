@@ -290,3 +290,32 @@ def test_the_default_advantage_is_gae_bit_for_bit(tiny_lm_dir):
 def test_a_bad_advantage_is_refused_in_one_line_before_the_models_load(tiny_lm_dir, bad, message):
     with pytest.raises(ValueError, match=message):
         tiny_module("/nonexistent/policy", ppo={"advantage": bad})
+
+
+def test_loss_total_adds_the_kl_term_divided_by_the_whitening_scale(tiny_lm_dir):
+    """docs/metrics.md's ``loss/total`` with the KL in the loss, PPO's ``kl_scale`` included.
+
+    ``loss/kl`` is the term in nats before the division (docs/kl.md, "What beta means in the
+    loss"), so ``loss/total = loss/policy + vf_coef loss/value + kl_coef loss/kl / s``: one
+    ``s`` per batch, so the means over the updates keep the sum.
+    """
+
+    class Recording(PPOModule):
+        def log_batch(self, prompts, responses, traj, diagnostics, stats, clock, peaks=None):
+            scale = traj.kl_scale.unique()
+            assert scale.numel() == 1  # the batch's one whitening scale
+            self.seen.append((self.kl_coef, float(scale), {k: float(v) for k, v in stats.items()}))
+            super().log_batch(prompts, responses, traj, diagnostics, stats, clock, peaks)
+
+    seed_everything(0)
+    args = module_args(tiny_lm_dir, penalty={"init_coef": 0.5, "placement": "loss"})
+    module = Recording(**args)
+    module.seen = []
+    fit(module, batches=2, batch_size=4)
+    assert len(module.seen) == 2
+    for beta, s, stats in module.seen:
+        assert abs(s - 1) > 0.05  # the division shows
+        rest = stats["loss/policy"] + module.ppo.vf_coef * stats["loss/value"]
+        kl_term = beta * stats["loss/kl"] / s
+        assert stats["loss/total"] == pytest.approx(rest + kl_term, rel=1e-5, abs=1e-6)
+        assert abs(kl_term - beta * stats["loss/kl"]) > 1e-4  # the formula without s differs

@@ -314,6 +314,37 @@ def test_trust_remote_code_is_passed_only_when_set(tiny_lm_dir, monkeypatch):
         PPOModule(**ppo_args(path, models={"trust_remote_code": "no"}))
 
 
+def test_export_of_a_policy_with_shipped_code_runs_it_only_when_trusted(
+    tiny_lm_dir, tmp_path, capfd
+):
+    """The export loaded the policy with ``trust_remote_code`` off whatever the run's setting:
+    a run of a policy that ships its code could not be exported at all."""
+    from rlkl_lightning.export import export_module, main
+
+    shipped = custom_code_model(tiny_lm_dir, tmp_path / "shipped", tmp_path / "marker")
+    peft = {"r": 2, "target_modules": ["c_attn"], "fan_in_fan_out": True}
+    models = {"trust_remote_code": True, "peft": peft}
+    module = PPOModule(**ppo_args(shipped, tokenizer=str(tiny_lm_dir), models=models))
+    export_module(module, tmp_path / "from_module")  # the module's own setting
+    checkpoint = tmp_path / "run.ckpt"
+    torch.save(
+        {
+            "state_dict": module.state_dict(),
+            "hyper_parameters": dict(module.hparams),
+            "pytorch-lightning_version": "2.6.0",
+        },
+        checkpoint,
+    )
+    # A checkpoint is not trusted: its `models.trust_remote_code` is not read.
+    capfd.readouterr()
+    with pytest.raises(SystemExit):
+        main([str(checkpoint), str(tmp_path / "refused")])
+    assert "`policy`: could not load a causal LM" in capfd.readouterr().err
+    main([str(checkpoint), str(tmp_path / "from_ckpt"), "--trust_remote_code"])
+    for out in ("from_module", "from_ckpt"):
+        assert (tmp_path / out / "model.safetensors").exists(), out
+
+
 def test_weights_come_from_safetensors_and_a_pickled_bin_runs_no_code(tiny_lm_dir, tmp_path):
     both = tmp_path / "both"
     shutil.copytree(tiny_lm_dir, both)
