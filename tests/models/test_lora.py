@@ -285,3 +285,44 @@ def test_held_out_perplexity_of_the_reference_is_the_base_models(tiny_lm_dir, tm
     (lora_ref, lora_policy), (copy_ref, copy_policy) = found
     assert lora_ref == copy_ref  # bit for bit: the adapters-off pass is the base model's
     assert lora_policy == copy_policy  # fresh adapters (lora_B = 0) do not change the policy
+
+
+def test_lora_on_a_16_bit_base_exports_the_adapters_update_in_float32(tiny_lm_dir, tmp_path):
+    # Merged into bfloat16 weights and saved so, an update below the base's resolution was
+    # rounded away: the export was not the trained policy.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bf16 = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_lm_dir, dtype=torch.bfloat16).save_pretrained(bf16)
+    AutoTokenizer.from_pretrained(tiny_lm_dir).save_pretrained(bf16)
+    module = lora_module(bf16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # an update as training leaves it: small, in the float32 adapters
+        for name, p in module.policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 1e-5)
+    want, base = {}, {}  # a second way: W + scaling * (B @ A), transposed for GPT-2's Conv1D
+    for name, layer in module.policy.named_modules():
+        if hasattr(layer, "lora_A") and "default" in layer.lora_A:
+            a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            w = layer.base_layer.weight
+            key = name.removeprefix("base_model.model.") + ".weight"
+            base[key] = w.detach().float()
+            want[key] = base[key] + layer.scaling["default"] * (b @ a).T.detach()
+    assert len(want) == 4 and all(
+        w.dtype == torch.bfloat16
+        for w in module.policy.parameters()
+        if not w.requires_grad and w.ndim == 2
+    )
+    export_module(module, tmp_path / "auto")
+    export_module(module, tmp_path / "small", dtype="bfloat16")
+    auto = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "auto").named_parameters())
+    small = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "small").named_parameters())
+    for key, w in want.items():
+        assert auto[key].dtype == torch.float32 and small[key].dtype == torch.bfloat16
+        assert (auto[key] - w).abs().max() < 1e-6, key  # the update kept whole
+        kept = (auto[key] != base[key]).float().mean()
+        rounded_away = (small[key].float() == base[key]).float().mean()
+        assert kept > 0.99 and rounded_away > 0.5, (key, kept, rounded_away)
+    with pytest.raises(ValueError, match=r"`dtype` must be one of \('auto', 'float32'"):
+        export_module(module, tmp_path / "x", dtype="fp8")
