@@ -177,13 +177,19 @@ class ResumableDataLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        """The epoch, its batches handed out so far and the prompts of its order they took."""
+        """The epoch, its batches so far, the prompts they took, and the order's ``size``.
+
+        ``size`` (where the dataset has a length) lets a resume over other prompts say so.
+        """
         epoch = self._epoch if self._epoch is not None else self._sampler_epoch()
-        return {
+        state = {
             "epoch": epoch,
             "batches": self._yielded,
             "prompts": self._yielded * self._global_batch(),
         }
+        if isinstance(self.dataset, Sized):
+            state["size"] = len(self.dataset)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Make the next iteration of the saved epoch start after the prompts already seen.
@@ -204,6 +210,15 @@ class ResumableDataLoader(DataLoader):
         prompts = int(state_dict.get("prompts", batches * size))
         self.progress_shift = 0
         n = len(self.dataset) if isinstance(self.dataset, Sized) else math.inf
+        if "size" in state_dict and int(state_dict["size"]) != n:  # a prompts file edited
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                f"resume: the checkpoint's run dealt an order of {int(state_dict['size'])} "
+                f"prompts, this run has {n}: the prompts changed (a file edited in place?), so "
+                "the prompts from here on are not those the checkpoint's run would have seen",
+                category=RuntimeWarning,
+            )
         if prompts >= n:  # the epoch was used up: nothing of it is left, whatever the batch
             batches = len(self)
         elif prompts != batches * size:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from rlkl_lightning.data.samplers import EpochShuffleSampler, RankShardSampler, ResumableDataLoader
@@ -55,7 +57,8 @@ def test_a_resume_with_another_number_of_processes_takes_the_rest_of_the_epoch_o
     first = loaders(*before)
     seen = global_batches(first, trained)
     state = first[0].state_dict()
-    assert state == {"epoch": 0, "batches": trained, "prompts": trained * before[0] * before[1]}
+    prompts = trained * before[0] * before[1]
+    assert state == {"epoch": 0, "batches": trained, "prompts": prompts, "size": N}
     resumed = loaders(*after)
     for loader in resumed:
         loader.load_state_dict(state)
@@ -96,3 +99,19 @@ def test_a_checkpoint_at_the_end_of_an_epoch_leaves_nothing_of_it_to_train(befor
     for loader in resumed:
         loader.load_state_dict(first[0].state_dict())
         assert list(loader) == [] and loader.progress_shift == 0
+
+
+def test_a_resume_over_another_number_of_prompts_says_so_once():
+    # A prompts file edited in place between runs: the same path, another order from there on.
+    first = loaders(1, 2)
+    global_batches(first, 2)
+    state = first[0].state_dict()
+    grown = ResumableDataLoader(
+        range(N + 1), batch_size=2, sampler=EpochShuffleSampler(N + 1, SEED)
+    )
+    with pytest.warns(RuntimeWarning, match=r"dealt an order of 12 prompts, this run has 13"):
+        grown.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaders(1, 2)[0].load_state_dict(state)  # the same prompts: nothing to say
+        loaders(1, 2)[0].load_state_dict({"epoch": 0, "batches": 2})  # a checkpoint before it

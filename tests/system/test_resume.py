@@ -252,7 +252,7 @@ def test_checkpoint_contents_and_no_reference_copy(tiny_lm_dir, prompts_file, tm
     assert len(ckpt["rlkl_rng"]["cpu"]) == 1  # one RNG state per process
     # The data loader's place in its epoch (Lightning stores stateful loaders' states).
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
-        {"epoch": 0, "batches": 1, "prompts": BATCH}  # the place in the epoch's order
+        {"epoch": 0, "batches": 1, "prompts": BATCH, "size": len(PROMPTS)}  # the place in its order
     ]
 
 
