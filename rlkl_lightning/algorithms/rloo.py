@@ -72,7 +72,7 @@ def ended_with_eos(traj: Trajectory, eos_token_id: int | None) -> Tensor:
     return ((traj.response_ids == eos_token_id) & traj.response_mask.bool()).any(dim=1)
 
 
-def zero_std_groups(scores: Tensor, k: int) -> Tensor:
+def zero_std_groups(scores: Tensor, k: int, scored: Tensor | None = None) -> Tensor:
     """``[n]`` True for each group of ``k`` consecutive scores that are all (close to) equal.
 
     Such a group carries no reward signal. Its advantages are 0 only without the KL in the
@@ -81,19 +81,38 @@ def zero_std_groups(scores: Tensor, k: int) -> Tensor:
     the group's scale, ``-(KL_i - mean) / std`` of the KL: of unit scale, about independent of
     beta. The test is on the scores all the same (DAPO's filter, TRL's
     ``frac_reward_zero_std``): the group's standard deviation is within ``torch.isclose`` of 0.
+
+    ``scored``: ``[n * k]`` bool, the responses whose reward did not fail (``sample_mask``);
+    the test is then on a group's scored scores alone (a failed one is ``nan``), as its
+    baseline is, and a group with fewer than 2 scored is not flat. None: all scored.
     """
-    std = scores.view(-1, k).to(torch.float32).std(dim=1)
+    s = scores.view(-1, k).to(torch.float32)
+    if scored is None:
+        std = s.std(dim=1)
+    else:
+        mask = scored.view(-1, k).to(torch.bool)
+        m = mask.sum(dim=1)
+        values = torch.where(mask, s, torch.zeros_like(s))
+        mean = values.sum(dim=1, keepdim=True) / m.clamp(min=1)[:, None]
+        squares = torch.where(mask, (values - mean).square(), torch.zeros_like(s)).sum(dim=1)
+        std = (squares / (m - 1).clamp(min=1)).sqrt()
+        std = torch.where(m >= 2, std, torch.full_like(std, torch.nan))
     return torch.isclose(std, torch.zeros_like(std))
 
 
-def zero_std_fraction(scores: Tensor, k: int, global_sum: Callable[[Tensor], Tensor]) -> Tensor:
+def zero_std_fraction(
+    scores: Tensor,
+    k: int,
+    global_sum: Callable[[Tensor], Tensor],
+    scored: Tensor | None = None,
+) -> Tensor:
     """The fraction of the global batch's groups that :func:`zero_std_groups` finds flat.
 
     Flat groups over groups, each summed over every rank by ``global_sum`` (a collective under
     DDP; the identity on one process): ranks may hold different numbers of groups, and the mean
     over ranks of each rank's fraction would weigh a rank's groups by its share of the ranks.
     """
-    flat = zero_std_groups(scores, k)
+    flat = zero_std_groups(scores, k, scored)
     counts = torch.stack([flat.sum(), torch.tensor(flat.numel(), device=flat.device)])
     flat_groups, groups = global_sum(counts.to(torch.float32))
     return flat_groups / groups
@@ -211,12 +230,14 @@ class RLOOModule(RLPipeline):
         hp = self.group
         keep = torch.ones_like(traj.scores, dtype=torch.bool)
         if hp.drop_zero_std_groups:
-            flat = zero_std_groups(traj.scores, hp.responses_per_prompt)
+            flat = zero_std_groups(traj.scores, hp.responses_per_prompt, traj.sample_mask)
             keep &= ~flat.repeat_interleave(hp.responses_per_prompt)
         if hp.mask_truncated_completions:
             keep &= ended_with_eos(traj, self.tokenizer.eos_token_id)
         if not (hp.drop_zero_std_groups or hp.mask_truncated_completions):
             return None
+        if traj.sample_mask is not None:  # failed rewards: the update trains on none of them
+            keep &= traj.sample_mask.to(torch.bool)
         return keep.nonzero().flatten()
 
     @override
@@ -244,6 +265,7 @@ class RLOOModule(RLPipeline):
         """
         hp = self.group
         if hp.advantage == "grpo" or hp.drop_zero_std_groups:
-            flat = zero_std_fraction(traj.scores, hp.responses_per_prompt, self.global_sum)
+            k = hp.responses_per_prompt
+            flat = zero_std_fraction(traj.scores, k, self.global_sum, traj.sample_mask)
             stats = {**stats, keys.FRAC_REWARD_ZERO_STD: flat}
         super().log_batch(prompts, responses, traj, diagnostics, stats, clock, phase_peaks)

@@ -3,6 +3,7 @@ zero-signal group filter and what the KL callbacks count when it drops groups.""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -130,7 +131,7 @@ def test_rows_to_train(tiny_lm_dir):
     ids[1::2, 1] = eos  # the odd responses end with EOS, the even ones were cut
     mask = torch.ones(8, 3)
     mask[1::2, 2] = 0
-    traj = SimpleNamespace(scores=scores, response_ids=ids, response_mask=mask)
+    traj = SimpleNamespace(scores=scores, response_ids=ids, response_mask=mask, sample_mask=None)
     assert module.rows_to_train(traj) is None  # the default: every response
     with_options(module, group={"drop_zero_std_groups": True})
     assert module.rows_to_train(traj).tolist() == [4, 5, 6, 7]
@@ -138,6 +139,28 @@ def test_rows_to_train(tiny_lm_dir):
     assert module.rows_to_train(traj).tolist() == [5, 7]
     with_options(module, group={"drop_zero_std_groups": False})
     assert module.rows_to_train(traj).tolist() == [1, 3, 5, 7]
+
+
+def test_the_filter_and_the_flat_fraction_look_at_the_scored_responses_alone(tiny_lm_dir):
+    """A failed reward (``nan``, out of ``sample_mask``) is left out of the test of a flat group,
+    as it is of the group's baseline; the update never trains on it, and the trained fraction
+    says so (docs/rewards-at-scale.md, docs/metrics.md)."""
+    nan = math.nan
+    # group 0: scored 1, 1, 1 and one failed (flat); group 1: 0, 1 and two failed (not flat);
+    # group 2: one scored only (no baseline: out of sample_mask, not flat)
+    scores = torch.tensor([1.0, 1.0, nan, 1.0, 0.0, nan, 1.0, nan, nan, nan, 2.0, nan])
+    scored = torch.tensor([1, 1, 0, 1, 1, 0, 1, 0, 0, 0, 0, 0], dtype=torch.bool)
+    assert zero_std_groups(scores, 4, scored).tolist() == [True, False, False]
+    flat = zero_std_fraction(scores, 4, lambda values: values, scored)
+    assert float(flat) == pytest.approx(1 / 3)
+    module = rloo(tiny_lm_dir, group={"advantage": "grpo", "drop_zero_std_groups": True})
+    traj = SimpleNamespace(
+        scores=scores,
+        sample_mask=scored,
+        response_ids=torch.full((12, 3), 7),
+        response_mask=torch.ones(12, 3),
+    )
+    assert module.rows_to_train(traj).tolist() == [4, 6]
 
 
 def flat_for_the_food(prompt: str, response: str) -> float:
