@@ -209,8 +209,10 @@ class RLOOModule(RLPipeline):
 
     @override
     def on_fit_start(self) -> None:
-        """The shared set-up; leaving responses out of the update needs one process."""
-        super().on_fit_start()
+        """The shared set-up, after the checks of the options that leave responses out.
+
+        They need one process, and leaving out truncated responses an EOS token to tell them by.
+        """
         for option in ("mask_truncated_completions", "drop_zero_std_groups"):
             if getattr(self.group, option) and self.trainer.world_size > 1:
                 raise ValueError(
@@ -218,6 +220,13 @@ class RLOOModule(RLPipeline):
                     f"different numbers of responses), got world_size={self.trainer.world_size};"
                     f" set {option}=False"
                 )
+        if self.group.mask_truncated_completions and self.tokenizer.eos_token_id is None:
+            raise ValueError(  # every response would count as truncated and none would train
+                f"{self.owner}: `group.mask_truncated_completions`=True leaves out the responses "
+                "that end without EOS, and the tokenizer has no EOS token; set "
+                "mask_truncated_completions=False"
+            )
+        super().on_fit_start()
 
     @override
     def shape(self, traj: Trajectory) -> Trajectory:

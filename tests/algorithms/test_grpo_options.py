@@ -240,6 +240,15 @@ def test_the_options_that_drop_responses_refuse_two_processes(tiny_lm_dir):
         module.on_fit_start()
 
 
+def test_masking_truncated_responses_without_an_eos_token_is_refused(tiny_lm_dir):
+    # Every response counted as truncated: the update trained on none, without a word.
+    module = rloo(tiny_lm_dir, group={"mask_truncated_completions": True})
+    module._trainer = SimpleNamespace(world_size=1)
+    module.tokenizer.eos_token = None
+    with pytest.raises(ValueError, match=r"`group.mask_truncated_completions`=True .*no EOS"):
+        module.on_fit_start()
+
+
 def test_the_batch_scale_divides_by_the_standard_deviation_of_all_returns(tiny_lm_dir):
     """One process: ``batch_std_of`` (two passes through the strategy's sum) is ``std()``."""
     module = rloo(tiny_lm_dir, group={"advantage": "grpo", "scale_rewards": "batch"})
