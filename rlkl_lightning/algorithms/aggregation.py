@@ -11,10 +11,14 @@ whole batch (every minibatch, every rank), one optimizer step's loss is::
 
 ``token_mean`` weighs every token of a minibatch alike, but a token of a minibatch with few
 tokens more than one of a minibatch with many; ``sequence_mean`` gives every response the same
-weight, so a long response's tokens count less; ``fixed_length`` and ``batch_token_mean`` weigh
-every token of the batch alike. With ``batch_token_mean`` the
-normaliser ``N`` counts the whole batch, so each of ``num_minibatches`` steps carries about
-``1/num_minibatches`` of a token mean's gradient (as TRL's ``dapo`` over its generation batch).
+weight, so a long response's tokens count less; ``batch_token_mean`` weighs every token of the
+batch alike, and so does ``fixed_length`` where the minibatches hold equal numbers of responses
+(with ``n`` responses in a minibatch, a token weighs ``1/(n L)``: of 5 responses split 3 and 2,
+``1/(3L)`` against ``1/(2L)``; leaving responses out, ``group.drop_zero_std_groups``, makes the
+split uneven). With ``batch_token_mean`` the normaliser ``N`` counts the tokens of the batch
+the update trains on (the rows left after such options), so each of ``num_minibatches`` steps
+carries about ``1/num_minibatches`` of a token mean's gradient (as TRL's ``dapo`` over its
+generation batch).
 
 Under DDP, DDP averages the ranks' gradients. ``batch_token_mean`` divides by
 ``N / world_size`` with ``N`` summed over the ranks, so that average is its formula over the
