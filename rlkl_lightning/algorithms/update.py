@@ -184,7 +184,8 @@ def run_update(module: Updatable, traj: Trajectory) -> dict[str, Tensor]:
             else:  # the scaler hands the optimizer itself its scale: one thread steps
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            step_stats[keys.GRAD_NORM] = grad_norm
+            if len(minibatch) or world > 1:  # one process, no rows: no gradient to measure
+                step_stats[keys.GRAD_NORM] = grad_norm
             for key, value in step_stats.items():
                 totals[key] = totals.get(key, 0.0) + value
                 counts[key] = counts.get(key, 0) + 1

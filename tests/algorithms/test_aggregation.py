@@ -271,3 +271,15 @@ def test_more_minibatches_than_rows_warns_once_that_empty_steps_move_the_weights
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         moves(enough, traj)
+
+
+def test_the_gradient_norm_is_a_mean_over_the_steps_that_had_rows():
+    # Like the losses: an empty step's zero gradient was averaged into `policy/grad_norm`.
+    module = Linear("token_mean", minibatches=4, accum=1)
+    module.threads = Recording(module.theta)
+    traj, _ = batch([3, 2], seed=0)
+    with pytest.warns(RuntimeWarning, match="2 of its optimizer steps would have no rows"):
+        stats = run_update(module, traj)
+    steps = module.threads.steps  # SGD at lr 1, no clip: each move is minus the gradient
+    assert [s != 0 for s in steps] == [True, True, False, False]
+    assert float(stats["policy/grad_norm"]) == pytest.approx(sum(abs(s) for s in steps) / 2)
