@@ -87,6 +87,10 @@ ADDED_OPTIONS: dict[str, str] = {"ppo.advantage": "0.5.0", "penalty.allow_no_gra
 #: Where a module's options sit in a config and in the resume check's settings.
 MODULE_PREFIX = "model.init_args."
 
+#: The modules whose options were never grouped (by the last part of their ``class_path``):
+#: their ``lr`` and ``weight_decay`` are their own today, not a flat option of 0.1.0.
+UNGROUPED_MODULES = frozenset({"SFTModule"})
+
 
 def moved_option(name: str) -> str | None:
     """Where a flat option of 0.1.0 lives now (``"top_p" -> "sampling.top_p"``), or None."""
@@ -151,8 +155,11 @@ def upgrade_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
     Nested (``model: {init_args: {kl: ...}}``) and dotted (``model.init_args.kl.init_coef``)
     alike; where an old and a new dotted key are both given, the new one wins. The rest (the
-    data, the trainer, the top-level ``kl`` of the KL control) is kept as it is.
+    data, the trainer, the top-level ``kl`` of the KL control) is kept as it is, and so is a
+    module that has no groups (:data:`UNGROUPED_MODULES`: ``SFTModule``'s ``lr`` is its own).
     """
+    if _ungrouped_module(config):
+        return copy.deepcopy(dict(config))
     upgraded: dict[str, Any] = {}
     for key, value in copy.deepcopy(dict(config)).items():
         new = upgrade_dotted_key(key, isinstance(value, Mapping))
@@ -162,6 +169,14 @@ def upgrade_config(config: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(model, dict) and isinstance(model.get("init_args"), Mapping):
         model["init_args"] = upgrade_init_args(model["init_args"])
     return upgraded
+
+
+def _ungrouped_module(config: Mapping[str, Any]) -> bool:
+    """Whether ``config``'s model (nested or a dotted ``model.class_path``) has no groups."""
+    model = config.get("model")
+    class_path = model.get("class_path") if isinstance(model, Mapping) else None
+    class_path = config.get("model.class_path", class_path)
+    return isinstance(class_path, str) and class_path.rpartition(".")[2] in UNGROUPED_MODULES
 
 
 def upgrade_dotted_key(key: Any, whole_group: bool = False) -> Any:

@@ -211,3 +211,26 @@ def test_an_argument_a_law_does_not_take_is_refused_as_the_docs_say():
         text = " ".join((ROOT / path).read_text().split())
         assert "for a law that does not read it is refused" not in text, path
         assert "read it (`kl.kp` with `logpid`, which used to ignore it silently) is" not in text
+
+
+def test_the_yaml_examples_name_the_modules_groups_by_their_names_today():
+    """A YAML block of the docs that gives the module a group renamed since (``kl`` ->
+    ``penalty`` in 0.5.0) is one the CLI refuses; an example that says so in words is prose."""
+    import re
+
+    import yaml
+
+    from rlkl_lightning.migrations import RENAMED_GROUPS
+
+    stale = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), re.S):
+            try:
+                config = yaml.safe_load(block)
+            except yaml.YAMLError:
+                continue
+            model = config.get("model") if isinstance(config, dict) else None
+            init = model.get("init_args") if isinstance(model, dict) else None
+            if isinstance(init, dict):
+                stale += [f"{page.name}: model.init_args.{g}" for g in RENAMED_GROUPS if g in init]
+    assert stale == []

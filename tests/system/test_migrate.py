@@ -141,6 +141,29 @@ def test_a_config_of_today_is_left_as_it_is(name):
     assert migrate_text(text) == text
 
 
+SFT_OWN_OPTIONS = """\
+model:
+  class_path: rlkl_lightning.world.sft.SFTModule
+  init_args:
+    lr: 0.003  # SFTModule's own, never a flat option of 0.1.0
+    weight_decay: 0.01
+"""
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        SFT_OWN_OPTIONS,
+        "model.class_path: rlkl_lightning.world.sft.SFTModule\nmodel.init_args.lr: 0.003\n",
+    ],
+    ids=["nested", "dotted"],
+)
+def test_a_module_without_groups_keeps_its_own_lr(text):
+    # `--print_config` of configs/sft.yaml prints SFTModule's `lr`: moved into an `optimization`
+    # group SFTModule lacks, the migrated config was refused
+    assert migrate_text(text) == text
+
+
 def test_a_file_that_is_not_a_config_is_one_line(tmp_path):
     bad = tmp_path / "list.yaml"
     bad.write_text("- 1\n- 2\n")
