@@ -204,16 +204,50 @@ def overall_statement(runs: dict[str, dict[int, dict]], groups: dict[str, dict])
         f"Across runs, the best final gold is `{best}`'s ({b['final_gold']:.3f} at final KL "
         f"{b['final_kl']:.2f}, proxy {b['final_score']:.3f})"
     )
-    if costly:
-        more = ", ".join(
+    # A gold below the best's is only said to be lower beyond two standard errors of the
+    # difference (over seeds); one seed on either side has no error estimate.
+    below = {g: _beyond_2se_below(groups[best], groups[g]) for g in runs if g != best}
+    tied = [g for g, beyond in below.items() if not beyond]
+    if tied:
+        across += (
+            " (not above these beyond 2 SE, or with one seed and no error estimate: "
+            + ", ".join(f"`{g}` {groups[g]['final_gold']:.3f}" for g in tied)
+            + ")"
+        )
+
+    def listed(names: list[str]) -> str:
+        return ", ".join(
             f"`{g}` (KL {groups[g]['final_kl']:.2f}, proxy {groups[g]['final_score']:.3f}, gold "
             f"{groups[g]['final_gold']:.3f})"
-            for g in sorted(costly, key=lambda g: groups[g]["final_kl"])
+            for g in sorted(names, key=lambda g: groups[g]["final_kl"])
         )
-        across += f"; runs that spent more KL reached a higher proxy but a lower gold: {more}"
-    else:
+
+    lower = [g for g in costly if below[g]]
+    unsure = [g for g in costly if not below[g]]
+    if lower:
+        across += (
+            "; runs that spent more KL reached a higher proxy but a lower gold (beyond 2 SE): "
+            + listed(lower)
+        )
+    if unsure:
+        across += (
+            "; runs that spent more KL reached a higher proxy and a lower mean gold, but not "
+            "beyond 2 SE (or on one seed): the seeds cannot tell their gold from the best's: "
+            + listed(unsure)
+        )
+    if not costly:
         across += "; no run that spent more KL reached a higher proxy with a lower gold"
     return f"{within}. {across}."
+
+
+def _beyond_2se_below(best: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether ``other``'s mean final gold lies below ``best``'s beyond 2 SE (over seeds)."""
+    n_b, n_o = len(best["per_seed"]["final_gold"]), len(other["per_seed"]["final_gold"])
+    if n_b < 2 or n_o < 2:
+        return False
+    s_b, s_o = best["std"]["final_gold"], other["std"]["final_gold"]
+    two_se = 2 * math.sqrt(s_b**2 / n_b + s_o**2 / n_o)
+    return best["final_gold"] - other["final_gold"] > two_se
 
 
 def _markdown(runs, groups, statement: str) -> list[str]:

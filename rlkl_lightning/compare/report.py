@@ -176,7 +176,13 @@ def _statement(v: dict[str, Any] | None, groups: dict[str, Any], kl: dict[str, A
         f"(adaptive) vs {f['final_kl_coef']:.3g} (fixed). Held-out perplexity: "
         f"{a['final_perplexity']:.3f} vs {f['final_perplexity']:.3f}.\n\n"
         f"**Adaptive reached similar or better score with KL closer to target: "
-        f"{'yes' if yes else 'no'}.**"
+        f"{'yes' if yes else 'no'}"
+        + (
+            " (one seed's point values alone: no error estimate, so no difference is judged "
+            "against the seeds' spread; run more seeds).**"
+            if two_se is None
+            else ".**"
+        )
     )
 
 

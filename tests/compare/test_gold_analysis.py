@@ -124,7 +124,7 @@ def test_the_report_section_from_event_files(tmp_path):
     best = f"`low`'s ({final['low'] + 0.005:.3f} at final KL {kl / 2:.2f}, proxy {proxy / 2:.3f})"
     assert f"the best final gold is {best}" in statement
     high = f"`high` (KL {kl:.2f}, proxy {proxy:.3f}, gold {final['high'] + 0.005:.3f})"
-    assert f"higher proxy but a lower gold: {high}." in statement
+    assert f"higher proxy but a lower gold (beyond 2 SE): {high}." in statement
     text = "\n".join(lines)
     row = f"| `low` | {proxy / 2:.3f} ± 0.000 | {final['low'] + 0.005:.3f} ± 0.007 |"
     assert row in text
@@ -155,3 +155,35 @@ def test_runs_too_short_to_judge_are_said_to_be():
     kl = KL[8:10].mean()
     plateau = f"gold stopped improving without falling in 1 run (from: `fixed` seed 1: KL {kl:.2f})"
     assert statement.startswith(f"Within runs, {plateau}; 1 run too short to judge.")
+
+
+def test_a_lower_gold_within_two_standard_errors_is_not_called_lower():
+    """The laws study's case: 0.304 against the best 0.305, seeds' sd 0.02-0.05."""
+    from rlkl_lightning.compare.gold import overall_statement
+
+    level = analyse(GoldCurve(KL, PROXY, two_per_block([*RISING[:4], *[0.4, 0.41, 0.39] * 2])))
+
+    def with_gold(kl, score, golds):
+        g = group([{"final_kl": kl, "final_score": score}] * len(golds))
+        v = np.array(golds)
+        std = float(v.std(ddof=1)) if len(v) > 1 else None
+        return (
+            g
+            | {"final_gold": float(v.mean()), "std": g["std"] | {"final_gold": std}}
+            | {"per_seed": g["per_seed"] | {"final_gold": golds}}
+        )
+
+    groups = {
+        "best": with_gold(6.0, 0.73, [0.25, 0.31, 0.355]),
+        "near": with_gold(6.4, 0.74, [0.293, 0.315]),
+        "far": with_gold(9.0, 0.81, [0.100, 0.102]),
+        "single": with_gold(8.0, 0.80, [0.29]),
+    }
+    runs = {g: {0: level} for g in groups}
+    statement = overall_statement(runs, groups)
+    assert "the best final gold is `best`'s" in statement
+    tied = "(not above these beyond 2 SE, or with one seed and no error estimate: `near` 0.304"
+    assert tied in statement
+    lower, unsure = statement.split("lower gold (beyond 2 SE): ")[1].split("; runs that")
+    assert "`far`" in lower and "`near`" not in lower and "`single`" not in lower
+    assert "not beyond 2 SE" in unsure and "`near`" in unsure and "`single`" in unsure

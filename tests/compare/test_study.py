@@ -292,6 +292,24 @@ def test_verdict_follows_the_two_standard_error_rule():
     assert verdict({"fixed": fixed}) is None
 
 
+def test_a_one_seed_verdict_says_in_bold_that_it_has_no_error_estimate():
+    """The --quick study's case: one seed, a score 0.003 lower, and a bold "no"."""
+    from rlkl_lightning.compare.report import _statement, verdict
+
+    kl = {"target": 6.0, "unit": "sequence"}
+    one = {"fixed": _group([0.340], [0.95]), "adaptive": _group([0.337], [0.94])}
+    text = _statement(verdict(one), one, kl)
+    bold = text.split("**")[1]
+    assert bold.startswith("Adaptive reached similar or better score with KL closer to target: no")
+    assert "one seed's point values alone: no error estimate" in bold
+    three = {
+        "fixed": _group([0.60, 0.62, 0.64], [0.4] * 3),
+        "adaptive": _group([0.70, 0.72, 0.74], [0.1] * 3),
+    }
+    bold = _statement(verdict(three), three, kl).split("**")[1]
+    assert bold == "Adaptive reached similar or better score with KL closer to target: yes."
+
+
 @pytest.mark.slow  # a study: make test-slow
 def test_quick_algorithm_study_runs_rloo_as_another_entry(tiny_lm_dir, tmp_path):
     """configs/compare_algorithms.yaml, --quick, 1 seed x 2 batches: PPO, both RLOO runs, GRPO."""
