@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from rlkl_lightning.compare.report import write_report
     from rlkl_lightning.compare.runs import plan_runs, run_all
 
-    study, _ = parse_args(argv)
+    study, quick = parse_args(argv)
     out = Path(study.out)
     start = time.perf_counter()
     runs = plan_runs(study, out)
@@ -68,7 +68,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         files = "curves.png, report.md, summary.json"
     if kept:
         summary = _say_kept(summary, kept, len(runs), out)
+    if quick:
+        summary = _say_quick(summary, study, out)
     print(f"study written to {out}/: {files}")
+    return summary
+
+
+def _say_quick(summary: dict[str, Any], study: StudyConfig, out: Path) -> dict[str, Any]:
+    """Say first in the report, and in the summary, that a ``--quick`` run is no result."""
+    summary = {**summary, "quick": True}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    report = (out / "report.md").read_text()
+    note = (
+        f"> A `--quick` study ({study.seeds} seed(s) x {study.batches} batches): a check that "
+        "the pipeline runs end to end. Its numbers are too few to be a result.\n\n"
+    )
+    (out / "report.md").write_text(note + report)
     return summary
 
 
