@@ -75,15 +75,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _say_quick(summary: dict[str, Any], study: StudyConfig, out: Path) -> dict[str, Any]:
-    """Say first in the report, and in the summary, that a ``--quick`` run is no result."""
+    """Say under the report's title, and in the summary, that a ``--quick`` run is no result."""
     summary = {**summary, "quick": True}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    report = (out / "report.md").read_text()
+    title, _, rest = (out / "report.md").read_text().partition("\n")
     note = (
         f"> A `--quick` study ({study.seeds} seed(s) x {study.batches} batches): a check that "
-        "the pipeline runs end to end. Its numbers are too few to be a result.\n\n"
+        "the pipeline runs end to end. Its numbers are too few to be a result."
     )
-    (out / "report.md").write_text(note + report)
+    (out / "report.md").write_text(f"{title}\n\n{note}\n{rest}")
     return summary
 
 

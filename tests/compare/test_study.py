@@ -101,7 +101,8 @@ def check_files_and_keys(out, summary):
     assert summary["target_kl"] == 0.05 and summary["kl_unit"] == "sequence"
     assert summary["seeds"] == [0, 1]
     assert summary["quick"] is True  # and the report says first that it is no result
-    assert (out / "report.md").read_text().startswith("> A `--quick` study (2 seed(s) x 3 ")
+    title, _, rest = (out / "report.md").read_text().partition("\n\n")
+    assert title.startswith("# Study: ") and rest.startswith("> A `--quick` study (2 seed(s) x 3 ")
     for group in ("fixed", "adaptive"):
         assert METRIC_KEYS <= summary[group].keys()
         assert summary[group]["seeds"] == [0, 1]
