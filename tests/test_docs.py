@@ -180,7 +180,9 @@ def test_the_custom_scalars_chart_is_what_the_docs_say():
 
     charts = []
     experiment = SimpleNamespace(add_custom_scalars=charts.append)
-    trainer = SimpleNamespace(is_global_zero=True, loggers=[SimpleNamespace(experiment=experiment)])
+    trainer = SimpleNamespace(
+        is_global_zero=True, loggers=[SimpleNamespace(experiment=experiment)], callbacks=[]
+    )
     KLDriftMonitor(target=6.0).on_fit_start(trainer, None)
     [(curves_kind, curves)] = [v for chart in charts for v in chart["KL control"].values()]
     assert curves_kind == "Multiline"

@@ -104,6 +104,7 @@ class KLCallbackBase(Callback, ABC):
         self.n_refreshes = 0
         self.refresh_every: int | None = None
         self._last: Any = None
+        self._before: Any = None
         self._stale = False
         self._warned_stale = False
         self._warned_nonfinite = False
@@ -145,21 +146,26 @@ class KLCallbackBase(Callback, ABC):
         """Return ``(kl, n_samples)`` of the global batch; ``n_samples == 0`` if none was fresh.
 
         A value the module did not log again in this batch (``callback_metrics`` still holds
-        the tensor read after an earlier batch) is stale: this rank contributes no samples, and
-        the first one warns. Every rank takes part in the reduction whatever it read, so no
-        rank is left waiting.
+        the tensor read after an earlier batch, or the one it held when the batch began, such
+        as the last epoch's mean of a KL logged with ``on_epoch=True``) is stale: this rank
+        contributes no samples, and the first one warns. Every rank takes part in the reduction
+        whatever it read, so no rank is left waiting.
         """
         owner = type(self).__name__
         value = read_monitored(trainer, self.monitor, owner)
         # Each self.log call stores a new tensor and callback_metrics hands out detached views
         # of it, so a view of the storage read last time means nothing new was logged. Holding
         # on to that view keeps its storage alive: a new tensor cannot reuse the address.
-        fresh = not (
+        # The value held before the batch began (on_train_batch_start) is not this batch's
+        # either: the previous epoch's mean of a KL logged with on_epoch=True, or a value a
+        # validation run logged under the same key, replaces the last step value there.
+        fresh = not any(
             isinstance(value, torch.Tensor)
-            and isinstance(self._last, torch.Tensor)
-            and value.data_ptr() == self._last.data_ptr()
+            and isinstance(seen, torch.Tensor)
+            and value.data_ptr() == seen.data_ptr()
+            for seen in (self._last, self._before)
         )
-        self._last = value
+        self._last, self._before = value, None
         n = batch_size_of(batch, self.batch_size_fn, owner) if fresh else 0
         local = float(value.item() if isinstance(value, torch.Tensor) else value)
         kl, n_global = global_mean(trainer, local, n)
@@ -173,6 +179,13 @@ class KLCallbackBase(Callback, ABC):
                 category=RuntimeWarning,
             )
         return kl, n_global
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not trainer.sanity_checking:
+            self._before = trainer.callback_metrics.get(self.monitor)
 
     @override
     def on_train_batch_end(

@@ -99,7 +99,8 @@ class KLControllerCallback(KLCallbackBase):
         monitor: Key the module logs the batch KL under. Defaults to ``"objective/kl"`` for
             ``unit="sequence"`` and ``"objective/kl_per_token"`` for ``unit="token"``.
         attribute: Name of the module attribute that holds beta.
-        log_key: Key beta is logged under after each update; ``None`` disables logging.
+        log_key: Key beta is logged under after each update; ``None`` disables logging. Two
+            controller callbacks of one trainer need different keys (refused at fit start).
         batch_size_fn: ``batch -> int``, the number of samples in this rank's batch. Defaults to
             :func:`infer_batch_size` (leading size of the batch's first field).
         prog_bar: Also show beta in the progress bar.
@@ -264,6 +265,13 @@ class KLControllerCallback(KLCallbackBase):
             )
         current = getattr(pl_module, self.attribute)
         if isinstance(current, torch.Tensor):
+            if not (current.is_floating_point() or current.is_complex()):
+                # fill_ would truncate beta (0.54 -> 0) without a word
+                raise TypeError(
+                    f"{type(self).__name__}: `{type(pl_module).__name__}.{self.attribute}` is a "
+                    f"{current.dtype} tensor, which cannot hold beta ({self.value:g}); make it "
+                    "a float one, e.g. torch.tensor(0.0)"
+                )
             with torch.no_grad():
                 current.fill_(self.value)
         else:
@@ -274,7 +282,29 @@ class KLControllerCallback(KLCallbackBase):
         # Fails early on a missing attribute and gives the sanity-check validation the initial
         # beta. With most strategies callback states are already restored here; FSDP, DeepSpeed
         # and ModelParallel restore them later, hence the write again in on_train_start.
+        self._check_log_key(trainer)
         self._write(pl_module)
+
+    def _check_log_key(self, trainer: pl.Trainer) -> None:
+        """Refuse a second controller callback that logs its beta under the same key.
+
+        Two controllers (on different KL keys, or writing different attributes) may share a
+        trainer, but Lightning keeps only the last value logged under a key in a batch: one
+        beta would be missing from every log without a word.
+        """
+        if self.log_key is None:
+            return
+        for callback in trainer.callbacks:
+            if callback is self:
+                return
+            if isinstance(callback, KLControllerCallback) and callback.log_key == self.log_key:
+                raise ValueError(
+                    f"{type(self).__name__}: the controller of `{self.attribute}` (monitor "
+                    f"{self.monitor!r}) and the one of `{callback.attribute}` (monitor "
+                    f"{callback.monitor!r}) both log beta with log_key {self.log_key!r}, and "
+                    "only the last value logged under a key is kept; pass another "
+                    "log_key=... (or None) to one of them"
+                )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.kl.callback_base import KLCallbackBase
-from rlkl_lightning.kl.reading import UNIT_NAMES
+from rlkl_lightning.kl.reading import UNIT_NAMES, check_name
 
 #: Values of ``kl_monitor/state``.
 LOW, IN_BAND, HIGH = -1, 0, 1
@@ -94,6 +94,9 @@ class KLDriftMonitor(KLCallbackBase):
             every batch, an exponential moving average of the policy, too). A
             ``ReferenceRefresh`` callback announces its period at set-up
             (:meth:`expect_refreshes`) and the monitor says then what it suspends.
+        log_prefix: What the logged keys start with (``kl_monitor/avg_kl``, ...). Two monitors
+            of one trainer (on different KL keys) need different prefixes (refused at fit
+            start): Lightning keeps only the last value logged under a key.
 
     Attributes:
         state: Current state (``-1``, ``0``, ``+1``).
@@ -119,8 +122,10 @@ class KLDriftMonitor(KLCallbackBase):
         batch_size_fn: Callable[[Any], int] | None = None,
         hysteresis: float = 0.1,
         refresh_key: str | None = keys.REFERENCE_REFRESHES,
+        log_prefix: str = "kl_monitor",
     ) -> None:
         owner = type(self).__name__
+        check_name(log_prefix, "log_prefix", owner)
         if not _is_real(target) or not 0 < target < math.inf:
             raise ValueError(f"{owner}: target must be a positive finite number, got {target!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -157,6 +162,16 @@ class KLDriftMonitor(KLCallbackBase):
         self.verbose = verbose
         self.min_batches = min_batches
         self.hysteresis = float(hysteresis)
+        self.log_prefix = log_prefix
+        self.log_keys = {  # kl_monitor/avg_kl, ... under this monitor's prefix
+            key: f"{log_prefix}/{key.partition('/')[2]}"
+            for key in (
+                keys.MONITOR_AVG_KL,
+                keys.MONITOR_TARGET,
+                keys.MONITOR_STATE,
+                keys.MONITOR_WARNINGS,
+            )
+        }
         self.values: deque[float] = deque(maxlen=window)
         self.state = IN_BAND
         self.n_warnings_high = 0
@@ -192,6 +207,16 @@ class KLDriftMonitor(KLCallbackBase):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for callback in trainer.callbacks:
+            if callback is self:
+                break
+            if isinstance(callback, KLDriftMonitor) and callback.log_prefix == self.log_prefix:
+                raise ValueError(
+                    f"{type(self).__name__}: the monitors of {callback.monitor!r} and "
+                    f"{self.monitor!r} both log under log_prefix {self.log_prefix!r}, and only "
+                    "the last value logged under a key is kept; pass another log_prefix=... to "
+                    "one of them"
+                )
         # TensorBoard's "Custom Scalars" tab: the KL, its window mean and the band in one chart.
         if not trainer.is_global_zero:
             return
@@ -199,7 +224,11 @@ class KLDriftMonitor(KLCallbackBase):
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_custom_scalars"):
                 title = f"KL ({UNIT_NAMES[self.unit]}) and its target"
-                curves = [self.monitor, keys.MONITOR_AVG_KL, keys.MONITOR_TARGET]
+                curves = [
+                    self.monitor,
+                    self.log_keys[keys.MONITOR_AVG_KL],
+                    self.log_keys[keys.MONITOR_TARGET],
+                ]
                 experiment.add_custom_scalars({"KL control": {title: ["Multiline", curves]}})
 
     def _classify(self, avg: float) -> int:
@@ -264,17 +293,19 @@ class KLDriftMonitor(KLCallbackBase):
 
     @override
     def after_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl_module.log(keys.MONITOR_TARGET, self.target, on_step=True, on_epoch=False)
+        pl_module.log(self.log_keys[keys.MONITOR_TARGET], self.target, on_step=True, on_epoch=False)
         if not self.values:
             return
         avg = self.avg_kl
-        pl_module.log(keys.MONITOR_AVG_KL, avg, on_step=True, on_epoch=False)
+        pl_module.log(self.log_keys[keys.MONITOR_AVG_KL], avg, on_step=True, on_epoch=False)
         if self.n_batches - self.n_skipped < self.min_batches:  # the run's warm-up
             return
         self._update_state(trainer, avg)
-        pl_module.log(keys.MONITOR_STATE, float(self.state), on_step=True, on_epoch=False)
+        pl_module.log(
+            self.log_keys[keys.MONITOR_STATE], float(self.state), on_step=True, on_epoch=False
+        )
         warnings = float(self.n_warnings_high + self.n_warnings_low)
-        pl_module.log(keys.MONITOR_WARNINGS, warnings, on_step=True, on_epoch=False)
+        pl_module.log(self.log_keys[keys.MONITOR_WARNINGS], warnings, on_step=True, on_epoch=False)
 
     def _update_state(self, trainer: pl.Trainer, avg: float) -> None:
         if not self.low_armed and self.since_refresh > 0:  # "too low" waits for the band

@@ -65,6 +65,39 @@ def test_a_stale_kl_is_reported_as_stale_not_as_non_finite():
     assert recorder.kls == [(1.0, 3), (2.0, 2)] and recorder.n_skipped == 3
 
 
+class LogsKLOnStepAndEpoch(pl.LightningModule):
+    """Logs kls[epoch][i] with on_step and on_epoch (Lightning's usual pair), or nothing."""
+
+    def __init__(self, kls):
+        super().__init__()
+        self.layer, self.kls = torch.nn.Linear(1, 1), kls
+
+    def training_step(self, batch, batch_idx):
+        kl = self.kls[self.current_epoch][batch_idx]
+        if kl is not None:
+            self.log("objective/kl", kl, on_step=True, on_epoch=True)
+        return self.layer(batch[0]).sum()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.zeros(len(self.kls[0]), 1)), batch_size=1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_the_last_epochs_mean_is_not_taken_for_a_kl_the_batch_did_not_log():
+    """With on_epoch=True the epoch's mean replaces the step value in callback_metrics at the
+    epoch's end: a first batch of the next epoch that logs no KL is stale, not a KL of 1.5."""
+    recorder = Recorder()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(LogsKLOnStepAndEpoch([[1.0, 2.0], [None, 4.0]]), [recorder], max_epochs=2)
+    assert [kl for kl, _ in recorder.kls] == [1.0, 2.0, 4.0]
+    assert recorder.n_skipped == 1
+    ours = [str(w.message) for w in record if str(w.message).startswith("Recorder:")]
+    assert len(ours) == 1 and "was not logged in this training batch (batch 3)" in ours[0], ours
+
+
 def test_a_minimal_subclass_gets_counting_skips_and_state_for_free():
     kls = [1.0, math.nan, None, 2.0, math.inf, 4.0]
     recorder = Recorder()

@@ -252,11 +252,53 @@ def test_error_when_the_monitored_key_was_never_logged():
         fit(module, [KLControllerCallback(adaptive())])
 
 
+class TwoKLs(KLModule):
+    """Logs a second KL under ``objective/kl_b`` and has a second beta, ``kl_coef_b``."""
+
+    def __init__(self):
+        super().__init__(KLS)
+        self.kl_coef_b = 0.0
+
+    def training_step(self, batch, batch_idx):
+        self.log("objective/kl_b", 4.0)
+        return super().training_step(batch, batch_idx)
+
+
+def test_two_controllers_logging_beta_under_one_key_are_refused_at_fit_start():
+    """Lightning keeps the last value logged under a key: one beta would vanish from the logs."""
+
+    def second(**kwargs):
+        return KLControllerCallback(
+            adaptive(), monitor="objective/kl_b", attribute="kl_coef_b", **kwargs
+        )
+
+    module = TwoKLs()
+    with pytest.raises(ValueError, match=r"log_key 'objective/kl_coef'.*log_key="):
+        fit(module, [KLControllerCallback(adaptive()), second()])
+    assert module.seen == {}  # refused before any batch
+    first, other = KLControllerCallback(adaptive()), second(log_key="objective/kl_coef_b")
+    trainer = fit(TwoKLs(), [first, other])
+    metrics = trainer.callback_metrics
+    assert float(metrics["objective/kl_coef"]) == pytest.approx(first.value)
+    assert float(metrics["objective/kl_coef_b"]) == pytest.approx(other.value)
+    assert first.value != pytest.approx(other.value)
+
+
 def test_error_when_the_module_has_no_such_attribute():
     module = KLModule(KLS)
     with pytest.raises(AttributeError, match=r"KLModule has no attribute `beta`.*self\.beta ="):
         fit(module, [KLControllerCallback(adaptive(), attribute="beta")])
     assert module.seen == {}  # failed at fit start, before any batch
+
+
+def test_an_integer_tensor_beta_is_refused_not_truncated():
+    """fill_ on an integer buffer would turn beta 0.5 into 0: the module would train unpenalized."""
+    module = KLModule(KLS)
+    del module.kl_coef
+    module.register_buffer("kl_coef", torch.tensor(1))
+    with pytest.raises(TypeError, match=r"KLModule.kl_coef` is a torch.int64 tensor.*float"):
+        fit(module, [KLControllerCallback(adaptive())])
+    assert module.seen == {} and int(module.kl_coef) == 1
 
 
 @pytest.mark.parametrize(

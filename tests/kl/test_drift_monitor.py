@@ -298,6 +298,32 @@ def test_works_next_to_the_controller_callback_with_distinct_state_keys():
     assert module.kl_coef == kl_cb.value != 0.1
 
 
+class TwoKLs(KLModule):
+    """Logs a second KL, 10 times the first, under ``objective/kl_per_token``."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("objective/kl_per_token", 10.0 * self.kls[self.index])
+        return super().training_step(batch, batch_idx)
+
+
+def test_two_monitors_log_under_their_own_prefixes_and_a_shared_one_is_refused():
+    """Lightning keeps the last value logged under a key: one window would vanish."""
+    module = TwoKLs(KLS)
+    with pytest.raises(ValueError, match=r"log_prefix 'kl_monitor'.*log_prefix="):
+        fit(module, [monitor(), monitor(unit="token")])
+    assert module.seen == []  # refused before any batch
+    module = TwoKLs(KLS)
+    sequence, token = monitor(), monitor(unit="token", log_prefix="kl_monitor_token")
+    trainer, _, _ = fit(module, [sequence, token])
+    metrics = trainer.callback_metrics
+    assert float(metrics["kl_monitor/avg_kl"]) == pytest.approx(sequence.avg_kl)
+    assert float(metrics["kl_monitor_token/avg_kl"]) == pytest.approx(token.avg_kl)
+    assert token.avg_kl == pytest.approx(10 * sequence.avg_kl)
+    assert float(metrics["kl_monitor_token/warnings"]) == token.n_warnings_high + (
+        token.n_warnings_low
+    )
+
+
 def test_skips_sanity_checking():
     mon = monitor()
     trainer = SimpleNamespace(sanity_checking=True, callback_metrics={})  # no KL: would raise
