@@ -30,7 +30,7 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-__version__ = "0.14.2"
+__version__ = "0.15.0"
 
 
 def __getattr__(name: str) -> Any:
