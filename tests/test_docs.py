@@ -236,3 +236,17 @@ def test_the_yaml_examples_name_the_modules_groups_by_their_names_today():
             if isinstance(init, dict):
                 stale += [f"{page.name}: model.init_args.{g}" for g in RENAMED_GROUPS if g in init]
     assert stale == []
+
+
+def test_every_test_the_docs_name_exists():
+    """A table's third column names the tests that show each behaviour: renamed or deleted,
+    the name would point at nothing. Option names that start with ``test_`` are short."""
+    defined = set()
+    for path in (ROOT / "tests").rglob("*.py"):
+        defined |= set(re.findall(r"^\s*def (test_\w+)", path.read_text(), re.MULTILINE))
+    missing = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for name in re.findall(r"`(test_\w+)(?:\[[^\]`]*\])?`", page.read_text()):
+            if name.count("_") >= 3 and name not in defined:
+                missing.append(f"{page.name}: {name}")
+    assert missing == []
