@@ -23,6 +23,8 @@ __all__ = [
     "gae",
     "group_advantages",
     "scored_groups",
+    "scored_spread",
+    "scored_std",
     "shape_rewards",
 ]
 
@@ -221,22 +223,35 @@ def _scored_group_advantages(
 ) -> Tensor:
     """:func:`group_advantages` over each group's scored responses only (``m`` of them)."""
     scored = scored.to(torch.bool)
-    m = scored.sum(dim=1, keepdim=True).to(r.dtype)
+    m, values, centred = scored_spread(r, scored)
     has_baseline = m >= 2
-    values = torch.where(scored, r, torch.zeros_like(r))  # a failed return may be nan
-    mean = values.sum(dim=1, keepdim=True) / m.clamp(min=1)
-    centred = torch.where(scored, values - mean, torch.zeros_like(r))
     if method == "rloo":
         advantages = centred * (m / (m - 1).clamp(min=1))
     elif scale == "group":
-        std = (centred.square().sum(dim=1, keepdim=True) / (m - 1).clamp(min=1)).sqrt()
-        advantages = centred / (std + eps)
+        advantages = centred / (scored_std(m, centred) + eps)
     elif scale == "batch":
         std = values[scored].std() if batch_std is None else batch_std.to(r.dtype)
         advantages = centred / (std + eps)
     else:
         advantages = centred
     return torch.where(scored & has_baseline, advantages, torch.zeros_like(r)).flatten()
+
+
+def scored_spread(r: Tensor, scored: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(m, values, centred)`` of each group ``[G, k]`` over its scored members.
+
+    ``m`` ``[G, 1]`` counts them; ``values`` has failed ones 0 (a failed return may be nan);
+    ``centred`` is the values less their group's mean, failed ones 0.
+    """
+    m = scored.sum(dim=1, keepdim=True).to(r.dtype)
+    values = torch.where(scored, r, torch.zeros_like(r))
+    mean = values.sum(dim=1, keepdim=True) / m.clamp(min=1)
+    return m, values, torch.where(scored, values - mean, torch.zeros_like(r))
+
+
+def scored_std(m: Tensor, centred: Tensor) -> Tensor:
+    """``[G, 1]`` the sample standard deviation (Bessel's) of :func:`scored_spread`'s groups."""
+    return (centred.square().sum(dim=1, keepdim=True) / (m - 1).clamp(min=1)).sqrt()
 
 
 def scored_groups(scored: Tensor, group_size: int) -> Tensor:

@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from rlkl_lightning import metric_keys as keys
 from rlkl_lightning.algorithms.advantage_estimators import advantage_estimator
+from rlkl_lightning.algorithms.advantages import scored_spread, scored_std
 from rlkl_lightning.algorithms.options import (
     Engine,
     GroupOptions,
@@ -90,13 +91,8 @@ def zero_std_groups(scores: Tensor, k: int, scored: Tensor | None = None) -> Ten
     if scored is None:
         std = s.std(dim=1)
     else:
-        mask = scored.view(-1, k).to(torch.bool)
-        m = mask.sum(dim=1)
-        values = torch.where(mask, s, torch.zeros_like(s))
-        mean = values.sum(dim=1, keepdim=True) / m.clamp(min=1)[:, None]
-        squares = torch.where(mask, (values - mean).square(), torch.zeros_like(s)).sum(dim=1)
-        std = (squares / (m - 1).clamp(min=1)).sqrt()
-        std = torch.where(m >= 2, std, torch.full_like(std, torch.nan))
+        m, _, centred = scored_spread(s, scored.view(-1, k).to(torch.bool))
+        std = torch.where(m >= 2, scored_std(m, centred), torch.nan).squeeze(1)
     return torch.isclose(std, torch.zeros_like(std))
 
 

@@ -110,7 +110,7 @@ class Run:
         """Whether an earlier study in ``out`` finished this run with this config and code."""
         try:
             return self.done_file.read_text() == run_key(self) and self.log_dir.is_dir()
-        except (FileNotFoundError, OSError):
+        except OSError:
             return False
 
     def cpu_s(self) -> float:
@@ -297,14 +297,14 @@ def run_all(runs: list[Run], study: StudyConfig) -> list[Run]:
             "); `--keep_finished false` runs them again",
             flush=True,
         )
-    if len(kept) == len(runs):
+    pending, running = [r for r in runs if r not in kept], {}
+    if not pending:
         return kept
     context = _run_context(env)  # its server imports while the world builds
-    if any(uses_default_world(yaml.safe_load(r.config.read_text())) for r in runs if r not in kept):
+    if any(uses_default_world(yaml.safe_load(r.config.read_text())) for r in pending):
         from rlkl_lightning.world import build_world
 
         build_world(num_threads=os.cpu_count())  # once, before the runs race for it
-    pending, running = [r for r in runs if r not in kept], {}
     with study_progress(len(pending), study.batches) as progress:
         try:
             while pending or running:

@@ -66,36 +66,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         kept = run_all(runs, study)
         summary = write_report(runs, study, out, elapsed=time.perf_counter() - start)
         files = "curves.png, report.md, summary.json"
-    if kept:
-        summary = _say_kept(summary, kept, len(runs), out)
-    if quick:
-        summary = _say_quick(summary, study, out)
+    if kept or quick:  # said in the report and in the summary
+        summary = _say_kept_and_quick(summary, kept, len(runs), study if quick else None, out)
     print(f"study written to {out}/: {files}")
     return summary
 
 
-def _say_quick(summary: dict[str, Any], study: StudyConfig, out: Path) -> dict[str, Any]:
-    """Say under the report's title, and in the summary, that a ``--quick`` run is no result."""
-    summary = {**summary, "quick": True}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+def _say_kept_and_quick(
+    summary: dict[str, Any], kept: list, total: int, quick: StudyConfig | None, out: Path
+) -> dict[str, Any]:
+    """Name the runs an earlier study finished, and say that a ``--quick`` run is no result.
+
+    The runs kept are named at the report's end and in ``runs_kept``; a quick study says so
+    under the report's title and as ``quick``.
+    """
     title, _, rest = (out / "report.md").read_text().partition("\n")
-    note = (
-        f"> A `--quick` study ({study.seeds} seed(s) x {study.batches} batches): a check that "
-        "the pipeline runs end to end. Its numbers are too few to be a result."
-    )
-    (out / "report.md").write_text(f"{title}\n\n{note}\n{rest}")
-    return summary
-
-
-def _say_kept(summary: dict[str, Any], kept: list, total: int, out: Path) -> dict[str, Any]:
-    """Name the runs an earlier study finished in the report and the summary: the time is ours."""
-    names = [run.name for run in kept]
-    summary = {**summary, "runs_kept": names}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    with open(out / "report.md", "a") as report:
-        report.write(
+    if kept:
+        names = [run.name for run in kept]
+        summary = {**summary, "runs_kept": names}
+        rest += (
             f"\n{len(kept)} of {total} runs were kept from an earlier study in this directory "
             f"(the same configs and versions): {', '.join(names)}. The time above is this "
             "study's alone.\n"
         )
+    if quick is not None:
+        summary = {**summary, "quick": True}
+        note = (
+            f"> A `--quick` study ({quick.seeds} seed(s) x {quick.batches} batches): a check "
+            "that the pipeline runs end to end. Its numbers are too few to be a result."
+        )
+        rest = f"\n{note}\n{rest}"
+    (out / "report.md").write_text(f"{title}\n{rest}")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

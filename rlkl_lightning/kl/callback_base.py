@@ -180,6 +180,22 @@ class KLCallbackBase(Callback, ABC):
             )
         return kl, n_global
 
+    def earlier_sharing(
+        self, trainer: pl.Trainer, kind: type[KLCallbackBase], attribute: str
+    ) -> Any | None:
+        """An earlier ``kind`` callback whose ``attribute`` (a log key) equals this one's.
+
+        Lightning keeps only the last value logged under a key in a batch: two callbacks that
+        log under one key would leave one of them out of every log without a word.
+        """
+        mine = getattr(self, attribute)
+        for callback in trainer.callbacks:
+            if callback is self:
+                return None
+            if isinstance(callback, kind) and getattr(callback, attribute) == mine:
+                return callback
+        return None
+
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

@@ -286,25 +286,20 @@ class KLControllerCallback(KLCallbackBase):
         self._write(pl_module)
 
     def _check_log_key(self, trainer: pl.Trainer) -> None:
-        """Refuse a second controller callback that logs its beta under the same key.
-
-        Two controllers (on different KL keys, or writing different attributes) may share a
-        trainer, but Lightning keeps only the last value logged under a key in a batch: one
-        beta would be missing from every log without a word.
-        """
-        if self.log_key is None:
-            return
-        for callback in trainer.callbacks:
-            if callback is self:
-                return
-            if isinstance(callback, KLControllerCallback) and callback.log_key == self.log_key:
-                raise ValueError(
-                    f"{type(self).__name__}: the controller of `{self.attribute}` (monitor "
-                    f"{self.monitor!r}) and the one of `{callback.attribute}` (monitor "
-                    f"{callback.monitor!r}) both log beta with log_key {self.log_key!r}, and "
-                    "only the last value logged under a key is kept; pass another "
-                    "log_key=... (or None) to one of them"
-                )
+        """Refuse a second controller callback that logs its beta under the same key."""
+        other = (
+            None
+            if self.log_key is None
+            else self.earlier_sharing(trainer, KLControllerCallback, "log_key")
+        )
+        if other is not None:
+            raise ValueError(
+                f"{type(self).__name__}: the controller of `{self.attribute}` (monitor "
+                f"{self.monitor!r}) and the one of `{other.attribute}` (monitor "
+                f"{other.monitor!r}) both log beta with log_key {self.log_key!r}, and "
+                "only the last value logged under a key is kept; pass another "
+                "log_key=... (or None) to one of them"
+            )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -207,16 +207,14 @@ class KLDriftMonitor(KLCallbackBase):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for callback in trainer.callbacks:
-            if callback is self:
-                break
-            if isinstance(callback, KLDriftMonitor) and callback.log_prefix == self.log_prefix:
-                raise ValueError(
-                    f"{type(self).__name__}: the monitors of {callback.monitor!r} and "
-                    f"{self.monitor!r} both log under log_prefix {self.log_prefix!r}, and only "
-                    "the last value logged under a key is kept; pass another log_prefix=... to "
-                    "one of them"
-                )
+        other = self.earlier_sharing(trainer, KLDriftMonitor, "log_prefix")
+        if other is not None:
+            raise ValueError(
+                f"{type(self).__name__}: the monitors of {other.monitor!r} and "
+                f"{self.monitor!r} both log under log_prefix {self.log_prefix!r}, and only "
+                "the last value logged under a key is kept; pass another log_prefix=... to "
+                "one of them"
+            )
         # TensorBoard's "Custom Scalars" tab: the KL, its window mean and the band in one chart.
         if not trainer.is_global_zero:
             return
